@@ -1,0 +1,113 @@
+"""Input validation, in one place: every public entry point calls `check_inputs` first."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+from .config import FreeSoloConfig
+
+__all__ = ["InputInfo", "check_inputs", "is_torch_tensor"]
+
+_NUMPY_FLOATS = (np.float16, np.float32, np.float64)
+_TORCH_FLOAT_NAMES = ("torch.float16", "torch.bfloat16", "torch.float32", "torch.float64")
+
+
+def is_torch_tensor(x: Any) -> bool:
+    """True for a torch.Tensor, without importing torch when it is not loaded."""
+    return type(x).__module__.startswith("torch") and hasattr(x, "detach")
+
+
+@dataclass(frozen=True)
+class InputInfo:
+    """What the dispatcher needs to know about a call's inputs."""
+
+    kind: str  # "numpy" or "torch"
+    B: int
+    T: int
+    Hq: int
+    Hkv: int
+    D: int
+    dtype: str  # e.g. "float32", "torch.bfloat16"
+    device: str  # "cpu", "cuda:0", ...
+    requires_grad: bool
+
+
+def _all_finite(x) -> bool:
+    if is_torch_tensor(x):
+        import torch
+
+        return bool(torch.isfinite(x).all())
+    return bool(np.isfinite(x).all())
+
+
+def check_inputs(q, k, v: Optional[Any], cfg: FreeSoloConfig, beta=None, check_finite: bool = True) -> InputInfo:
+    """Validate q [B, T, Hq, D], k / v [B, T, Hkv, D], beta [Hq] and the per-head config fields.
+
+    Raises TypeError (wrong array type or dtype) or ValueError (shapes, T = 0, non-finite values,
+    config lengths) naming the offending argument and value. `v` may be None (selection only).
+    """
+    if not isinstance(cfg, FreeSoloConfig):
+        raise TypeError(f"cfg must be a freesolo.FreeSoloConfig, got {type(cfg).__name__}")
+    named = {"q": q, "k": k} if v is None else {"q": q, "k": k, "v": v}
+    kinds = set()
+    for name, x in named.items():
+        if is_torch_tensor(x):
+            kinds.add("torch")
+        elif isinstance(x, np.ndarray):
+            kinds.add("numpy")
+        else:
+            raise TypeError(f"{name} must be a numpy.ndarray or a torch.Tensor, got {type(x).__name__}")
+    if len(kinds) > 1:
+        raise TypeError("q, k, v must all be numpy arrays or all torch tensors, not a mix")
+    kind = kinds.pop()
+    for name, x in named.items():
+        if x.ndim != 4:
+            raise ValueError(f"{name} must have rank 4 [B, T, H, D], got shape {tuple(x.shape)}")
+    dtypes = {name: str(x.dtype) for name, x in named.items()}
+    for name, x in named.items():
+        ok = str(x.dtype) in _TORCH_FLOAT_NAMES if kind == "torch" else x.dtype in _NUMPY_FLOATS
+        if not ok:
+            raise TypeError(f"{name} must be a floating dtype (float16/bfloat16/float32/float64), got {x.dtype}")
+    if len(set(dtypes.values())) > 1:
+        raise TypeError(f"q, k, v must share one dtype, got {dtypes}")
+    if kind == "torch":
+        devices = {name: str(x.device) for name, x in named.items()}
+        if len(set(devices.values())) > 1:
+            raise ValueError(f"q, k, v must be on one device, got {devices}")
+        device = devices["q"]
+        requires_grad = any(x.requires_grad for x in named.values())
+    else:
+        device, requires_grad = "cpu", False
+    B, T, Hq, D = (int(s) for s in q.shape)
+    if T == 0:
+        raise ValueError("T=0: the sequence is empty")
+    if B == 0 or Hq == 0 or D == 0:
+        raise ValueError(f"q has an empty dimension: shape {tuple(q.shape)}")
+    Bk, Tk, Hkv, Dk = (int(s) for s in k.shape)
+    if (Bk, Tk, Dk) != (B, T, D):
+        raise ValueError(f"k shape {tuple(k.shape)} must be [B={B}, T={T}, Hkv, D={D}] to match q {tuple(q.shape)}")
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(f"Hq={Hq} must be a multiple of Hkv={Hkv} (GQA)")
+    if v is not None and tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"v shape {tuple(v.shape)} must equal k shape {tuple(k.shape)}")
+    if D % 2 != 0:
+        raise ValueError(f"head dim D={D} must be even (RoPE)")
+    if check_finite:
+        for name, x in named.items():
+            if not _all_finite(x):
+                raise ValueError(f"{name} contains non-finite values (nan or inf)")
+    if beta is not None:
+        if not (is_torch_tensor(beta) or isinstance(beta, np.ndarray)):
+            raise TypeError(f"beta must be a numpy array or torch tensor of shape [Hq={Hq}], got {type(beta).__name__}")
+        if tuple(beta.shape) != (Hq,):
+            raise ValueError(f"beta shape {tuple(beta.shape)} must be [Hq={Hq}]")
+        if check_finite and not _all_finite(beta):
+            raise ValueError("beta contains non-finite values")
+    cfg.per_head("sigma", Hq)
+    cfg.per_head("lam", Hq)
+    if cfg.variant == "fsb":
+        cfg.tau_array(Hkv)
+    return InputInfo(kind, B, T, Hq, Hkv, D, dtypes["q"], device, requires_grad)
