@@ -1,0 +1,13 @@
+"""Hypothesis profiles: `ci` (derandomized, few examples, fits the CI budget) and `dev` (explores).
+
+Select with HYPOTHESIS_PROFILE=ci|dev (default: dev locally, ci when CI is set).
+"""
+
+import os
+
+from hypothesis import HealthCheck, settings
+
+_common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile("ci", max_examples=12, derandomize=True, print_blob=True, **_common)
+settings.register_profile("dev", max_examples=100, **_common)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
