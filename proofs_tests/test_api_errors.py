@@ -1,0 +1,209 @@
+"""Bad input raises a clear error (type and message), and the backend registry behaves."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import freesolo
+from freesolo import BackendUnavailableError, FreeSoloConfig
+
+from .helpers import SMALL, random_qkv
+
+CFG = FreeSoloConfig(**SMALL)
+
+
+def _qkv(T=20, Hq=2, Hkv=1, D=4, B=1):
+    return random_qkv(0, B, T, Hq, Hkv, D)
+
+
+# ---- config -----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("variant", "fsx", "variant='fsx'"),
+        ("window", 0, "window=0 must be positive"),
+        ("cell", -1, "cell=-1 must be positive"),
+        ("top_k", 0, "top_k=0 must be positive"),
+        ("block", 30, "block=30 must be a multiple of cell=32"),
+        ("window", 64, "window=64 must be >= block=128"),
+        ("pool", 0, "pool=0"),
+        ("recent", 0, "recent=0"),
+        ("beam", 0, "beam=0"),
+        ("lam", -0.5, "lam=-0.5 must be >= 0"),
+        ("lam", (1.0, -1.0), "lam=(1.0, -1.0) must be >= 0"),
+        ("sigma", float("nan"), "sigma=nan must be finite"),
+        ("leaf_order", "random", "leaf_order='random'"),
+        ("radius_weight", -1.0, "radius_weight=-1.0"),
+        ("eps", 0.0, "eps=0.0 must be positive"),
+        ("hash_bits", 0, "hash_bits=0"),
+        ("window", 2.5, "window=2.5 must be an int"),
+    ],
+)
+def test_config_violations_name_the_field(field, value, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        FreeSoloConfig(**{field: value})
+
+
+def test_config_is_frozen_and_hashable():
+    cfg = FreeSoloConfig(sigma=[1.0, 2.0])
+    assert cfg.sigma == (1.0, 2.0)
+    hash(cfg)
+    with pytest.raises(AttributeError):
+        cfg.window = 3  # type: ignore[misc]
+
+
+# ---- inputs -----------------------------------------------------------------------------------
+def test_wrong_rank():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=r"q must have rank 4 \[B, T, H, D\], got shape \(20, 2, 4\)"):
+        freesolo.freesolo_attention(q[0], k, v, CFG, backend="numpy")
+
+
+def test_mismatched_shapes():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="k shape"):
+        freesolo.freesolo_attention(q, k[:, :10], v, CFG, backend="numpy")
+    with pytest.raises(ValueError, match="v shape"):
+        freesolo.freesolo_attention(q, k, v[..., :2], CFG, backend="numpy")
+
+
+def test_heads_not_a_multiple():
+    q, k, v = _qkv(Hq=3, Hkv=2)
+    with pytest.raises(ValueError, match="Hq=3 must be a multiple of Hkv=2"):
+        freesolo.freesolo_attention(q, k, v, CFG, backend="numpy")
+
+
+def test_odd_head_dim():
+    q, k, v = _qkv(D=5)
+    with pytest.raises(ValueError, match="D=5 must be even"):
+        freesolo.freesolo_attention(q, k, v, CFG, backend="numpy")
+
+
+def test_empty_sequence():
+    q, k, v = _qkv(T=0)
+    with pytest.raises(ValueError, match="T=0"):
+        freesolo.freesolo_attention(q, k, v, CFG, backend="numpy")
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+def test_non_finite(bad, name):
+    q, k, v = _qkv()
+    {"q": q, "k": k, "v": v}[name][0, 3, 0, 1] = bad
+    with pytest.raises(ValueError, match=f"{name} contains non-finite values"):
+        freesolo.freesolo_attention(q, k, v, CFG, backend="numpy")
+
+
+def test_wrong_dtypes():
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match="q must be a floating dtype"):
+        freesolo.freesolo_attention(q.astype(np.int32), k, v, CFG, backend="numpy")
+    with pytest.raises(TypeError, match="share one dtype"):
+        freesolo.freesolo_attention(q.astype(np.float32), k, v, CFG, backend="numpy")
+    with pytest.raises(TypeError, match="numpy.ndarray or a torch.Tensor"):
+        freesolo.freesolo_attention(q.tolist(), k, v, CFG, backend="numpy")
+
+
+def test_bad_beta_and_per_head_lengths():
+    q, k, v = _qkv(Hq=2)
+    with pytest.raises(ValueError, match=r"beta shape \(3,\) must be \[Hq=2\]"):
+        freesolo.freesolo_attention(q, k, v, CFG, beta=np.ones(3), backend="numpy")
+    with pytest.raises(ValueError, match="beta contains non-finite"):
+        freesolo.freesolo_attention(q, k, v, CFG, beta=np.array([1.0, np.nan]), backend="numpy")
+    with pytest.raises(ValueError, match="sigma has 3 values but there are 2 query heads"):
+        freesolo.freesolo_attention(q, k, v, CFG.replace(sigma=(1.0, 2.0, 3.0)), backend="numpy")
+
+
+def test_fsb_without_tau_says_how_to_get_one():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="calibrate_tau"):
+        freesolo.freesolo_attention(q, k, v, CFG.replace(variant="fsb"), backend="numpy")
+
+
+def test_calibrate_tau_needs_a_complete_cell():
+    _, k, _ = _qkv(T=3)
+    with pytest.raises(ValueError, match="T=3 < cell=4"):
+        freesolo.calibrate_tau(k, CFG)
+
+
+def test_cfg_must_be_a_config():
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match="FreeSoloConfig"):
+        freesolo.freesolo_attention(q, k, v, {"window": 16}, backend="numpy")
+
+
+def test_numpy_dtype_is_preserved():
+    q, k, v = (x.astype(np.float32) for x in _qkv())
+    out = freesolo.freesolo_attention(q, k, v, CFG, backend="numpy")
+    assert out.dtype == np.float32 and out.shape == q.shape
+
+
+# ---- registry -----------------------------------------------------------------------------------
+def test_unknown_backend_lists_every_backend():
+    with pytest.raises(BackendUnavailableError) as error:
+        freesolo.set_backend("cuda-magic")
+    message = str(error.value)
+    for name in ("numpy", "numba", "torch", "triton"):
+        assert f"  {name}:" in message
+
+
+def test_use_backend_restores_previous():
+    freesolo.set_backend("numpy")
+    try:
+        with freesolo.use_backend("numpy"):
+            assert freesolo.get_backend() == "numpy"
+        assert freesolo.get_backend() == "numpy"
+        with pytest.raises(RuntimeError):
+            with freesolo.use_backend("numpy"):
+                raise RuntimeError("inside")
+        assert freesolo.get_backend() == "numpy"
+    finally:
+        import freesolo.backends.registry as registry
+
+        registry._current = None
+
+
+def test_env_variable_selects_backend(monkeypatch):
+    import freesolo.backends.registry as registry
+
+    monkeypatch.setattr(registry, "_current", None)
+    monkeypatch.setenv("FREESOLO_BACKEND", "numpy")
+    assert freesolo.get_backend() == "numpy"
+    q, k, v = _qkv()
+    np.testing.assert_array_equal(
+        freesolo.freesolo_attention(q, k, v, CFG), freesolo.freesolo_attention(q, k, v, CFG, backend="numpy")
+    )
+    monkeypatch.setenv("FREESOLO_BACKEND", "nope")
+    with pytest.raises(BackendUnavailableError, match="unknown backend 'nope'"):
+        freesolo.get_backend()
+
+
+def test_available_backends_has_the_oracle():
+    assert "numpy" in freesolo.available_backends()
+
+
+def test_torch_inputs_on_numpy_backend_round_trip():
+    torch = pytest.importorskip("torch", reason="torch is an optional dependency")
+    q, k, v = _qkv()
+    out = freesolo.freesolo_attention(torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v), CFG, backend="numpy")
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.float64
+    np.testing.assert_array_equal(out.numpy(), freesolo.freesolo_attention(q, k, v, CFG, backend="numpy"))
+    with pytest.raises(BackendUnavailableError, match="no autograd"):
+        freesolo.freesolo_attention(torch.from_numpy(q).requires_grad_(), torch.from_numpy(k), torch.from_numpy(v), CFG, backend="numpy")
+
+
+def test_import_freesolo_needs_neither_torch_nor_triton():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['torch'] = None; sys.modules['triton'] = None\n"
+        "import freesolo, numpy as np\n"
+        "q = np.random.default_rng(0).standard_normal((1, 9, 1, 4))\n"
+        "print(freesolo.freesolo_attention(q, q, q, freesolo.FreeSoloConfig(window=4, cell=2, block=4), backend='numpy').shape)\n"
+        "print(freesolo.available_backends())"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "(1, 9, 1, 4)" in result.stdout
