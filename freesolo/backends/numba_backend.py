@@ -1,0 +1,223 @@
+"""`numba` backend: the oracle's algorithm (spec §2-§7) compiled with numba, float64 throughout.
+
+Host functions here validate, allocate, apply RoPE (vectorised NumPy, the oracle's arithmetic)
+and call the kernels of `_numba_kernels.py`. FS-L scores only the <= P+W cells of its block's
+candidate pool (computed once per block and kv head); the local branch keeps O(window) scratch
+per query, so memory is O(T * D) at any T.
+
+Public helpers (float64 NumPy arrays, validated by the caller or by `_prepare`):
+    select_cells(q, k, cfg)                -> int64 [B, T, Hq, K]
+    local_attention(q, k, v, cfg)          -> [B, T, Hq, D]
+    long_range_readout(q, k, v, idx, cfg)  -> [B, T, Hq, D]   (any selection, e.g. FS-B's)
+    attention(q, k, v, cfg, beta=None)     -> [B, T, Hq, D]
+    count_costs(q, k, cfg)                 -> dict of counted costs (spec §10)
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Optional
+
+import numpy as np
+
+from ..config import FreeSoloConfig
+from .base import HostBackend
+
+__all__ = [
+    "NumbaBackend",
+    "select_cells",
+    "local_attention",
+    "long_range_readout",
+    "attention",
+    "count_costs",
+    "block_candidates",
+    "cell_stats",
+]
+
+_FSB_ISSUE = "FS-B for numba: see issue 3"
+
+
+def _kernels():
+    """The compiled kernels (imported lazily: `import freesolo` never imports numba)."""
+    from . import _numba_kernels
+
+    return _numba_kernels
+
+
+def _f64(x) -> np.ndarray:
+    """float64, C-contiguous NumPy copy/view of x (torch tensors are detached to the CPU)."""
+    if hasattr(x, "detach"):
+        x = x.detach().cpu().numpy()
+    return np.ascontiguousarray(x, dtype=np.float64)
+
+
+def _rope_all(x: np.ndarray, theta: float) -> np.ndarray:
+    """Half-split RoPE at positions 0..T-1 of x [B, T, H, D] -> [B, T, H, D] (the oracle's arithmetic)."""
+    B, T, H, D = x.shape
+    half = D // 2
+    inv_freq = theta ** (-2.0 * np.arange(half, dtype=np.float64) / D)  # [D/2]
+    angle = np.arange(T).astype(np.float64)[:, None] * inv_freq[None, :]  # [T, D/2]
+    cos = np.cos(angle)[None, :, None, :]  # [1, T, 1, D/2]
+    sin = np.sin(angle)[None, :, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    return np.ascontiguousarray(np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1))
+
+
+def _transpose_keys(k: np.ndarray) -> np.ndarray:
+    """k [B, T, Hkv, D] -> kT [B, Hkv, D, T] (key index innermost, for vectorised dot products)."""
+    return np.ascontiguousarray(k.transpose(0, 2, 3, 1))
+
+
+def _check_fs_fsl(cfg: FreeSoloConfig, what: str) -> None:
+    if cfg.variant not in ("fs", "fsl"):
+        raise ValueError(f"{what} serves variant 'fs' and 'fsl', not variant={cfg.variant!r}")
+
+
+def cell_stats(k: np.ndarray, cfg: FreeSoloConfig) -> tuple[np.ndarray, np.ndarray]:
+    """k [B, T, Hkv, D] -> kbar [B, Hkv, C, D], a [B, Hkv, C]; C = T // cell (spec §3)."""
+    return _kernels().cell_stats_kernel(_f64(k), cfg.cell)
+
+
+def block_candidates(a: np.ndarray, T: int, cfg: FreeSoloConfig) -> tuple[np.ndarray, np.ndarray]:
+    """FS-L candidate sets per query block and kv head (spec §5).
+
+    a [B, Hkv, C] -> cand int64 [B, Hkv, nb, P+W] (-1 padded; pool by (a_c, c) descending, then the
+    recent cells in order), ncand int64 [B, Hkv, nb]; nb = ceil(T / block).
+    """
+    if cfg.variant != "fsl":
+        raise ValueError(f"block_candidates is the FS-L pool, not variant={cfg.variant!r}")
+    nb = (T + cfg.block - 1) // cfg.block
+    return _kernels().fsl_pool_kernel(np.ascontiguousarray(a, dtype=np.float64), nb, cfg.block, cfg.cell, cfg.pool, cfg.recent)
+
+
+def _select(q: np.ndarray, k: np.ndarray, cfg: FreeSoloConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """FS / FS-L selection with its counters: idx [B, T, Hq, K], scored [B, T, Hq], ncand [B, Hkv, nb]."""
+    _check_fs_fsl(cfg, "numba selection")
+    kern = _kernels()
+    q, k = _f64(q), _f64(k)
+    B, T, Hq, D = q.shape
+    nb = (T + cfg.block - 1) // cfg.block
+    kbar, a = kern.cell_stats_kernel(k, cfg.cell)  # [B, Hkv, C, D], [B, Hkv, C]
+    if cfg.variant == "fsl":
+        cand, ncand = block_candidates(a, T, cfg)  # [B, Hkv, nb, P+W], [B, Hkv, nb]
+    else:
+        cand = np.zeros((1, 1, 1, 1), dtype=np.int64)  # unused by FS
+        n_avail = np.arange(nb, dtype=np.int64) * cfg.block // cfg.cell  # [nb]
+        ncand = np.ascontiguousarray(np.broadcast_to(n_avail, (B, k.shape[2], nb)))
+    sigma = cfg.per_head("sigma", Hq)
+    lam = cfg.per_head("lam", Hq)
+    idx, scored = kern.select_kernel(
+        q, kbar, a, cand, ncand, cfg.variant == "fsl", sigma, lam, cfg.block, cfg.cell, cfg.top_k
+    )
+    return idx, scored, ncand
+
+
+def _fsb_module():
+    """`_numba_fsb` (issue 3), or NotImplementedError while it does not exist."""
+    try:
+        return importlib.import_module("freesolo.backends._numba_fsb")
+    except ModuleNotFoundError as error:
+        if error.name and error.name.endswith("_numba_fsb"):
+            raise NotImplementedError(_FSB_ISSUE) from error
+        raise
+
+
+def select_cells(q: np.ndarray, k: np.ndarray, cfg: FreeSoloConfig) -> np.ndarray:
+    """Selected cells: q [B, T, Hq, D], k [B, T, Hkv, D] -> int64 [B, T, Hq, K], descending score, -1 padded."""
+    if cfg.variant == "fsb":
+        return np.asarray(_fsb_module().select_cells_fsb_numba(_f64(q), _f64(k), cfg), dtype=np.int64)
+    return _select(q, k, cfg)[0]
+
+
+def local_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, cfg: FreeSoloConfig) -> np.ndarray:
+    """RoPE sliding-window attention (spec §2): q [B, T, Hq, D], k / v [B, T, Hkv, D] -> [B, T, Hq, D]."""
+    q_rot = _rope_all(_f64(q), cfg.rope_theta)  # [B, T, Hq, D]
+    kT_rot = _transpose_keys(_rope_all(_f64(k), cfg.rope_theta))  # [B, Hkv, D, T]
+    return _kernels().local_kernel(q_rot, kT_rot, _f64(v), cfg.window, cfg.block)
+
+
+def _check_idx(idx, q: np.ndarray, k: np.ndarray, cfg: FreeSoloConfig) -> np.ndarray:
+    B, T, Hq, _ = q.shape
+    idx = np.asarray(idx)
+    if idx.ndim != 4 or idx.shape[:3] != (B, T, Hq):
+        raise ValueError(f"idx shape {idx.shape} must be [B={B}, T={T}, Hq={Hq}, K]")
+    if not np.issubdtype(idx.dtype, np.integer):
+        raise TypeError(f"idx must be an integer array, got {idx.dtype}")
+    C = k.shape[1] // cfg.cell
+    if idx.size and (idx.min() < -1 or idx.max() >= C):
+        raise ValueError(f"idx values must be -1 or complete cells in [0, {C}), got [{idx.min()}, {idx.max()}]")
+    return np.ascontiguousarray(idx, dtype=np.int64)
+
+
+def long_range_readout(q: np.ndarray, k: np.ndarray, v: np.ndarray, idx: np.ndarray, cfg: FreeSoloConfig) -> np.ndarray:
+    """NoPE attention over the selected cells idx [B, T, Hq, K] (-1 = none) -> [B, T, Hq, D]; no cell -> 0."""
+    q, k = _f64(q), _f64(k)
+    idx = _check_idx(idx, q, k, cfg)
+    return _kernels().readout_kernel(q, _transpose_keys(k), _f64(v), idx, cfg.cell, cfg.block)
+
+
+def combine(o_loc: np.ndarray, o_long: np.ndarray, beta: np.ndarray, eps: float) -> np.ndarray:
+    """o = o_loc + beta_h * rmsnorm(o_long) over D. o_loc / o_long [B, T, Hq, D], beta [Hq]."""
+    rms = np.sqrt(np.mean(o_long * o_long, axis=-1, keepdims=True) + eps)  # [B, T, Hq, 1]
+    return o_loc + np.asarray(beta, dtype=np.float64)[None, None, :, None] * (o_long / rms)
+
+
+def attention(q, k, v, cfg: FreeSoloConfig, beta: Optional[np.ndarray] = None) -> np.ndarray:
+    """FreeSolo attention (spec §7): q [B, T, Hq, D], k / v [B, T, Hkv, D], beta [Hq] -> [B, T, Hq, D]."""
+    q, k, v = _f64(q), _f64(k), _f64(v)
+    beta = np.ones(q.shape[2]) if beta is None else _f64(beta)
+    idx = select_cells(q, k, cfg)
+    return combine(local_attention(q, k, v, cfg), long_range_readout(q, k, v, idx, cfg), beta, cfg.eps)
+
+
+def count_costs(q, k, cfg: FreeSoloConfig) -> dict[str, np.ndarray]:
+    """Counted costs of FS / FS-L from the instrumented selection path (spec §10).
+
+    Args:
+        q: [B, T, Hq, D]; k: [B, T, Hkv, D] (numpy or torch; converted to float64).
+    Returns a dict of arrays:
+        "cells_scored"  int64 [B, T, Hq]: cells whose score each query computed (FS: n_j, FS-L: |C_j|)
+        "tokens_read"   int64 [B, T, Hq]: local window tokens + tokens of the selected cells
+        "cells_selected" int64 [B, T, Hq]: selected cells (<= top_k)
+        "candidates_per_block" int64 [B, Hkv, nb]: |C_j| per kv head and query block
+        "available_per_block"  int64 [nb]: n_j
+        "total_cells_scored", "total_tokens_read": int64 scalars (0-d arrays), sums over (b, i, h).
+    """
+    from .._validation import check_inputs
+
+    check_inputs(q, k, None, cfg)
+    if cfg.variant == "fsb":
+        raise NotImplementedError("count_costs counts FS and FS-L; FS-B's node counters come with issue 3")
+    q, k = _f64(q), _f64(k)
+    T = q.shape[1]
+    idx, scored, ncand = _select(q, k, cfg)
+    tokens = _kernels().tokens_read_kernel(idx, cfg.window, cfg.cell)
+    nb = (T + cfg.block - 1) // cfg.block
+    return {
+        "cells_scored": scored,
+        "tokens_read": tokens,
+        "cells_selected": (idx >= 0).sum(axis=-1).astype(np.int64),
+        "candidates_per_block": ncand,
+        "available_per_block": np.arange(nb, dtype=np.int64) * cfg.block // cfg.cell,
+        "total_cells_scored": np.asarray(scored.sum(), dtype=np.int64),
+        "total_tokens_read": np.asarray(tokens.sum(), dtype=np.int64),
+    }
+
+
+class NumbaBackend(HostBackend):
+    """Compiled CPU backend (float64, parallel over batch x heads x query blocks)."""
+
+    name = "numba"
+
+    def unavailable_reason(self) -> Optional[str]:
+        try:
+            import numba  # noqa: F401
+        except ImportError:
+            return "numba is not installed (pip install numba)"
+        return None
+
+    def attention(self, q, k, v, cfg, beta):
+        return attention(q, k, v, cfg, beta)
+
+    def select_cells(self, q, k, cfg):
+        return select_cells(q, k, cfg)
