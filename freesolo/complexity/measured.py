@@ -1,0 +1,258 @@
+"""Measured cost: wall time and peak memory of `freesolo_attention` over T, any backend and device.
+
+Memory methods (recorded in every row as "memory_method"):
+- "cuda_max_memory_allocated": torch.cuda.max_memory_allocated during the call, minus the
+  allocated bytes before it (the inputs are not counted).
+- "peak_rss": CPU, Linux: the process's peak resident set (VmHWM, reset through
+  /proc/self/clear_refs before the call) minus the resident set before it. Counts every
+  allocator (NumPy, numba's NRT, torch), so it is the honest CPU number; it includes page-level
+  noise of ~0.1 MiB.
+- "tracemalloc": CPU where /proc cannot be reset: Python/NumPy heap peak only (numba's internal
+  temporaries are not included), a lower bound.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+import time
+import tracemalloc
+from typing import Callable, Iterator, Optional, Sequence
+
+import numpy as np
+
+from ..config import FreeSoloConfig
+
+__all__ = [
+    "make_inputs",
+    "PeakMemory",
+    "peak_memory",
+    "time_call",
+    "measure_point",
+    "measured_sweep",
+    "tau_for_keys",
+]
+
+
+def make_inputs(
+    batch: int, T: int, num_heads: int, num_kv_heads: int, dim: int, seed: int,
+    kind: str = "numpy", device: str = "cpu", dtype: Optional[str] = None,
+):
+    """Standard-normal q [B, T, Hq, D], k / v [B, T, Hkv, D].
+
+    kind "numpy": float64 arrays (what the host backends compute in); kind "torch": tensors on
+    `device` of `dtype` ("float32", "bfloat16", "float16"; default float32), drawn on the device.
+    """
+    if kind == "numpy":
+        rng = np.random.default_rng(seed)
+        q = rng.standard_normal((batch, T, num_heads, dim))
+        k = rng.standard_normal((batch, T, num_kv_heads, dim))
+        v = rng.standard_normal((batch, T, num_kv_heads, dim))
+        return q, k, v
+    if kind != "torch":
+        raise ValueError(f"kind={kind!r} must be 'numpy' or 'torch'")
+    import torch
+
+    torch_dtype = getattr(torch, dtype or "float32")
+    gen = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(batch, T, num_heads, dim, generator=gen, device=device, dtype=torch_dtype)
+    k = torch.randn(batch, T, num_kv_heads, dim, generator=gen, device=device, dtype=torch_dtype)
+    v = torch.randn(batch, T, num_kv_heads, dim, generator=gen, device=device, dtype=torch_dtype)
+    return q, k, v
+
+
+def tau_for_keys(k, cfg: FreeSoloConfig) -> np.ndarray:
+    """calibrate_tau (median of a_c per kv head) computed vectorised: k [B, T, Hkv, D] numpy or torch -> [Hkv].
+
+    Same definition as `freesolo.calibrate_tau`; used where its reference loop would be slow (1M tokens).
+    """
+    from .counted import cell_max_norms, tau_from_norms
+
+    if hasattr(k, "detach"):
+        import torch
+
+        B, T, Hkv, D = k.shape
+        C = T // cfg.cell
+        if C == 0:
+            raise ValueError(f"tau needs T >= cell, got T={T} < cell={cfg.cell}")
+        norms = k[:, : C * cfg.cell].detach().to(torch.float32).norm(dim=-1)  # [B, C*s, Hkv]
+        a = norms.reshape(B, C, cfg.cell, Hkv).amax(dim=2).permute(0, 2, 1)  # [B, Hkv, C]
+        return tau_from_norms(a.double().cpu().numpy())
+    return tau_from_norms(cell_max_norms(np.asarray(k), cfg.cell))
+
+
+# ---- memory ---------------------------------------------------------------------------------
+def _rss_kib() -> tuple[int, int]:
+    """(VmHWM, VmRSS) of this process in KiB."""
+    with open("/proc/self/status") as f:
+        status = f.read()
+    hwm = int(re.search(r"VmHWM:\s+(\d+)", status).group(1))
+    rss = int(re.search(r"VmRSS:\s+(\d+)", status).group(1))
+    return hwm, rss
+
+
+def _can_reset_rss() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        _rss_kib()
+        return True
+    except (OSError, AttributeError):
+        return False
+
+
+class PeakMemory:
+    """Result holder of `peak_memory`: `bytes` (peak extra bytes during the block) and `method`."""
+
+    def __init__(self, method: str):
+        self.method = method
+        self.bytes: Optional[int] = None
+
+
+@contextlib.contextmanager
+def peak_memory(device: str = "cpu") -> Iterator[PeakMemory]:
+    """Measure the peak extra memory of the block on `device` ("cpu" or "cuda[:n]"); see the module doc."""
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        result = PeakMemory("cuda_max_memory_allocated")
+        yield result
+        torch.cuda.synchronize(device)
+        result.bytes = int(torch.cuda.max_memory_allocated(device) - before)
+    elif device == "cpu" and _can_reset_rss():
+        _, before = _rss_kib()  # clear_refs was just written: VmHWM == VmRSS now
+        result = PeakMemory("peak_rss")
+        yield result
+        hwm, _ = _rss_kib()
+        result.bytes = max(0, hwm - before) * 1024
+    elif device == "cpu":
+        was_tracing = tracemalloc.is_tracing()
+        if not was_tracing:
+            tracemalloc.start()
+        tracemalloc.reset_peak()
+        before, _ = tracemalloc.get_traced_memory()
+        result = PeakMemory("tracemalloc")
+        try:
+            yield result
+        finally:
+            _, peak = tracemalloc.get_traced_memory()
+            if not was_tracing:
+                tracemalloc.stop()
+        result.bytes = int(peak - before)
+    else:
+        raise ValueError(f"device={device!r} must be 'cpu' or 'cuda[:n]'")
+
+
+# ---- time -----------------------------------------------------------------------------------
+def time_call(fn: Callable[[], object], device: str = "cpu") -> float:
+    """Wall seconds of one call of fn (synchronising CUDA before and after)."""
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def measure_point(
+    variant: str, backend: str, T: int, cfg: FreeSoloConfig, batch: int = 1, num_heads: int = 1,
+    num_kv_heads: int = 1, dim: int = 64, seed: int = 0, repeats: int = 3, min_total_s: float = 1.0,
+    device: str = "cpu", dtype: Optional[str] = None,
+) -> dict:
+    """Time and peak memory of one forward `freesolo_attention` call at length T.
+
+    The first call is measured for memory and time; further calls (up to `repeats` in all) run
+    while the accumulated time is below `min_total_s`. Reports the median and minimum time.
+    FS-B gets tau from `tau_for_keys` (= calibrate_tau) on the same keys.
+    """
+    from ..api import freesolo_attention
+
+    kind = "torch" if backend in ("torch", "triton") else "numpy"
+    q, k, v = make_inputs(batch, T, num_heads, num_kv_heads, dim, seed, kind, device, dtype)
+    vcfg = cfg.replace(variant=variant)
+    if variant == "fsb":
+        vcfg = vcfg.replace(tau=tuple(tau_for_keys(k, vcfg)))
+
+    def call():
+        return freesolo_attention(q, k, v, vcfg, backend=backend)
+
+    with peak_memory(device) as mem:
+        times = [time_call(call, device)]
+    while len(times) < repeats and sum(times) < min_total_s:
+        times.append(time_call(call, device))
+    return {
+        "variant": variant, "backend": backend, "device": device, "dtype": dtype or ("float64" if kind == "numpy" else "float32"),
+        "T": T, "batch": batch, "num_heads": num_heads, "num_kv_heads": num_kv_heads, "dim": dim,
+        "time_s": float(np.median(times)), "time_min_s": float(min(times)), "runs": len(times),
+        "peak_bytes": mem.bytes, "memory_method": mem.method, "status": "ok",
+    }
+
+
+def measured_sweep(
+    T_list: Sequence[int], variants: Sequence[str], backend: str, cfg: FreeSoloConfig, batch: int = 1,
+    num_heads: int = 1, num_kv_heads: int = 1, dim: int = 64, seed: int = 0, repeats: int = 3,
+    max_seconds_per_point: float = 30.0, device: str = "cpu", dtype: Optional[str] = None,
+    progress: bool = True, warmup: bool = True,
+) -> list[dict]:
+    """Measure every (variant, T) in increasing T; one row per point.
+
+    A variant stops growing once the next point is predicted (from the last two points' slope,
+    at least 1) to exceed `max_seconds_per_point`: the remaining points are recorded with
+    status "skipped: ...". A backend that cannot run a variant gives rows "error: ..." (its message).
+    Before the sweep, each variant runs once at the smallest T (untimed) to compile / warm up.
+    """
+    T_list = sorted(int(T) for T in T_list)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(T_list) * len(variants), desc=f"measured ({backend})", unit="point")
+    rows = []
+    common = dict(batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads, dim=dim, seed=seed,
+                  device=device, dtype=dtype)
+    for variant in variants:
+        error = None
+        if warmup:
+            try:
+                measure_point(variant, backend, T_list[0], cfg, repeats=1, **common)
+            except Exception as exc:  # noqa: BLE001 - recorded in the rows and printed by the CLI
+                error = f"error: {type(exc).__name__}: {exc}".splitlines()[0]
+        done: list[dict] = []
+        for T in T_list:
+            if bar is not None:
+                bar.set_postfix_str(f"{variant} T={T}")
+            status = error
+            if status is None and done:
+                last = done[-1]
+                slope = 1.0
+                if len(done) >= 2:
+                    prev = done[-2]
+                    slope = max(1.0, math.log(last["time_s"] / prev["time_s"]) / math.log(last["T"] / prev["T"]))
+                predicted = last["time_s"] * (T / last["T"]) ** slope
+                if predicted > max_seconds_per_point:
+                    status = f"skipped: predicted {predicted:.1f} s > {max_seconds_per_point:g} s per point"
+            if status is None:
+                try:
+                    row = measure_point(variant, backend, T, cfg, repeats=repeats, **common)
+                    done.append(row)
+                    rows.append(row)
+                except Exception as exc:  # noqa: BLE001
+                    error = status = f"error: {type(exc).__name__}: {exc}".splitlines()[0]
+            if status is not None:
+                rows.append({"variant": variant, "backend": backend, "device": device, "T": T, "status": status,
+                             "time_s": None, "peak_bytes": None})
+            if bar is not None:
+                bar.update(1)
+    if bar is not None:
+        bar.close()
+    return rows

@@ -1,0 +1,107 @@
+"""Plots of cost against T (matplotlib, Agg backend, PNG): log-log axes, one line per variant,
+dashed reference slopes N, N log^2 N and N^2."""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping, Optional, Sequence
+
+import numpy as np
+
+__all__ = ["VARIANT_STYLE", "format_tokens", "plot_cost_vs_T", "plot_scaling"]
+
+# colour, marker and legend label per variant
+VARIANT_STYLE = {
+    "fs": ("tab:red", "o", "FS (scores every cell)"),
+    "fsl": ("tab:blue", "s", "FS-L (pool of P+W cells)"),
+    "fsb": ("tab:green", "^", "FS-B (beam search in trees)"),
+}
+_REFERENCES = (
+    ("∝ N", lambda n: n),
+    ("∝ N log²N", lambda n: n * np.log2(n) ** 2),
+    ("∝ N²", lambda n: n**2),
+)
+
+
+def format_tokens(T: float) -> str:
+    """2048 -> '2k', 1048576 -> '1M' (powers of two in binary units, others plain)."""
+    T = int(T)
+    if T >= 1 << 20 and T % (1 << 20) == 0:
+        return f"{T >> 20}M"
+    if T >= 1 << 10 and T % (1 << 10) == 0:
+        return f"{T >> 10}k"
+    return str(T)
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_cost_vs_T(
+    ax, series: Mapping[str, tuple[Sequence[float], Sequence[float]]], ylabel: str, title: str,
+    slopes: Optional[Mapping[str, str]] = None, references: bool = True, skipped: Optional[Mapping[str, Sequence[float]]] = None,
+) -> None:
+    """Draw one panel: series {variant: (T [n], y [n])} on log-log axes with reference slopes.
+
+    `slopes` {variant: "1.01 [0.99, 1.03]"} is appended to the legend labels; `skipped`
+    {variant: [T, ...]} marks points not measured (an x on the T axis).
+    """
+    all_T, first_y = [], []
+    for variant, (T, y) in series.items():
+        T, y = np.asarray(T, dtype=np.float64), np.asarray(y, dtype=np.float64)
+        if T.size == 0:
+            continue
+        colour, marker, label = VARIANT_STYLE.get(variant, ("black", "o", variant))
+        if slopes and variant in slopes:
+            label = f"{label}: slope {slopes[variant]}"
+        ax.loglog(T, y, marker=marker, color=colour, label=label, linewidth=2, markersize=5)
+        all_T.extend(T.tolist())
+        first_y.append(y[0])
+    if skipped:
+        for variant, Ts in skipped.items():
+            if len(Ts):
+                colour = VARIANT_STYLE.get(variant, ("black",))[0]
+                ax.plot(Ts, [ax.get_ylim()[0]] * len(Ts), "x", color=colour, clip_on=False, markersize=8)
+    if references and all_T:
+        t0, t1 = min(all_T), max(all_T)
+        grid = np.geomspace(t0, t1, 50)
+        anchor = math.exp(np.mean(np.log(first_y)))  # geometric mean of the first points
+        ylim = ax.get_ylim()
+        for name, f in _REFERENCES:
+            ref = anchor * f(grid) / f(t0)
+            ax.loglog(grid, ref, linestyle="--", color="0.55", linewidth=1)
+            inside = ref <= ylim[1] * 1.5
+            k = int(np.nonzero(inside)[0][-1]) if inside.any() else 0
+            ax.annotate(name, (grid[k], ref[k]), textcoords="offset points", xytext=(3, 0), fontsize=8, color="0.35",
+                        va="center")
+        ax.set_ylim(ylim)
+    Ts = sorted(set(all_T))
+    if Ts:
+        ticks = [t for t in Ts if math.log2(t).is_integer()]
+        step = max(1, len(ticks) // 6)
+        ax.set_xticks(ticks[::step])
+        ax.set_xticklabels([format_tokens(t) for t in ticks[::step]])
+        ax.minorticks_off()
+    ax.set_xlabel("sequence length T (tokens)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=11)
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left")
+
+
+def plot_scaling(panels: Sequence[dict], path: str, suptitle: str) -> str:
+    """Save a figure with one panel per dict (keys: the arguments of plot_cost_vs_T but `ax`) to `path` (PNG)."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.2 * len(panels), 5.2), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        plot_cost_vs_T(ax, **panel)
+    fig.suptitle(suptitle, fontsize=12)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
