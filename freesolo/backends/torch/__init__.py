@@ -1,0 +1,9 @@
+"""PyTorch backend (CPU and CUDA, autograd): `TorchBackend`, registered as "torch".
+
+Note: this package is `freesolo.backends.torch`; its modules import PyTorch with absolute
+`import torch` (Python 3 absolute imports), never relatively.
+"""
+
+from .backend import TorchBackend, attention, select_cells
+
+__all__ = ["TorchBackend", "attention", "select_cells"]

@@ -1,0 +1,140 @@
+"""`torch` backend: FS, FS-L, FS-B on CPU and CUDA with autograd (spec §2-§8).
+
+Inputs are tensors as the user passed them (q [B, T, Hq, D], k / v [B, T, Hkv, D], beta [Hq] or
+None); outputs have q's dtype and device. float64 computes in float64, float32 / bfloat16 /
+float16 compute in float32. Work proceeds in chunks of whole query blocks whose size follows a
+memory budget (`DEFAULT_CHUNK_BYTES`: 2 GiB on CUDA, 64 MiB on CPU) or `chunk_tokens`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ...config import FreeSoloConfig
+from ..base import Backend
+from ._ops import chunk_blocks, compute_dtype, rope, rope_tables
+from .attention import FreeSoloReadout, readout_bytes_per_query
+from .selection import fs_fsl_select
+
+__all__ = ["TorchBackend", "attention", "select_cells"]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _heads_first(x: torch.Tensor, Hkv: int, cdt: torch.dtype) -> torch.Tensor:
+    """[B, T, H, D] -> [B, Hkv, H // Hkv, T, D] contiguous, in the compute dtype (differentiable)."""
+    B, T, H, D = x.shape
+    return x.to(cdt).permute(0, 2, 1, 3).reshape(B, Hkv, H // Hkv, T, D).contiguous()
+
+
+def _per_head(cfg: FreeSoloConfig, name: str, Hq: int, Hkv: int, like: torch.Tensor) -> torch.Tensor:
+    return torch.as_tensor(cfg.per_head(name, Hq), dtype=like.dtype, device=like.device).view(Hkv, Hq // Hkv)
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor], beta) -> None:
+    for name, x in (("q", q), ("k", k), ("v", v), ("beta", beta)):
+        if x is None:
+            continue
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor for the torch backend, got {type(x).__name__}")
+        if x.device != q.device:
+            raise ValueError(f"{name} is on {x.device} but q is on {q.device}: move it (the backend never moves data)")
+    if q.dtype not in _DTYPES:
+        raise TypeError(f"q dtype {q.dtype} is not one of {_DTYPES}")
+
+
+def _select(q4, k4, cfg: FreeSoloConfig, chunk_tokens, chunk_bytes) -> torch.Tensor:
+    """q4 [B, Hkv, G, T, D], k4 [B, Hkv, T, D] (compute dtype) -> idx [B, Hkv, G, T, K]."""
+    B, Hkv, G, T, D = q4.shape
+    Hq = Hkv * G
+    if cfg.variant == "fsb":
+        from .fsb import fsb_select
+
+        return fsb_select(q4, k4, cfg, _per_head(cfg, "sigma", Hq, Hkv, q4), _per_head(cfg, "lam", Hq, Hkv, q4))
+    n_cand = cfg.pool + cfg.recent if cfg.variant == "fsl" else max(1, T // cfg.cell)
+    per_query = B * Hq * q4.element_size() * (6 * n_cand + 2 * D)
+    nbc = chunk_blocks(per_query, cfg.block, q4.device, chunk_tokens, chunk_bytes)
+    sigma, lam = _per_head(cfg, "sigma", Hq, Hkv, q4), _per_head(cfg, "lam", Hq, Hkv, q4)
+    return fs_fsl_select(q4, k4, cfg, sigma, lam, nbc)
+
+
+def select_cells(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig, chunk_tokens=None, chunk_bytes=None):
+    """Selected cells, int64 [B, T, Hq, K] by descending final score, -1 padded (spec §7).
+
+    Args:
+        q: [B, T, Hq, D]; k: [B, T, Hkv, D] (same device and dtype).
+        chunk_tokens / chunk_bytes: query chunk size, or its memory budget (default by device).
+    """
+    _check(q, k, None, None)
+    B, T, Hq, D = q.shape
+    Hkv = k.shape[2]
+    cdt = compute_dtype(q.dtype)
+    with torch.no_grad():
+        idx = _select(_heads_first(q, Hkv, cdt), _heads_first(k, Hkv, cdt)[:, :, 0], cfg, chunk_tokens, chunk_bytes)
+    return idx.reshape(B, Hq, T, cfg.top_k).permute(0, 2, 1, 3).contiguous()  # (B, T, Hq, K)
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: FreeSoloConfig, beta: Optional[torch.Tensor] = None,
+    idx: Optional[torch.Tensor] = None, chunk_tokens: Optional[int] = None, chunk_bytes: Optional[int] = None,
+) -> torch.Tensor:
+    """FreeSolo attention with autograd to q, k, v, beta (spec §7, §8).
+
+    Args:
+        q: [B, T, Hq, D] unrotated queries; k, v: [B, T, Hkv, D]; beta: [Hq] or None (ones).
+        idx: optional int64 [B, T, Hq, K] selection to read instead of computing it (-1 padded).
+        chunk_tokens / chunk_bytes: query chunk size, or its memory budget (default by device).
+    Returns:
+        o [B, T, Hq, D] in q's dtype.
+    """
+    _check(q, k, v, beta)
+    B, T, Hq, D = q.shape
+    Hkv = k.shape[2]
+    G = Hq // Hkv
+    cdt = compute_dtype(q.dtype)
+    q4 = _heads_first(q, Hkv, cdt)  # (B, Hkv, G, T, D)
+    k4 = _heads_first(k, Hkv, cdt)[:, :, 0]  # (B, Hkv, T, D)
+    v4 = _heads_first(v, Hkv, cdt)[:, :, 0]
+    if idx is None:
+        with torch.no_grad():
+            idx4 = _select(q4.detach(), k4.detach(), cfg, chunk_tokens, chunk_bytes)
+    else:
+        if tuple(idx.shape) != (B, T, Hq, cfg.top_k):
+            raise ValueError(f"idx shape {tuple(idx.shape)} must be [B={B}, T={T}, Hq={Hq}, K={cfg.top_k}]")
+        idx4 = idx.to(device=q.device, dtype=torch.int64).permute(0, 2, 1, 3).reshape(B, Hkv, G, T, cfg.top_k)
+    b = torch.ones(Hq, dtype=cdt, device=q.device) if beta is None else beta.to(cdt)
+    cos, sin = rope_tables(T, D, cfg.rope_theta, q.device, cdt)
+    qr, kr = rope(q4, cos, sin), rope(k4, cos, sin)
+    per_query = readout_bytes_per_query(B, Hq, D, cfg, torch.finfo(cdt).bits // 8)
+    nbc = chunk_blocks(per_query, cfg.block, q.device, chunk_tokens, chunk_bytes)
+    o = FreeSoloReadout.apply(qr, kr, q4, k4, v4, b.view(Hkv, G), idx4.contiguous(), cfg, nbc)  # (B, Hkv, G, T, D)
+    return o.reshape(B, Hq, T, D).permute(0, 2, 1, 3).to(q.dtype).contiguous()  # (B, T, Hq, D)
+
+
+class TorchBackend(Backend):
+    """Vectorized PyTorch implementation of every variant, CPU and CUDA, with autograd.
+
+    Args:
+        chunk_tokens: query positions per chunk (rounded up to whole blocks); default: by budget.
+        chunk_bytes: memory budget of one chunk's transient tensors (default DEFAULT_CHUNK_BYTES).
+    """
+
+    name = "torch"
+    array_kind = "torch"
+
+    def __init__(self, chunk_tokens: Optional[int] = None, chunk_bytes: Optional[int] = None):
+        self.chunk_tokens, self.chunk_bytes = chunk_tokens, chunk_bytes
+
+    def unsupported_reasons(self, info, cfg: FreeSoloConfig) -> list[str]:
+        reasons = []
+        if info.kind == "torch" and info.dtype not in tuple(str(d) for d in _DTYPES):
+            reasons.append(f"torch backend computes float16/bfloat16/float32/float64, got {info.dtype}")
+        return reasons
+
+    def attention(self, q, k, v, cfg, beta):
+        return attention(q, k, v, cfg, beta, chunk_tokens=self.chunk_tokens, chunk_bytes=self.chunk_bytes)
+
+    def select_cells(self, q, k, cfg):
+        return select_cells(q, k, cfg, chunk_tokens=self.chunk_tokens, chunk_bytes=self.chunk_bytes)

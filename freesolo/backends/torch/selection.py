@@ -1,0 +1,147 @@
+"""Cell selection of the torch backend for FS and FS-L (spec §3-§5, §7), under torch.no_grad.
+
+Vectorized over batch rows, heads and the queries of a chunk of query blocks; Python loops run
+over chunks only. Memory per chunk: scores [B, Hq, chunk, candidates] (FS: candidates = the
+available cells, O(T/s) per query; FS-L: <= P + W).
+
+Exact tie-breaks without relying on `topk` ordering among equal values:
+- FS-L pool: cells are ranked once per (b, kv head) by (a_c desc, c desc) with two stable sorts;
+  the pool of a block is the P smallest *ranks* (distinct integers) among its older cells.
+- top-K: candidates are listed by decreasing c, then a stable descending sort on the score keeps
+  larger c first among equal scores.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...config import FreeSoloConfig
+from ._ops import cell_stats
+
+__all__ = ["rank_by_norm", "fs_fsl_select", "topk_cells"]
+
+
+def rank_by_norm(a: torch.Tensor) -> torch.Tensor:
+    """a [B, Hkv, C] -> rank [B, Hkv, C] int64: 0 = largest a_c, ties to the larger c (a total order)."""
+    C = a.shape[-1]
+    rev = torch.flip(a, dims=[-1])  # position p holds cell C-1-p: larger c first
+    order = torch.sort(rev, dim=-1, descending=True, stable=True).indices  # (B, Hkv, C)
+    cells = C - 1 - order  # cells by (a desc, c desc)
+    ranks = torch.arange(C, device=a.device).expand_as(cells)
+    return torch.empty_like(cells).scatter_(-1, cells, ranks)
+
+
+def topk_cells(scores: torch.Tensor, cand: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The top_k candidates of largest score, ties to the earlier candidate (list candidates by
+    decreasing c so that ties go to the larger cell). scores [..., N] (-inf = invalid),
+    cand [..., N] broadcastable -> int64 [..., top_k], by descending score, -1 padded."""
+    N = scores.shape[-1]
+    kk = min(top_k, N)
+    vals, order = torch.sort(scores, dim=-1, descending=True, stable=True)
+    vals, order = vals[..., :kk], order[..., :kk]
+    cand = cand.expand(*scores.shape[:-1], N)
+    cells = torch.gather(cand, -1, order)
+    cells = torch.where(torch.isneginf(vals), torch.full_like(cells, -1), cells)
+    if kk < top_k:
+        cells = torch.cat([cells, cells.new_full((*cells.shape[:-1], top_k - kk), -1)], dim=-1)
+    return cells
+
+
+def _fsl_block_candidates(rank, pool, jj, cfg: FreeSoloConfig):
+    """FS-L candidates of blocks jj[:-1] and the pool of block jj[-1] (the next chunk's first).
+
+    rank [B, Hkv, C]; pool [B, Hkv, P] = top-P older cells of block jj[0] (-1 padded); jj [nb+1].
+    Returns cand [B, Hkv, nb, P+W] by decreasing cell (-1 last) and the next pool [B, Hkv, P].
+    Top-P of a prefix == top-P of (top-P of a shorter prefix + the cells added since): linear.
+    """
+    s, P, W = cfg.cell, cfg.pool, cfg.recent
+    B, Hkv, C = rank.shape
+    dev = rank.device
+    n = jj * cfg.block // s  # (nb+1,) available cells
+    m = torch.clamp(n - W, min=0)  # (nb+1,) older cells are c < m
+    m0, m1 = int(m[0]), int(m[-1])
+    new = torch.arange(m0, m1, device=dev)  # (Nn,) cells turning old during the chunk
+    X = torch.cat([pool, new.expand(B, Hkv, -1)], dim=-1)  # (B, Hkv, P+Nn)
+    valid = torch.cat(
+        [(pool >= 0)[:, :, None, :].expand(B, Hkv, len(jj), P), (new[None, :] < m[:, None]).expand(B, Hkv, -1, -1)],
+        dim=-1,
+    )  # (B, Hkv, nb+1, P+Nn)
+    big = C + 1
+    key = torch.gather(rank, -1, X.clamp(min=0))[:, :, None, :].expand_as(valid)
+    key = torch.where(valid, key, torch.full_like(key, big))
+    kvals, kidx = torch.topk(key, P, dim=-1, largest=False)  # distinct ranks: exact
+    pooled = torch.gather(X[:, :, None, :].expand(-1, -1, len(jj), -1), -1, kidx)
+    pooled = torch.where(kvals >= big, torch.full_like(pooled, -1), pooled)  # (B, Hkv, nb+1, P)
+    recent = m[:-1, None] + torch.arange(W, device=dev)[None, :]  # (nb, W)
+    recent = torch.where(recent < n[:-1, None], recent, torch.full_like(recent, -1))
+    cand = torch.cat([pooled[:, :, :-1], recent.expand(B, Hkv, -1, -1)], dim=-1)  # (B, Hkv, nb, P+W)
+    cand = torch.sort(cand, dim=-1, descending=True).values  # distinct cells, -1 pads last
+    return cand, pooled[:, :, -1]
+
+
+@torch.no_grad()
+def fs_fsl_select(q, k, cfg: FreeSoloConfig, sigma, lam, nblocks_per_chunk: int) -> torch.Tensor:
+    """FS / FS-L selection.
+
+    Args:
+        q: [B, Hkv, G, T, D] unrotated queries (compute dtype); k: [B, Hkv, T, D] unrotated keys.
+        sigma, lam: [Hkv, G] per query head (compute dtype).
+        nblocks_per_chunk: query blocks scored together.
+    Returns:
+        idx int64 [B, Hkv, G, T, top_k], by descending score, -1 padded.
+    """
+    B, Hkv, G, T, D = q.shape
+    s, Bq, K = cfg.cell, cfg.block, cfg.top_k
+    dev = q.device
+    nblocks = -(-T // Bq)
+    scale = D**-0.5
+    kbar, a = cell_stats(k, s)  # (B, Hkv, C, D), (B, Hkv, C)
+    idx = torch.full((B, Hkv, G, T, K), -1, dtype=torch.int64, device=dev)
+    fsl = cfg.variant == "fsl"
+    if fsl:
+        rank = rank_by_norm(a)
+        pool = torch.full((B, Hkv, cfg.pool), -1, dtype=torch.int64, device=dev)
+    sig = sigma.view(1, Hkv, G, 1, 1, 1)
+    lm = lam.view(1, Hkv, G, 1, 1, 1)
+    for j0 in range(0, nblocks, nblocks_per_chunk):
+        j1 = min(nblocks, j0 + nblocks_per_chunk)
+        nb = j1 - j0
+        jj = torch.arange(j0, j1 + 1, device=dev)
+        n_last = (j1 - 1) * Bq // s
+        if fsl:
+            cand, pool = _fsl_block_candidates(rank, pool, jj, cfg)  # (B, Hkv, nb, N)
+            if n_last == 0:
+                continue
+            cc = cand.clamp(min=0)
+            bi = torch.arange(B, device=dev)[:, None, None, None]
+            hi = torch.arange(Hkv, device=dev)[None, :, None, None]
+            kb = kbar[bi, hi, cc]  # (B, Hkv, nb, N, D)
+            ac = torch.gather(a[:, :, None, :].expand(-1, -1, nb, -1), -1, cc)  # (B, Hkv, nb, N)
+            valid = (cand >= 0)[:, :, None, :, None, :]  # (B, Hkv, 1, nb, 1, N)
+            cand_b = cand[:, :, None, :, None, :]
+            ac_b = ac[:, :, None, :, None, :]
+        else:
+            if n_last == 0:
+                continue
+            cand = torch.arange(n_last - 1, -1, -1, device=dev)  # (N,) decreasing cells
+            kb = kbar[:, :, :n_last].flip(dims=[2])  # (B, Hkv, N, D)
+            n = jj[:-1] * Bq // s  # (nb,)
+            valid = (cand[None, :] < n[:, None])[None, None, None, :, None, :]  # (1, 1, 1, nb, 1, N)
+            cand_b = cand.view(1, 1, 1, 1, 1, -1)
+            ac_b = a[:, :, :n_last].flip(dims=[2])[:, :, None, None, None, :]
+        i0, i1 = j0 * Bq, min(T, j1 * Bq)
+        qc = q[:, :, :, i0:i1]
+        if i1 - i0 < nb * Bq:
+            qc = torch.nn.functional.pad(qc, (0, 0, 0, nb * Bq - (i1 - i0)))
+        qc = qc.reshape(B, Hkv, G, nb, Bq, D)  # (B, Hkv, G, nb, Bq, D)
+        if fsl:
+            dot = torch.einsum("bhgnqd,bhncd->bhgnqc", qc, kb)
+        else:
+            dot = torch.einsum("bhgnqd,bhcd->bhgnqc", qc, kb)
+        pos = torch.arange(i0, i0 + nb * Bq, device=dev, dtype=q.dtype).view(1, 1, 1, nb, Bq, 1)
+        dist = pos - (cand_b * s).to(q.dtype)
+        score = scale * dot + lm * ac_b * torch.erf(sig * dist / (2.0 * s))  # (B, Hkv, G, nb, Bq, N)
+        score = score.masked_fill(~valid, float("-inf"))
+        cells = topk_cells(score, cand_b, K)  # (B, Hkv, G, nb, Bq, K)
+        idx[:, :, :, i0:i1] = cells.reshape(B, Hkv, G, nb * Bq, K)[:, :, :, : i1 - i0]
+    return idx
