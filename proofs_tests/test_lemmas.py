@@ -76,6 +76,11 @@ def test_L3_streaming_pool_equals_parallel(n_cells, pool, recent, cells_per_bloc
         streamed = stream.advance(a, n_avail)
         parallel = fsl_candidates(a, n_avail, pool, recent)
         np.testing.assert_array_equal(streamed, parallel)
+        # independent statement of the rule: recent window + top-P older cells by (a_c, c) descending
+        first_recent = max(0, n_avail - recent)
+        order = np.lexsort((np.arange(first_recent), a[:first_recent]))[::-1]  # a desc, then c desc
+        expected = np.sort(np.concatenate([order[:pool], np.arange(first_recent, n_avail)]))
+        np.testing.assert_array_equal(parallel, expected)
         assert len(parallel) <= pool + recent
         assert len(parallel) == min(n_avail, pool + recent)
 
