@@ -53,7 +53,7 @@ def cmd_run(args) -> int:
     from tqdm import tqdm
 
     import freesolo
-    from freesolo.complexity.counted import counted_cost
+    from freesolo.complexity.counted import cell_max_norms, count_per_query, high_norm_prefix_counts
 
     tau = None
     rng = np.random.default_rng(args.seed)
@@ -78,14 +78,18 @@ def cmd_run(args) -> int:
         )
     elapsed = time.perf_counter() - start
     assert np.isfinite(out).all(), "non-finite output"
-    cost = counted_cost(cfg, T)
+    high_prefix = None
+    if cfg.variant == "fsb":
+        high_prefix = high_norm_prefix_counts(cell_max_norms(k, cfg.cell), tau)  # [B, Hkv, C+1]
+    cost = count_per_query(T, cfg, Hq, Hkv, high_prefix, batch=B)  # each [B, T, Hq]
     queries = B * T * Hq
     print(f"  time              {elapsed:.3f} s")
     print(f"  tokens/s          {B * T / elapsed:,.0f}   (query-heads/s {queries / elapsed:,.0f})")
-    print(f"  cells scored      {cost['cells_scored_per_query']:.2f} per query (mean), max {cost['cells_scored_max']}")
-    if cfg.variant == "fsb":
-        print(f"  node keys         {cost['node_keys_per_query']:.2f} per query and forest (mean)")
-    print(f"  tokens read       {cost['tokens_read_per_query']:.2f} per query (mean), max {cost['tokens_read_max']}")
+    for name, label in (("cells_scored", "cells scored"), ("node_keys", "node keys"), ("tokens_read", "tokens read")):
+        if name == "node_keys" and cfg.variant != "fsb":
+            continue
+        values = cost[name]
+        print(f"  {label:<17} {values.mean():.2f} per query (mean), max {values.max()}")
     print(f"  inputs+output     {(q.nbytes + k.nbytes + v.nbytes + out.nbytes) / 2**20:.1f} MiB")
     print(f"  peak RSS          {_peak_rss_mib():.1f} MiB")
     return 0
