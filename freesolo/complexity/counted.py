@@ -12,14 +12,15 @@ Per query `i` (block `j = i // Bq`, available cells `n_j = j*Bq/s`) and query he
 |---|---|---|---|
 | cells scored (`score_h(i, c)` evaluated) | `n_j` | `min(n_j, P+W)` | 0 |
 | node keys (`key_h(i, n)` evaluated) | 0 | 0 | `keys(n_j) + keys(n_high_j)` |
-| cells reranked (`rho` evaluated, `s` dots each) | 0 | 0 | `<= min(beam, n_j) + min(beam, n_high_j)` |
-| cells selected | `min(K, n_j)` | `min(K, n_j, P+W)` | `min(K, n_j)` when `K <= beam` |
+| cells reranked (`rho` evaluated, `s` dots each) | 0 | 0 | `<= min(n_j, min(beam, n_j) + min(beam, n_high_j))` |
+| cells selected | `min(K, n_j)` | `min(K, n_j, P+W)` | `min(K, n_j)` when `K <= beam` (else a bound) |
 | tokens read (readout) | `min(i+1, w) + s * selected` | same | same |
 
 `keys(n)` is the height-aligned beam search of §6.4 over a forest of `n` cells: the root of the
-tallest tree (height `H = floor(log2 n)`) plus, at each level `l = H-1..0`, the children of the
-`min(beam, floor(n / 2^(l+1)))` kept nodes and the root of the height-`l` tree when bit `l` of `n`
-is set. In closed form `keys(n) = popcount(n) + 2 * sum_{l=1..H} min(beam, floor(n / 2^l))`,
+tallest tree (height `H = floor(log2 n)`) starts the frontier without a key (as in
+`reference.fsb`); at each level `l = H-1..0` the children of the `min(beam, floor(n / 2^(l+1)))`
+kept nodes and the root of the height-`l` tree when bit `l` of `n` is set get a key. In closed
+form `keys(n) = popcount(n) - 1 + 2 * sum_{l=1..H} min(beam, floor(n / 2^l))` (`keys(0) = 0`),
 which is `<= 2*beam*(H+1) + popcount(n)` (lemma L9). FS-B's rerank de-duplicates cells found by
 both forests, which depends on the data: the structural count is the upper bound (no overlap).
 
@@ -112,10 +113,11 @@ def _block_sizes(T: int, cfg: FreeSoloConfig) -> np.ndarray:
 def beam_node_keys(n, beam: int) -> np.ndarray:
     """Node keys evaluated by the beam search of §6.4 over a forest of n cells (any int array shape).
 
-    keys(n) = popcount(n) + 2 * sum_{l=1..floor(log2 n)} min(beam, floor(n / 2^l)); keys(0) = 0.
+    keys(n) = popcount(n) - 1 + 2 * sum_{l=1..floor(log2 n)} min(beam, floor(n / 2^l)); keys(0) = 0
+    (the root of the tallest tree starts the frontier without a key).
     """
     n = np.asarray(n, dtype=np.int64)
-    keys = popcount(n)
+    keys = np.maximum(popcount(n) - 1, 0)
     shifted = n >> 1
     while np.any(shifted):
         keys += 2 * np.minimum(beam, shifted)
@@ -242,13 +244,11 @@ def count_per_block(
         nh = _n_high_per_block(high_prefix, n, batch, num_kv_heads)  # [B, nb, Hkv]
         scored = zeros
         keys = beam_node_keys(n_b, cfg.beam) + beam_node_keys(nh, cfg.beam)
-        reranked = beam_leaves(n_b, cfg.beam) + beam_leaves(nh, cfg.beam)  # upper bound: no de-duplication
-        if cfg.top_k > cfg.beam:
-            raise ValueError(
-                f"FS-B's selected count is data dependent when top_k={cfg.top_k} > beam={cfg.beam}; "
-                "the structural counter needs top_k <= beam"
-            )
-        selected = np.minimum(cfg.top_k, n_b)  # the all-cells forest alone returns min(beam, n) >= min(K, n)
+        # the union of both forests' leaves, upper bound (no overlap), and never more than the n_j cells
+        reranked = np.minimum(n_b, beam_leaves(n_b, cfg.beam) + beam_leaves(nh, cfg.beam))
+        # exact when top_k <= beam (the all-cells forest alone returns min(beam, n) >= min(K, n) cells);
+        # an upper bound otherwise
+        selected = np.minimum(cfg.top_k, reranked)
     else:
         raise ValueError(f"variant={cfg.variant!r} must be 'fs', 'fsl' or 'fsb'")
     return {

@@ -91,7 +91,10 @@ def plot_cost_vs_T(
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=11)
     ax.grid(True, which="major", alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left")
+    if all_T:
+        ax.legend(fontsize=8, loc="upper left")
+    else:
+        ax.text(0.5, 0.5, "no data", transform=ax.transAxes, ha="center", va="center", color="0.4")
 
 
 def plot_scaling(panels: Sequence[dict], path: str, suptitle: str) -> str:
