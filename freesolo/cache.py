@@ -1,0 +1,228 @@
+"""`FreeSoloCache`: streaming FreeSolo attention for decode and chunked prefill (spec §9, §12).
+
+    cache = FreeSoloCache(cfg, batch=B, num_heads=Hq, num_kv_heads=Hkv, head_dim=D, backend="torch")
+    o = cache.extend(q, k, v)          # q [B, n, Hq, D], k / v [B, n, Hkv, D], any n >= 1 -> [B, n, Hq, D]
+
+The outputs equal the parallel op on the whole sequence (lemma L6). Backends: "numpy" and "numba"
+run the float64 host state (`streaming.host`), "torch" the vectorized torch state
+(`streaming.torch_state`, CPU or CUDA, fp32 accumulation). FS-L keeps a state whose size does not
+depend on T (lemma L7); FS and FS-B keep the archive.
+
+The cache is inference-only: outputs carry no gradient (inputs that require grad are refused).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Optional
+
+import numpy as np
+
+from ._validation import check_inputs, is_torch_tensor
+from .backends.registry import BackendUnavailableError, get_backend
+from .config import FreeSoloConfig
+
+__all__ = ["FreeSoloCache"]
+
+_FORMAT = "freesolo.FreeSoloCache/1"
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        raise ValueError(f"{name}={value!r} must be a positive int")
+    return int(value)
+
+
+class FreeSoloCache:
+    """Streaming state of one FreeSolo attention layer.
+
+    Args:
+        cfg: FreeSoloConfig (any variant; FS-B needs `tau`).
+        batch, num_heads, num_kv_heads, head_dim: B, Hq, Hkv (Hq % Hkv == 0), D (even).
+        backend: "numpy" / "numba" (float64 host state) or "torch"; default `freesolo.get_backend()`.
+        dtype, device: torch backend only: storage dtype and device (default: the first chunk's).
+        check_finite: default of `extend(check_finite=...)`; the check syncs a CUDA device, so pass
+            False on a decode path that must not synchronise.
+    """
+
+    def __init__(
+        self, cfg: FreeSoloConfig, batch: int, num_heads: int, num_kv_heads: int, head_dim: int,
+        backend: Optional[str] = None, dtype=None, device=None, check_finite: bool = True,
+    ):
+        if not isinstance(cfg, FreeSoloConfig):
+            raise TypeError(f"cfg must be a freesolo.FreeSoloConfig, got {type(cfg).__name__}")
+        B = _positive_int("batch", batch)
+        Hq = _positive_int("num_heads", num_heads)
+        Hkv = _positive_int("num_kv_heads", num_kv_heads)
+        D = _positive_int("head_dim", head_dim)
+        if Hq % Hkv != 0:
+            raise ValueError(f"num_heads={Hq} must be a multiple of num_kv_heads={Hkv} (GQA)")
+        if D % 2 != 0:
+            raise ValueError(f"head_dim={D} must be even (RoPE)")
+        cfg.per_head("sigma", Hq)
+        cfg.per_head("lam", Hq)
+        if cfg.variant == "fsb":
+            cfg.tau_array(Hkv)
+        self.cfg, self.batch, self.num_heads, self.num_kv_heads, self.head_dim = cfg, B, Hq, Hkv, D
+        self.backend = get_backend() if backend is None else backend
+        self.check_finite = bool(check_finite)
+        self._input: Optional[tuple] = None  # (array kind, dtype, device) of the first chunk
+        if self.backend in ("numpy", "numba"):
+            if dtype is not None or device is not None:
+                raise ValueError(f"backend={self.backend!r} computes in float64 on the CPU: leave dtype / device None")
+            from .streaming.host import HostCacheState
+
+            self._state = HostCacheState(cfg, B, Hq, Hkv, D)
+        elif self.backend == "torch":
+            try:
+                import torch  # noqa: F401
+            except ImportError as error:
+                raise BackendUnavailableError(f"backend='torch' needs torch: {error}") from error
+            from .streaming.torch_state import TorchCacheState
+
+            if dtype is not None and not getattr(dtype, "is_floating_point", False):
+                raise TypeError(f"dtype={dtype!r} must be a torch floating dtype")
+            self._state = TorchCacheState(cfg, B, Hq, Hkv, D, dtype=dtype, device=device)
+            self._dtype, self._device = dtype, device
+        elif self.backend == "triton":
+            raise BackendUnavailableError(
+                "FreeSoloCache has no triton state (its decode step is torch ops): pass backend='torch'"
+            )
+        else:
+            raise BackendUnavailableError(f"unknown backend {self.backend!r} for FreeSoloCache")
+
+    # ---- properties -----------------------------------------------------------------------
+    @property
+    def length(self) -> int:
+        """Tokens consumed so far."""
+        return self._state.length
+
+    @property
+    def state(self):
+        """The backend state object (HostCacheState or TorchCacheState)."""
+        return self._state
+
+    def memory_bytes(self) -> int:
+        """Bytes of the arrays / tensors the cache holds (FS-L: constant in T, lemma L7)."""
+        return self._state.memory_bytes()
+
+    # ---- validation -----------------------------------------------------------------------
+    def _check_chunk(self, q, k, v, beta, check_finite: Optional[bool]):
+        check = self.check_finite if check_finite is None else bool(check_finite)
+        info = check_inputs(q, k, v, self.cfg, beta, check_finite=check)
+        expected = (self.batch, self.num_heads, self.num_kv_heads, self.head_dim)
+        got = (info.B, info.Hq, info.Hkv, info.D)
+        if got != expected:
+            raise ValueError(
+                f"chunk has (B, Hq, Hkv, D)={got} but the cache was built for "
+                f"(batch, num_heads, num_kv_heads, head_dim)={expected}"
+            )
+        if info.requires_grad:
+            raise ValueError("FreeSoloCache is inference-only: inputs require grad (call it under torch.no_grad())")
+        self._check_kind(info.kind, info.dtype, info.device)
+        if beta is not None and is_torch_tensor(beta) != (info.kind == "torch"):
+            raise TypeError("beta must be of the same array kind (numpy / torch) as q, k, v")
+        return info
+
+    def _check_kind(self, kind: str, dtype: str, device: str) -> None:
+        signature = (kind, dtype, device)
+        if self._input is None:
+            if self.backend == "torch":
+                if kind != "torch":
+                    raise TypeError("backend='torch' takes torch tensors (got numpy arrays)")
+                if self._dtype is not None and dtype != str(self._dtype):
+                    raise TypeError(f"the cache was built for dtype={self._dtype}, the chunk is {dtype}")
+                if self._device is not None:
+                    import torch
+
+                    want = torch.device(self._device)
+                    got = torch.device(device)
+                    if want.type != got.type or (want.index is not None and want.index != got.index):
+                        raise ValueError(f"the cache was built for device={self._device}, the chunk is on {device}")
+            elif kind == "torch" and device != "cpu":
+                raise ValueError(f"backend={self.backend!r} runs on the CPU, the chunk is on {device}")
+            self._input = signature
+        elif signature != self._input:
+            raise TypeError(
+                f"chunk changed mid-stream: (kind, dtype, device)={signature}, earlier chunks {self._input}"
+            )
+
+    # ---- streaming ------------------------------------------------------------------------
+    def extend(self, q, k, v, beta=None, check_finite: Optional[bool] = None):
+        """Consume a chunk and return the outputs of its positions (spec §9).
+
+        Args:
+            q: [B, n, Hq, D]; k, v: [B, n, Hkv, D], n >= 1 (n = 1 is decode); numpy or torch.
+            beta: [Hq] long-range mixing coefficient (default ones).
+            check_finite: check the inputs for nan / inf (default: the cache's setting; it syncs
+                a CUDA device, so pass False for sync-free decode).
+        Returns:
+            o [B, n, Hq, D], same array kind, dtype and device as q; equal to the parallel op's
+            outputs at these positions.
+        """
+        self._check_chunk(q, k, v, beta, check_finite)
+        if self._state.kind == "numpy":
+            from .api import _like_input, _to_float64
+
+            beta64 = np.ones(self.num_heads) if beta is None else _to_float64(beta)
+            out = self._state.extend(_to_float64(q), _to_float64(k), _to_float64(v), beta64)
+            return _like_input(out, q)
+        return self._state.extend(q, k, v, beta)
+
+    def prefill(self, k, v, check_finite: Optional[bool] = None) -> None:
+        """Consume keys / values [B, n, Hkv, D] without computing outputs (a long prompt whose
+        outputs are not needed). The state is exactly the one `extend` would leave."""
+        check = self.check_finite if check_finite is None else bool(check_finite)
+        info = check_inputs(k, k, v, self.cfg.replace(variant="fs", sigma=4.0, lam=1.0), None, check_finite=check)
+        expected = (self.batch, self.num_kv_heads, self.head_dim)
+        if (info.B, info.Hq, info.D) != expected:
+            raise ValueError(f"k has (B, Hkv, D)={(info.B, info.Hq, info.D)}, the cache expects {expected}")
+        self._check_kind(info.kind, info.dtype, info.device)
+        if self._state.kind == "numpy":
+            from .api import _to_float64
+
+            self._state.prefill(_to_float64(k), _to_float64(v))
+        else:
+            self._state.prefill(k, v)
+
+    def decode_graph(self, beta=None):
+        """torch backend on CUDA, FS-L: a CUDA graph of the one-token step (see `DecodeGraph`)."""
+        if self._state.kind != "torch":
+            raise ValueError(f"decode_graph needs backend='torch', not {self.backend!r}")
+        return self._state.decode_graph(beta)
+
+    # ---- state ----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """A plain dict: format, config fields, sizes, backend, and the state's arrays / tensors."""
+        return {
+            "format": _FORMAT,
+            "config": asdict(self.cfg),
+            "backend": self.backend,
+            "batch": self.batch, "num_heads": self.num_heads,
+            "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
+            "input": self._input,
+            "state": self._state.state_dict(),
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore a `state_dict()`; the cache then continues with bit-identical outputs."""
+        if state_dict.get("format") != _FORMAT:
+            raise ValueError(f"not a FreeSoloCache state dict (format={state_dict.get('format')!r})")
+        if FreeSoloConfig(**state_dict["config"]) != self.cfg:
+            raise ValueError(f"state dict config {state_dict['config']} differs from the cache's config {self.cfg}")
+        mine = (self.batch, self.num_heads, self.num_kv_heads, self.head_dim)
+        theirs = tuple(state_dict[key] for key in ("batch", "num_heads", "num_kv_heads", "head_dim"))
+        if theirs != mine:
+            raise ValueError(f"state dict sizes (B, Hq, Hkv, D)={theirs} differ from the cache's {mine}")
+        kind_of = {"numpy": "numpy", "numba": "numpy", "torch": "torch"}
+        if kind_of.get(state_dict["backend"]) != self._state.kind:
+            raise ValueError(f"state dict of backend {state_dict['backend']!r} cannot load into backend {self.backend!r}")
+        self._state.load_state_dict(state_dict["state"])
+        self._input = None if state_dict["input"] is None else tuple(state_dict["input"])
+
+    def __repr__(self) -> str:
+        return (
+            f"FreeSoloCache(variant={self.cfg.variant!r}, backend={self.backend!r}, B={self.batch}, "
+            f"Hq={self.num_heads}, Hkv={self.num_kv_heads}, D={self.head_dim}, T={self.length}, "
+            f"memory={self.memory_bytes()} bytes)"
+        )

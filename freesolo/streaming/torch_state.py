@@ -1,0 +1,437 @@
+"""Torch streaming state (spec §9): CPU and CUDA, any float dtype, fp32 accumulation (fp64 for fp64).
+
+Vectorized over batch rows and heads. Per batch row and kv head the state holds:
+
+- `ring_k` / `ring_v` [B, Hkv, w, D]: the last `w` keys (rotated at their absolute position, in
+  the storage dtype) and values, token t in slot t % w;
+- `block_k` / `block_v` [B, Hkv, Bq, D]: the current query block's tokens (unrotated), slot t % Bq;
+- the cell store, S slots: `cell_k` / `cell_v` [B, Hkv, S, s, D] (unrotated), `cell_kbar`
+  [B, Hkv, S, D] and `cell_a` [B, Hkv, S] (accumulation dtype), `cell_ids` [B, Hkv, S] int64
+  (-1 = empty). FS-L: S = P + W, exactly the candidate set C_j (fixed size: memory does not
+  depend on T, lemma L7). FS: every available cell (the archive), slot = cell id, grown by doubling.
+- `pos` []: int64 token count on the device (the host keeps `length`, the same number).
+
+Decode without host synchronisation (FS-L and FS): a step of one token reads its position from
+`pos` on the device, writes the ring and block slots with `index_copy_`, scores the <= P+W held
+cells, takes the top-K with two stable sorts (ties: larger cell first) and reads the K*s tokens with
+`gather`: no `.item()`, no `nonzero`, no boolean-mask indexing, no branch on tensor values. The
+host branches only on integers it knows (the token count): the block boundary (every Bq tokens),
+the local-window mask (T < w) and K_eff = min(K, |C_j|) (|C_j| depends on T only).
+Finite checks sync (`bool(isfinite(x).all())`): pass `check_finite=False` to `extend` on the
+decode path. `decode_graph()` captures the steady-state FS-L step in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..config import FreeSoloConfig
+
+__all__ = ["TorchCacheState", "DecodeGraph", "fsl_candidate_count"]
+
+_BUFFERS = (
+    "pos", "inv_freq", "sigma", "lam", "ones_beta",
+    "ring_k", "ring_v", "block_k", "block_v",
+    "cell_ids", "cell_k", "cell_v", "cell_kbar", "cell_a",
+)
+
+
+def fsl_candidate_count(cfg: FreeSoloConfig, n_avail: int) -> int:
+    """|C_j| for a block with n_avail available cells (the same for every kv head and batch row)."""
+    if cfg.variant == "fsl":
+        return min(n_avail, cfg.recent) + min(cfg.pool, max(0, n_avail - cfg.recent))
+    return n_avail
+
+
+def _sort_desc_ties_larger_id(values: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest `values` along the last dim, ties to the larger id, in order.
+
+    values [..., S] (float), ids [..., S] (int64, broadcastable to values) -> int64 [..., k].
+    Two stable sorts (by id, then by value): no host synchronisation.
+    """
+    ids = ids.expand_as(values)
+    by_id = torch.sort(ids, dim=-1, descending=True, stable=True).indices  # [..., S]
+    by_value = torch.sort(values.gather(-1, by_id), dim=-1, descending=True, stable=True).indices
+    return by_id.gather(-1, by_value[..., :k])
+
+
+class TorchCacheState:
+    """Streaming state of one layer in torch tensors (FS, FS-L).
+
+    Args:
+        cfg: FreeSoloConfig (variant "fs" or "fsl"). batch, num_heads, num_kv_heads, head_dim.
+        dtype, device: storage dtype / device; when None they are taken from the first chunk.
+    """
+
+    kind = "torch"
+
+    def __init__(
+        self, cfg: FreeSoloConfig, batch: int, num_heads: int, num_kv_heads: int, head_dim: int,
+        dtype: Optional[torch.dtype] = None, device=None,
+    ):
+        if cfg.variant not in ("fs", "fsl"):
+            raise NotImplementedError(
+                f"the torch streaming state implements variants 'fs' and 'fsl', not {cfg.variant!r}; "
+                "use backend='numpy' for FS-B streaming"
+            )
+        self.cfg = cfg
+        self.B, self.Hq, self.Hkv, self.D = batch, num_heads, num_kv_heads, head_dim
+        self.group = num_heads // num_kv_heads
+        self.length = 0
+        self.dtype: Optional[torch.dtype] = None
+        self.device: Optional[torch.device] = None
+        if dtype is not None and device is not None:
+            self.allocate(dtype, device)
+
+    # ---- storage --------------------------------------------------------------------------
+    @property
+    def allocated(self) -> bool:
+        return self.dtype is not None
+
+    def allocate(self, dtype: torch.dtype, device) -> None:
+        """Allocate every buffer (FS-L: their final size) for storage `dtype` on `device`."""
+        if not dtype.is_floating_point:
+            raise TypeError(f"dtype={dtype} must be a floating dtype")
+        cfg, B, Hkv, D, G, s = self.cfg, self.B, self.Hkv, self.D, self.group, self.cfg.cell
+        device = torch.device(device)
+        self.dtype, self.device = dtype, device
+        self.acc = torch.float64 if dtype == torch.float64 else torch.float32
+        self.pos = torch.zeros((), dtype=torch.int64, device=device)
+        half = torch.arange(D // 2, dtype=torch.float64, device=device)
+        self.inv_freq = cfg.rope_theta ** (-2.0 * half / D)  # [D/2] float64
+        self.sigma = torch.tensor(cfg.per_head("sigma", self.Hq), dtype=self.acc, device=device).view(Hkv, G)
+        self.lam = torch.tensor(cfg.per_head("lam", self.Hq), dtype=self.acc, device=device).view(Hkv, G)
+        self.ones_beta = torch.ones(self.Hq, dtype=self.acc, device=device)
+        self.ring_k = torch.zeros(B, Hkv, cfg.window, D, dtype=dtype, device=device)
+        self.ring_v = torch.zeros_like(self.ring_k)
+        self.block_k = torch.zeros(B, Hkv, cfg.block, D, dtype=dtype, device=device)
+        self.block_v = torch.zeros_like(self.block_k)
+        slots = cfg.pool + cfg.recent if cfg.variant == "fsl" else max(16, cfg.top_k)
+        self._alloc_store(slots)
+
+    def _alloc_store(self, slots: int) -> None:
+        B, Hkv, D, s, dev = self.B, self.Hkv, self.D, self.cfg.cell, self.device
+        self.cell_ids = torch.full((B, Hkv, slots), -1, dtype=torch.int64, device=dev)
+        self.cell_k = torch.zeros(B, Hkv, slots, s, D, dtype=self.dtype, device=dev)
+        self.cell_v = torch.zeros_like(self.cell_k)
+        self.cell_kbar = torch.zeros(B, Hkv, slots, D, dtype=self.acc, device=dev)
+        self.cell_a = torch.zeros(B, Hkv, slots, dtype=self.acc, device=dev)
+
+    def buffers(self) -> dict:
+        """Every tensor the state holds ({} before the first chunk)."""
+        return {name: getattr(self, name) for name in _BUFFERS} if self.allocated else {}
+
+    def memory_bytes(self) -> int:
+        """Bytes of the tensors held (numel * element_size, summed)."""
+        return int(sum(t.numel() * t.element_size() for t in self.buffers().values()))
+
+    def _grow_store(self, needed: int) -> None:
+        """FS: make room for `needed` cell slots (capacity doubles)."""
+        slots = self.cell_ids.shape[2]
+        if needed <= slots:
+            return
+        old = {name: getattr(self, name) for name in ("cell_ids", "cell_k", "cell_v", "cell_kbar", "cell_a")}
+        self._alloc_store(max(needed, 2 * slots))
+        for name, tensor in old.items():
+            getattr(self, name)[:, :, :slots] = tensor
+
+    # ---- RoPE and cell statistics ---------------------------------------------------------
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Half-split RoPE in the accumulation dtype. x [..., n, D], positions [n] int64 -> [..., n, D]."""
+        angle = positions.to(torch.float64)[:, None] * self.inv_freq[None, :]  # [n, D/2], float64
+        cos, sin = angle.cos().to(self.acc), angle.sin().to(self.acc)
+        x = x.to(self.acc)
+        half = self.D // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+    def _cell_stats(self, tokens: torch.Tensor):
+        """tokens [B, Hkv, m*s, D] -> cells [B, Hkv, m, s, D], kbar [B, Hkv, m, D], a [B, Hkv, m]."""
+        B, Hkv, n, D = tokens.shape
+        cells = tokens.reshape(B, Hkv, n // self.cfg.cell, self.cfg.cell, D)
+        x = cells.to(self.acc)
+        kbar = x.mean(dim=3)
+        a = (x * x).sum(dim=-1).sqrt().amax(dim=3)
+        return cells, kbar, a
+
+    # ---- cells becoming available ---------------------------------------------------------
+    def _advance(self, tokens_k: torch.Tensor, tokens_v: torch.Tensor, n_avail: int) -> None:
+        """Make the m = tokens // s cells ending at cell n_avail available.
+
+        tokens_k / tokens_v [B, Hkv, m*s, D] (unrotated) hold cells [n_avail - m, n_avail).
+        FS: appended to the archive. FS-L: the union of the held cells and the new ones keeps the
+        W most recent and the top-P older by (a_c, c); the rest is dropped for ever (spec §5).
+        """
+        cfg = self.cfg
+        k_cells, kbar, a = self._cell_stats(tokens_k)
+        v_cells = tokens_v.reshape(k_cells.shape)
+        m = k_cells.shape[2]
+        new_ids = torch.arange(n_avail - m, n_avail, device=self.device).expand(self.B, self.Hkv, m)
+        if cfg.variant == "fs":
+            self._grow_store(n_avail)
+            lo = n_avail - m
+            self.cell_ids[:, :, lo:n_avail] = new_ids
+            self.cell_k[:, :, lo:n_avail] = k_cells
+            self.cell_v[:, :, lo:n_avail] = v_cells
+            self.cell_kbar[:, :, lo:n_avail] = kbar
+            self.cell_a[:, :, lo:n_avail] = a
+            return
+        S = self.cell_ids.shape[2]
+        ids = torch.cat([self.cell_ids, new_ids], dim=2)  # [B, Hkv, S+m]
+        a_all = torch.cat([self.cell_a, a], dim=2)
+        recent = ids >= n_avail - cfg.recent
+        inf = torch.full_like(a_all, float("inf"))
+        key = torch.where(recent, inf, torch.where(ids >= 0, a_all, -inf))  # recent first, empty last
+        keep = _sort_desc_ties_larger_id(key, ids, S)  # [B, Hkv, S] indices into the union
+        valid = key.gather(2, keep) > float("-inf")
+        from_store = keep < S
+        in_store = keep.clamp(max=S - 1)
+        in_new = (keep - S).clamp(min=0, max=m - 1)
+
+        def pick(store: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+            extra = store.dim() - 3
+            shape = keep.shape + store.shape[3:]
+            i_store = in_store.view(keep.shape + (1,) * extra).expand(shape)
+            i_new = in_new.view(keep.shape + (1,) * extra).expand(shape)
+            mask = from_store.view(keep.shape + (1,) * extra)
+            return torch.where(mask, store.gather(2, i_store), new.gather(2, i_new))
+
+        new_store = {
+            "cell_k": pick(self.cell_k, k_cells), "cell_v": pick(self.cell_v, v_cells),
+            "cell_kbar": pick(self.cell_kbar, kbar), "cell_a": pick(self.cell_a, a),
+        }
+        self.cell_ids.copy_(torch.where(valid, ids.gather(2, keep), torch.full_like(keep, -1)))
+        for name, value in new_store.items():
+            getattr(self, name).copy_(value)
+
+    # ---- one piece of a chunk (inside one query block) ------------------------------------
+    def _piece(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+        """n tokens inside one query block (boundary already applied).
+
+        q [B, n, Hq, D], k / v [B, n, Hkv, D] (storage dtype), beta [Hq] -> o [B, n, Hq, D].
+        """
+        cfg, B, Hkv, G, D = self.cfg, self.B, self.Hkv, self.group, self.D
+        n, t0 = q.shape[1], self.length
+        w = cfg.window
+        scale = 1.0 / math.sqrt(D)
+        steps = torch.arange(n, device=self.device)
+        positions = self.pos + steps  # [n] int64, on the device
+        kt = k.permute(0, 2, 1, 3)  # (B, Hkv, n, D)
+        vt = v.permute(0, 2, 1, 3)
+        k_rot = self._rope(kt, positions).to(self.dtype)  # (B, Hkv, n, D)
+        qg = q.reshape(B, n, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * n, D)  # (B, Hkv, G*n, D)
+        q_rot = self._rope(qg.reshape(B, Hkv, G, n, D), positions).reshape(B, Hkv, G * n, D).to(self.dtype)
+
+        # local branch: RoPE window over keys i-w < t <= i
+        if n == 1:
+            slot = positions % w
+            self.ring_k.index_copy_(2, slot, k_rot)
+            self.ring_v.index_copy_(2, slot, vt)
+            mask = None
+            if t0 < w - 1:  # some slots still empty (host-known)
+                ring_pos = self.pos - torch.remainder(self.pos - torch.arange(w, device=self.device), w)  # [w]
+                mask = (ring_pos >= 0).view(1, 1, 1, w)
+            o_loc = F.scaled_dot_product_attention(q_rot, self.ring_k, self.ring_v, attn_mask=mask, scale=scale)
+        else:
+            last = self.pos - 1
+            ring_pos = last - torch.remainder(last - torch.arange(w, device=self.device), w)  # [w] positions held
+            key_pos = torch.cat([ring_pos, positions])  # [w + n]
+            qp = positions[:, None]
+            mask = (key_pos[None, :] <= qp) & (key_pos[None, :] > qp - w) & (key_pos[None, :] >= 0)  # [n, w+n]
+            mask = mask.repeat(G, 1).view(1, 1, G * n, w + n)
+            keys = torch.cat([self.ring_k, k_rot], dim=2)  # (B, Hkv, w+n, D)
+            values = torch.cat([self.ring_v, vt], dim=2)
+            o_loc = F.scaled_dot_product_attention(q_rot, keys, values, attn_mask=mask, scale=scale)
+            slot = positions % w
+            self.ring_k.index_copy_(2, slot, k_rot)
+            self.ring_v.index_copy_(2, slot, vt)
+        self.block_k.index_copy_(2, positions % cfg.block, kt)
+        self.block_v.index_copy_(2, positions % cfg.block, vt)
+
+        out = o_loc.to(self.acc).view(B, Hkv, G, n, D)
+        n_avail = (t0 // cfg.block) * cfg.block // cfg.cell
+        k_eff = min(cfg.top_k, fsl_candidate_count(cfg, n_avail))
+        if k_eff > 0:
+            o_long = self._long_range(qg, positions, n_avail, k_eff)  # (B, Hkv, G, n, D), acc
+            normed = o_long * torch.rsqrt((o_long * o_long).mean(dim=-1, keepdim=True) + cfg.eps)
+            out = out + beta.to(self.acc).view(1, Hkv, G, 1, 1) * normed
+        self.pos += n
+        return out.permute(0, 3, 1, 2, 4).reshape(B, n, self.Hq, D).to(self.dtype)  # (B, n, Hq, D)
+
+    def _long_range(self, qg: torch.Tensor, positions: torch.Tensor, n_avail: int, k_eff: int) -> torch.Tensor:
+        """NoPE readout of the top-k_eff held cells. qg [B, Hkv, G*n, D] -> [B, Hkv, G, n, D] (acc)."""
+        cfg, B, Hkv, G, D, s = self.cfg, self.B, self.Hkv, self.group, self.D, self.cfg.cell
+        n = positions.shape[0]
+        used = self.cell_ids.shape[2] if cfg.variant == "fsl" else n_avail
+        ids = self.cell_ids[:, :, :used]  # [B, Hkv, S]
+        kbar = self.cell_kbar[:, :, :used]  # [B, Hkv, S, D]
+        a = self.cell_a[:, :, :used]
+        qa = qg.to(self.acc)
+        dots = torch.matmul(qa, kbar.transpose(-1, -2)).view(B, Hkv, G, n, used)  # (B, Hkv, G, n, S)
+        dist = (positions.view(1, 1, 1, n, 1) - ids.view(B, Hkv, 1, 1, used) * s).to(self.acc)  # i - p_c
+        prior = torch.erf(self.sigma.view(1, Hkv, G, 1, 1) * dist / (2.0 * s))
+        scores = scale_dot(dots, D) + self.lam.view(1, Hkv, G, 1, 1) * a.view(B, Hkv, 1, 1, used) * prior
+        scores = torch.where(ids.view(B, Hkv, 1, 1, used) >= 0, scores, torch.full_like(scores, float("-inf")))
+        chosen = _sort_desc_ties_larger_id(scores, ids.view(B, Hkv, 1, 1, used), k_eff)  # (B, Hkv, G, n, k_eff) slots
+        flat = chosen.reshape(B, Hkv, G * n * k_eff, 1, 1).expand(B, Hkv, G * n * k_eff, s, D)
+        keys = self.cell_k.gather(2, flat)  # (B, Hkv, G*n*k_eff, s, D)
+        values = self.cell_v.gather(2, flat)
+        N = B * Hkv * G * n
+        keys = keys.reshape(N, 1, k_eff * s, D)
+        values = values.reshape(N, 1, k_eff * s, D)
+        query = qg.reshape(N, 1, 1, D)
+        o_long = F.scaled_dot_product_attention(query, keys, values, scale=1.0 / math.sqrt(D))  # (N, 1, 1, D)
+        return o_long.to(self.acc).view(B, Hkv, G, n, D)
+
+    # ---- public operations ----------------------------------------------------------------
+    def extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: Optional[torch.Tensor]) -> torch.Tensor:
+        """q [B, n, Hq, D], k / v [B, n, Hkv, D] -> o [B, n, Hq, D] (split at block boundaries)."""
+        cfg = self.cfg
+        if not self.allocated:
+            self.allocate(q.dtype, q.device)
+        beta = self.ones_beta if beta is None else beta
+        outs, off, n = [], 0, q.shape[1]
+        with torch.no_grad():
+            while off < n:
+                t = self.length
+                if t > 0 and t % cfg.block == 0:
+                    self._advance(self.block_k, self.block_v, t // cfg.cell)
+                m = min(n - off, cfg.block - t % cfg.block)
+                outs.append(self._piece(q[:, off : off + m], k[:, off : off + m], v[:, off : off + m], beta))
+                self.length += m
+                off += m
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+    def prefill(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Consume k / v [B, n, Hkv, D] without outputs, vectorized over the whole chunk.
+
+        The resulting state is the one `extend` would leave (tested): the ring gets the last w
+        tokens, every block boundary inside the chunk is applied at once (FS-L: top-P of the
+        union is the streaming pool, lemma L3), the block buffer gets the tokens of the last block.
+        """
+        cfg, Bq, s = self.cfg, self.cfg.block, self.cfg.cell
+        if not self.allocated:
+            self.allocate(k.dtype, k.device)
+        with torch.no_grad():
+            t0, n = self.length, k.shape[1]
+            t1 = t0 + n
+            kt = k.permute(0, 2, 1, 3)  # (B, Hkv, n, D)
+            vt = v.permute(0, 2, 1, 3)
+            # ring: the last min(n, w) tokens
+            tail = min(n, cfg.window)
+            positions = self.pos + torch.arange(n - tail, n, device=self.device)
+            slot = positions % cfg.window
+            self.ring_k.index_copy_(2, slot, self._rope(kt[:, :, n - tail :], positions).to(self.dtype))
+            self.ring_v.index_copy_(2, slot, vt[:, :, n - tail :])
+            # blocks: the state's current block j0 (its tokens [j0*Bq, t0) are buffered)
+            j0 = (t0 - 1) // Bq if t0 > 0 else 0
+            j1 = (t1 - 1) // Bq  # block of the chunk's last token
+            buffered = t0 - j0 * Bq
+            if j1 > j0:
+                pend_k = torch.cat([self.block_k[:, :, :buffered], kt], dim=2)  # tokens [j0*Bq, t1)
+                pend_v = torch.cat([self.block_v[:, :, :buffered], vt], dim=2)
+                done = (j1 - j0) * Bq
+                self._advance(pend_k[:, :, :done], pend_v[:, :, :done], j1 * Bq // s)
+                self.block_k[:, :, : t1 - j1 * Bq] = pend_k[:, :, done:]
+                self.block_v[:, :, : t1 - j1 * Bq] = pend_v[:, :, done:]
+            else:
+                self.block_k[:, :, buffered : buffered + n] = kt
+                self.block_v[:, :, buffered : buffered + n] = vt
+            self.pos += n
+            self.length = t1
+
+    def state_dict(self) -> dict:
+        """Clones of every tensor plus the token count and storage dtype."""
+        out = {name: t.clone() for name, t in self.buffers().items()}
+        out["length"] = self.length
+        out["dtype"] = None if self.dtype is None else str(self.dtype)
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore from `state_dict()`; FS-L copies into the existing buffers (CUDA graphs stay valid)."""
+        if state.get("dtype") is None:
+            self.__init__(self.cfg, self.B, self.Hq, self.Hkv, self.D)
+            return
+        dtype = getattr(torch, state["dtype"].replace("torch.", ""))
+        if not self.allocated:
+            self.allocate(dtype, state["ring_k"].device)
+        if dtype != self.dtype:
+            raise ValueError(f"state dtype {dtype} != cache dtype {self.dtype}")
+        for name in ("ring_k", "block_k"):
+            if tuple(state[name].shape) != tuple(getattr(self, name).shape):
+                raise ValueError(f"state {name} shape {tuple(state[name].shape)} != {tuple(getattr(self, name).shape)}")
+        if tuple(state["cell_ids"].shape) != tuple(self.cell_ids.shape):
+            if self.cfg.variant == "fsl":
+                raise ValueError(f"state cell_ids shape {tuple(state['cell_ids'].shape)} != {tuple(self.cell_ids.shape)}")
+            self._alloc_store(state["cell_ids"].shape[2])
+        for name in _BUFFERS:
+            getattr(self, name).copy_(state[name])
+        self.length = int(state["length"])
+
+    def decode_graph(self, beta: Optional[torch.Tensor] = None) -> "DecodeGraph":
+        """A CUDA graph of the FS-L / FS one-token step (steady state: T >= w and |C_j| >= K)."""
+        return DecodeGraph(self, beta)
+
+
+def scale_dot(dots: torch.Tensor, D: int) -> torch.Tensor:
+    """scale * q . kbar with scale = 1/sqrt(D)."""
+    return dots * (1.0 / math.sqrt(D))
+
+
+class DecodeGraph:
+    """One-token FS-L decode step captured in a CUDA graph; block boundaries run eagerly (no sync).
+
+    `graph(q, k, v)` with q [B, 1, Hq, D], k / v [B, 1, Hkv, D] copies the inputs into static
+    buffers, applies the block boundary if the new token starts a block, replays the graph and
+    returns the static output [B, 1, Hq, D] (overwritten by the next call: clone to keep it).
+    Needs T >= w and |C_j| >= K when captured (then every later step has the same kernels).
+    """
+
+    def __init__(self, state: TorchCacheState, beta: Optional[torch.Tensor] = None):
+        cfg = state.cfg
+        if not state.allocated or state.device.type != "cuda":
+            raise ValueError("decode_graph needs an allocated cache on a CUDA device")
+        if state.cfg.variant != "fsl":
+            raise ValueError(f"decode_graph captures the FS-L step, not variant={cfg.variant!r} (its store grows)")
+        t = state.length
+        n_avail = (t // cfg.block) * cfg.block // cfg.cell
+        if t < cfg.window or fsl_candidate_count(cfg, n_avail) < cfg.top_k or t % cfg.block == 0:
+            raise ValueError(
+                f"decode_graph needs the steady state (T >= window={cfg.window}, at least top_k held cells) "
+                f"and T not on a block boundary; T={t}: decode eagerly a few tokens first"
+            )
+        self.state = state
+        B, Hq, Hkv, D = state.B, state.Hq, state.Hkv, state.D
+        self.q = torch.zeros(B, 1, Hq, D, dtype=state.dtype, device=state.device)
+        self.k = torch.zeros(B, 1, Hkv, D, dtype=state.dtype, device=state.device)
+        self.v = torch.zeros_like(self.k)
+        self.beta = (state.ones_beta if beta is None else beta).detach().clone()
+        snapshot = state.state_dict()
+        side = torch.cuda.Stream(device=state.device)
+        side.wait_stream(torch.cuda.current_stream(state.device))
+        with torch.no_grad(), torch.cuda.stream(side):  # warm-up (allocator, kernels), then undo it
+            for _ in range(2):
+                state._piece(self.q, self.k, self.v, self.beta)
+        torch.cuda.current_stream(state.device).wait_stream(side)
+        state.load_state_dict(snapshot)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.no_grad(), torch.cuda.graph(self.graph):
+            self.out = state._piece(self.q, self.k, self.v, self.beta)
+        state.load_state_dict(snapshot)  # capture does not run the kernels, but pos is restored anyway
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        state, cfg = self.state, self.state.cfg
+        self.q.copy_(q)
+        self.k.copy_(k)
+        self.v.copy_(v)
+        t = state.length
+        if t % cfg.block == 0:
+            with torch.no_grad():
+                state._advance(state.block_k, state.block_v, t // cfg.cell)
+        self.graph.replay()
+        state.length += 1
+        return self.out
