@@ -153,7 +153,8 @@ class ForestElements:
     def from_cells(cls, kbar, a, cells, planes: Optional[np.ndarray]) -> "ForestElements":
         """Elements = the given cells (sorted increasing); codes from planes [r, D] (zeros if None)."""
         cells = np.asarray(cells, dtype=np.int64)
-        kb = np.asarray(kbar, dtype=np.float64)[cells].reshape(len(cells), -1)
+        kbar = np.asarray(kbar, dtype=np.float64)
+        kb = kbar[cells].reshape(len(cells), kbar.shape[1])
         code = np.zeros(len(cells), np.int64) if planes is None else content_codes(kb, planes)
         return cls(kb, np.asarray(a, dtype=np.float64)[cells], cells, code)
 
