@@ -90,8 +90,8 @@ class HostCacheState:
         return out
 
     def memory_bytes(self) -> int:
-        """Bytes of the arrays held (FS-B: the forests' elements and trees included)."""
-        total = sum(getattr(self, name).nbytes for name in _FIXED + _STORE)
+        """Bytes of every array held (per-head constants and, for FS-B, the forests included)."""
+        total = sum(getattr(self, name).nbytes for name in _FIXED + _STORE + ("sigma", "lam"))
         if self.forests is not None:
             for row in self.forests:
                 for cf in row:
@@ -194,16 +194,28 @@ class HostCacheState:
         return held[np.searchsorted(cells, chosen)]
 
     def _select_fsb(self, q_i, i, b, h, g) -> np.ndarray:
-        from ..reference.fsb import select_query_fsb
+        """FS-B: beam search in the two streaming forests, rerank by rho (reference.fsb pieces)."""
+        from ..reference.fsb import beam_search, node_key, rerank_scores
 
-        n_avail = (i // self.cfg.block) * self.cfg.block // self.cfg.cell
-        if n_avail == 0:
+        cfg = self.cfg
+        forests = self.forests[b][g]
+        if forests.count == 0:
             return np.zeros(0, dtype=np.int64)
-        all_forest, high_forest = self.forests[b][g].forests(n_avail)
-        chosen = select_query_fsb(
-            q_i, i, all_forest, high_forest, self.cell_k[b, g], self.cfg, self.sigma[h], self.lam[h]
-        )
-        return np.asarray([c for c in chosen if c >= 0], dtype=np.int64)  # slot == cell id
+        trees_all, trees_high = forests.forests()  # over the available cells [0, n_j)
+        scale = 1.0 / math.sqrt(self.D)
+        q_norm = math.sqrt(float(q_i @ q_i))
+
+        def key(tree, level, m):
+            return node_key(q_i, q_norm, i, tree, tree.node(level, m), scale,
+                            self.sigma[h], self.lam[h], cfg.cell, cfg.radius_weight)
+
+        found_all, _ = beam_search(trees_all, key, cfg.beam)
+        found_high, _ = beam_search(trees_high, key, cfg.beam)
+        union = np.array(sorted(set(found_all) | set(found_high)), dtype=np.int64)
+        archive = self.cell_k[b, g].reshape(-1, self.D)  # slot == cell id: token t of cell c at row t
+        rho = rerank_scores(q_i, archive, union, cfg.cell)
+        chosen = top_k_cells(union, rho, cfg.top_k)
+        return chosen[chosen >= 0]  # slot == cell id
 
     def _query(self, q_i: np.ndarray, beta: np.ndarray) -> np.ndarray:
         """Output of query i = self.length (already ingested): q_i [B, Hq, D] -> [B, Hq, D]."""

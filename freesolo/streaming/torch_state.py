@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from ..config import FreeSoloConfig
 
-__all__ = ["TorchCacheState", "DecodeGraph", "fsl_candidate_count"]
+__all__ = ["TorchCacheState", "TorchFsbState", "DecodeGraph", "fsl_candidate_count"]
 
 _BUFFERS = (
     "pos", "inv_freq", "sigma", "lam", "ones_beta",
@@ -74,10 +74,7 @@ class TorchCacheState:
         dtype: Optional[torch.dtype] = None, device=None,
     ):
         if cfg.variant not in ("fs", "fsl"):
-            raise NotImplementedError(
-                f"the torch streaming state implements variants 'fs' and 'fsl', not {cfg.variant!r}; "
-                "use backend='numpy' for FS-B streaming"
-            )
+            raise ValueError(f"TorchCacheState implements variants 'fs' and 'fsl', not {cfg.variant!r} (see TorchFsbState)")
         self.cfg = cfg
         self.B, self.Hq, self.Hkv, self.D = batch, num_heads, num_kv_heads, head_dim
         self.group = num_heads // num_kv_heads
@@ -435,3 +432,47 @@ class DecodeGraph:
         self.graph.replay()
         state.length += 1
         return self.out
+
+
+class TorchFsbState:
+    """FS-B for backend="torch": the float64 host state behind a torch interface.
+
+    FS-B's beam search walks host-side trees grown at carries (`reference.forest.CausalForests`);
+    there is no device implementation of the streaming search yet, so this state converts each
+    chunk to float64 on the host, runs `HostCacheState` and returns the outputs on the chunk's
+    device and dtype (it synchronises; `decode_graph` is not available). Documented, not silent.
+    """
+
+    kind = "torch"
+
+    def __init__(self, cfg: FreeSoloConfig, batch: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 dtype: Optional[torch.dtype] = None, device=None):
+        from .host import HostCacheState
+
+        self.cfg = cfg
+        self.host = HostCacheState(cfg, batch, num_heads, num_kv_heads, head_dim)
+
+    @property
+    def length(self) -> int:
+        return self.host.length
+
+    def memory_bytes(self) -> int:
+        return self.host.memory_bytes()
+
+    def extend(self, q, k, v, beta) -> torch.Tensor:
+        host = [x.detach().to("cpu", torch.float64).numpy() for x in (q, k, v)]
+        beta64 = (torch.ones(q.shape[2], dtype=torch.float64) if beta is None else beta.detach().double().cpu()).numpy()
+        out = self.host.extend(*host, beta64)
+        return torch.from_numpy(out).to(device=q.device, dtype=q.dtype)
+
+    def prefill(self, k, v) -> None:
+        self.host.prefill(k.detach().to("cpu", torch.float64).numpy(), v.detach().to("cpu", torch.float64).numpy())
+
+    def state_dict(self) -> dict:
+        return self.host.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.host.load_state_dict(state)
+
+    def decode_graph(self, beta=None):
+        raise ValueError("decode_graph captures the FS-L step; FS-B streaming runs its search on the host")
