@@ -57,7 +57,7 @@ def _fsl_block_candidates(rank, pool, jj, cfg: FreeSoloConfig):
     s, P, W = cfg.cell, cfg.pool, cfg.recent
     B, Hkv, C = rank.shape
     dev = rank.device
-    n = jj * cfg.block // s  # (nb+1,) available cells
+    n = torch.clamp(jj * cfg.block // s, max=C)  # (nb+1,) available cells (the block after the end: C)
     m = torch.clamp(n - W, min=0)  # (nb+1,) older cells are c < m
     m0, m1 = int(m[0]), int(m[-1])
     new = torch.arange(m0, m1, device=dev)  # (Nn,) cells turning old during the chunk

@@ -1,0 +1,240 @@
+"""FS-B selection of the torch backend (spec §6), under torch.no_grad.
+
+Construction (vectorized over batch rows and kv heads, one pass per tree height h):
+every aligned dyadic segment [m*2^h, (m+1)*2^h) of a forest's elements is a tree; its leaves
+are the segment's elements stably sorted by content code (or kept in position order), and each
+level's node statistics (mu, rad, A, e) are reductions over groups of 2^l consecutive leaves.
+All trees of all heights live in one flat node table per (b, kv head); a node's flat id is
+`base[h] + m * (2^(h+1) - 1) + level_offset(h, l) + index`. Work: O(M log^2 M * D) per forest.
+
+Search (vectorized over the queries of a chunk, all query heads, batch rows): a Python loop over
+levels from the tallest height down to 0 keeps a frontier of `beam` nodes per query. At level l
+the candidates are the children of the frontier plus the root of the tree of height l (when bit
+l of the block's element count is set; at the tallest height that root alone forms the
+frontier, as in the oracle). Exact tie-break: candidates are first sorted by their global index
+in the level (start/2^l + index: the order of (segment start, index in level)), then a stable
+descending sort on the key. Rerank by rho = logsumexp over the cell's tokens, ties larger c.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...config import FreeSoloConfig
+from ...reference.forest import QUANT_SCALE, hyperplanes
+from ._ops import cell_stats
+from .selection import topk_cells
+
+__all__ = ["content_codes", "NodeTable", "build_node_table", "fsb_select", "fsb_bytes_per_query"]
+
+
+def fsb_bytes_per_query(B: int, Hq: int, D: int, cfg: FreeSoloConfig, itemsize: int) -> int:
+    """Transient bytes per query position of one FS-B selection chunk."""
+    rerank = 2 * cfg.beam * cfg.cell * (D + 2)
+    beam = 6 * (2 * cfg.beam + 1) * (D + 4)
+    return B * Hq * itemsize * (rerank + beam)
+
+
+def content_codes(kbar64: torch.Tensor, planes: torch.Tensor) -> torch.Tensor:
+    """kbar64 [B, Hkv, M, D] float64, planes [Hkv, r, D] (+-1) -> int64 codes [B, Hkv, M] (spec §6.2).
+
+    Q(x) = rint(x * 2^12) is integral and the projections are sums of D such integers: float64
+    represents them exactly (well below 2^53), so the matmul is exact integer arithmetic.
+    """
+    r = planes.shape[1]
+    qk = torch.round(kbar64 * QUANT_SCALE)  # (B, Hkv, M, D), integral float64 (rint: ties to even)
+    proj = torch.einsum("bhmd,hrd->bhmr", qk, planes.to(torch.float64))  # (B, Hkv, M, r), exact
+    weights = torch.tensor([1 << (r - 1 - b) for b in range(r)], dtype=torch.int64, device=kbar64.device)
+    return ((proj > 0).to(torch.int64) * weights).sum(dim=-1)
+
+
+class NodeTable:
+    """All trees of one forest kind, for every (b, kv head): flat node arrays.
+
+    mu [B, Hkv, N, D], rad / A [B, Hkv, N], e / cell [B, Hkv, N] int64 (cell: the leaf's cell
+    index at level 0, -1 elsewhere); base[h] = flat id of tree 0 of height h.
+    """
+
+    def __init__(self, mu, rad, A, e, cell, base, max_height):
+        self.mu, self.rad, self.A, self.e, self.cell = mu, rad, A, e, cell
+        self.base = base  # int64 tensor [max_height + 2]
+        self.max_height = max_height
+
+
+def build_node_table(kbar, a, cells, codes, M: int, cfg: FreeSoloConfig, outward: bool) -> NodeTable:
+    """Trees over the element sequences kbar [B, Hkv, M, D], a [B, Hkv, M], cells / codes int64
+    [B, Hkv, M] (position order; elements past a row's own count are never read).
+    `outward`: round the radius up (float32 computation)."""
+    B, Hkv, _, D = kbar.shape
+    dev = kbar.device
+    parts = {"mu": [], "rad": [], "A": [], "e": [], "cell": []}
+    base = [0]
+    H = max(M, 1).bit_length() - 1 if M > 0 else -1
+    for h in range(H + 1):
+        size = 1 << h
+        nseg = M >> h
+        n = nseg * size
+        if cfg.leaf_order == "content":
+            perm = torch.sort(codes[:, :, :n].reshape(B, Hkv, nseg, size), dim=-1, stable=True).indices
+        else:
+            perm = torch.arange(size, device=dev).expand(B, Hkv, nseg, size)
+        ranks = (torch.arange(nseg, device=dev)[:, None] * size + perm).reshape(B, Hkv, n)  # leaf order
+        kb = torch.gather(kbar, 2, ranks[..., None].expand(B, Hkv, n, D))  # (B, Hkv, n, D)
+        aa = torch.gather(a, 2, ranks)
+        cc = torch.gather(cells, 2, ranks)
+        lv = {"mu": [], "rad": [], "A": [], "e": [], "cell": []}
+        for l in range(h + 1):
+            g = 1 << l
+            grp = kb.reshape(B, Hkv, nseg, size // g, g, D)  # (B, Hkv, nseg, nodes, 2^l, D)
+            mu = grp.mean(dim=-2) if g > 1 else grp[..., 0, :]
+            if g > 1:
+                rad = torch.linalg.vector_norm(grp - mu[..., None, :], dim=-1).amax(dim=-1)
+                if outward:
+                    rad = rad * (1.0 + 8 * torch.finfo(rad.dtype).eps)
+            else:
+                rad = torch.zeros(mu.shape[:-1], dtype=kb.dtype, device=dev)
+            lv["mu"].append(mu)
+            lv["rad"].append(rad)
+            lv["A"].append(aa.reshape(B, Hkv, nseg, size // g, g).amax(dim=-1))
+            lv["e"].append(cc.reshape(B, Hkv, nseg, size // g, g).amin(dim=-1) * cfg.cell)
+            lv["cell"].append(cc.reshape(B, Hkv, nseg, size) if l == 0 else torch.full_like(lv["e"][-1], -1))
+        for key in parts:  # (B, Hkv, nseg, 2^(h+1) - 1[, D]) -> flat
+            t = torch.cat(lv[key], dim=3)
+            parts[key].append(t.reshape(B, Hkv, nseg * (2 * size - 1), *t.shape[4:]))
+        base.append(base[-1] + nseg * (2 * size - 1))
+    if H < 0:
+        z = kbar.new_zeros(B, Hkv, 0)
+        zi = torch.zeros(B, Hkv, 0, dtype=torch.int64, device=dev)
+        return NodeTable(kbar.new_zeros(B, Hkv, 0, D), z, z, zi, zi, torch.tensor(base, device=dev), H)
+    cat = {key: torch.cat(v, dim=2) for key, v in parts.items()}
+    return NodeTable(cat["mu"], cat["rad"], cat["A"], cat["e"], cat["cell"], torch.tensor(base, device=dev), H)
+
+
+def _level_offset(h: torch.Tensor, l: int) -> torch.Tensor:
+    """Index of the first node of level l in a tree of height h (tensor h)."""
+    return (1 << (h + 1)) - (1 << (h - l + 1))
+
+
+def _beam_search(table: NodeTable, n, q, qnorm, pos, sigma, lam, cfg: FreeSoloConfig):
+    """Beam search of one forest kind for the queries of a chunk.
+
+    table: NodeTable; n: int64 [B, Hkv, nb] elements covered by each block's forest.
+    q [B, Hkv, G, nb, Bq, D], qnorm [B, Hkv, G, nb, Bq], pos [nb, Bq] query positions (float),
+    sigma / lam [Hkv, G]. Returns element cells int64 [B, Hkv, G, nb, Bq, beam] (-1 = none).
+    """
+    B, Hkv, G, nb, Bq, D = q.shape
+    dev = q.device
+    F = cfg.beam
+    scale = D**-0.5
+    shape = (B, Hkv, G, nb, Bq, F)
+    z = torch.zeros(shape, dtype=torch.int64, device=dev)
+    tb, th, ts, ix = z, z, z, z  # tree base, tree height, tree start, index in level
+    valid = torch.zeros(shape, dtype=torch.bool, device=dev)
+    bi = torch.arange(B, device=dev).view(B, 1, 1, 1, 1, 1)
+    hi = torch.arange(Hkv, device=dev).view(1, Hkv, 1, 1, 1, 1)
+    sig = sigma.view(1, Hkv, G, 1, 1, 1)
+    lm = lam.view(1, Hkv, G, 1, 1, 1)
+    nq = n[:, :, None, :, None, None].expand(B, Hkv, G, nb, Bq, 1)  # (B, Hkv, G, nb, Bq, 1)
+    big = torch.iinfo(torch.int64).max
+    if table.max_height < 0:  # no element at all
+        return torch.full(shape, -1, dtype=torch.int64, device=dev)
+    for l in range(table.max_height, -1, -1):
+        # children of the frontier (if any), then the root of the tree of height l
+        c_tb = torch.cat([tb, tb], dim=-1)
+        c_th = torch.cat([th, th], dim=-1)
+        c_ts = torch.cat([ts, ts], dim=-1)
+        c_ix = torch.cat([2 * ix, 2 * ix + 1], dim=-1)
+        c_ok = torch.cat([valid, valid], dim=-1)
+        has_root = ((nq >> l) & 1) == 1  # (..., 1)
+        r_ts = (nq >> (l + 1)) << (l + 1)
+        r_tb = table.base[l] + (r_ts >> l) * ((2 << l) - 1)
+        c_tb = torch.cat([c_tb, r_tb], dim=-1)
+        c_th = torch.cat([c_th, torch.full_like(r_ts, l)], dim=-1)
+        c_ts = torch.cat([c_ts, r_ts], dim=-1)
+        c_ix = torch.cat([c_ix, torch.zeros_like(r_ts)], dim=-1)
+        c_ok = torch.cat([c_ok, has_root], dim=-1)  # (..., 2F+1)
+        flat = torch.where(c_ok, c_tb + _level_offset(c_th, l) + c_ix, torch.zeros_like(c_tb))
+        mu = table.mu[bi, hi, flat]  # (B, Hkv, G, nb, Bq, 2F+1, D)
+        dot = torch.einsum("bhgnqd,bhgnqcd->bhgnqc", q, mu)
+        prior = lm * table.A[bi, hi, flat] * torch.erf(sig * (pos[..., None] - table.e[bi, hi, flat].to(q.dtype)) / (2.0 * cfg.cell))
+        key = scale * (dot + cfg.radius_weight * qnorm[..., None] * table.rad[bi, hi, flat]) + prior
+        key = key.masked_fill(~c_ok, float("-inf"))
+        gidx = torch.where(c_ok, (c_ts >> l) + c_ix, torch.full_like(c_ix, big))
+        o1 = torch.sort(gidx, dim=-1).indices  # by (segment start, index in level)
+        key1 = torch.gather(key, -1, o1)
+        o2 = torch.sort(key1, dim=-1, descending=True, stable=True).indices[..., :F]
+        order = torch.gather(o1, -1, o2)
+        tb, th, ts, ix = (torch.gather(x, -1, order) for x in (c_tb, c_th, c_ts, c_ix))
+        valid = torch.gather(c_ok, -1, order)
+    flat = torch.where(valid, tb + _level_offset(th, 0) + ix, torch.zeros_like(tb))
+    cells = table.cell[bi, hi, flat]
+    return torch.where(valid, cells, torch.full_like(cells, -1))
+
+
+@torch.no_grad()
+def fsb_select(q, k, cfg: FreeSoloConfig, sigma, lam, nblocks_per_chunk: int) -> torch.Tensor:
+    """FS-B selection.
+
+    Args:
+        q: [B, Hkv, G, T, D] unrotated queries (compute dtype); k: [B, Hkv, T, D] unrotated keys.
+        sigma, lam: [Hkv, G]. nblocks_per_chunk: query blocks searched together.
+    Returns:
+        idx int64 [B, Hkv, G, T, top_k], by descending rho (ties larger c), -1 padded.
+    """
+    B, Hkv, G, T, D = q.shape
+    s, Bq, K = cfg.cell, cfg.block, cfg.top_k
+    dev = q.device
+    tau = torch.as_tensor(cfg.tau_array(Hkv), dtype=torch.float64, device=dev)  # (Hkv,)
+    planes = torch.as_tensor(hyperplanes(cfg.hash_seed, Hkv, cfg.hash_bits, D), device=dev)  # (Hkv, r, D)
+    kbar, a = cell_stats(k, s)  # (B, Hkv, C, D), (B, Hkv, C) in compute dtype
+    C = a.shape[-1]
+    kbar64, a64 = cell_stats(k.to(torch.float64), s)  # codes and the tau test from float64 (spec §6.2)
+    codes = content_codes(kbar64, planes) if cfg.leaf_order == "content" else torch.zeros_like(a64, dtype=torch.int64)
+    all_cells = torch.arange(C, device=dev).expand(B, Hkv, C)
+    outward = q.dtype != torch.float64
+    t_all = build_node_table(kbar, a, all_cells, codes, C, cfg, outward)
+    high = a64 > tau.view(1, Hkv, 1)  # (B, Hkv, C)
+    order = torch.sort((~high).to(torch.int8), dim=-1, stable=True).indices  # high cells first, increasing
+    n_high = high.sum(dim=-1)  # (B, Hkv)
+    Mh = int(n_high.max()) if C else 0
+    hc = order[:, :, :Mh]  # (B, Hkv, Mh) high cells (rows with fewer: padding never read)
+    t_high = build_node_table(
+        torch.gather(kbar, 2, hc[..., None].expand(B, Hkv, Mh, D)), torch.gather(a, 2, hc), hc,
+        torch.gather(codes, 2, hc), Mh, cfg, outward,
+    )
+    high_prefix = torch.cat([torch.zeros(B, Hkv, 1, dtype=torch.int64, device=dev), torch.cumsum(high, -1)], -1)
+    scale = D**-0.5
+    idx = torch.full((B, Hkv, G, T, K), -1, dtype=torch.int64, device=dev)
+    nblocks = -(-T // Bq)
+    bi = torch.arange(B, device=dev).view(B, 1, 1, 1, 1, 1)
+    hi = torch.arange(Hkv, device=dev).view(1, Hkv, 1, 1, 1, 1)
+    for j0 in range(0, nblocks, nblocks_per_chunk):
+        j1 = min(nblocks, j0 + nblocks_per_chunk)
+        nb = j1 - j0
+        if (j1 - 1) * Bq // s == 0:
+            continue  # no block of the chunk has an available cell
+        n_all = (torch.arange(j0, j1, device=dev) * Bq // s).expand(B, Hkv, nb)  # (B, Hkv, nb)
+        n_hi = torch.gather(high_prefix, 2, n_all)
+        i0, i1 = j0 * Bq, min(T, j1 * Bq)
+        qc = q[:, :, :, i0:i1]
+        if i1 - i0 < nb * Bq:
+            qc = torch.nn.functional.pad(qc, (0, 0, 0, nb * Bq - (i1 - i0)))
+        qc = qc.reshape(B, Hkv, G, nb, Bq, D)
+        qn = torch.linalg.vector_norm(qc, dim=-1)
+        pos = torch.arange(i0, i0 + nb * Bq, device=dev, dtype=q.dtype).view(nb, Bq)
+        found = torch.cat([
+            _beam_search(t_all, n_all, qc, qn, pos, sigma, lam, cfg),
+            _beam_search(t_high, n_hi, qc, qn, pos, sigma, lam, cfg),
+        ], dim=-1)  # (B, Hkv, G, nb, Bq, 2*beam)
+        found = torch.sort(found, dim=-1, descending=True).values  # larger c first, -1 last
+        dup = torch.zeros_like(found, dtype=torch.bool)
+        dup[..., 1:] = found[..., 1:] == found[..., :-1]
+        ok = (found >= 0) & ~dup
+        cells = torch.where(ok, found, torch.full_like(found, -1))
+        tok = cells.clamp(min=0)[..., None] * s + torch.arange(s, device=dev)  # (..., 2*beam, s)
+        kt = k[bi[..., None], hi[..., None], tok]  # (B, Hkv, G, nb, Bq, 2*beam, s, D)
+        logits = torch.einsum("bhgnqd,bhgnqcsd->bhgnqcs", qc, kt) * scale
+        rho = torch.logsumexp(logits, dim=-1).masked_fill(~ok, float("-inf"))
+        sel = topk_cells(rho, cells, K)  # (B, Hkv, G, nb, Bq, K)
+        idx[:, :, :, i0:i1] = sel.reshape(B, Hkv, G, nb * Bq, K)[:, :, :, : i1 - i0]
+    return idx
