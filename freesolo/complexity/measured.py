@@ -1,14 +1,16 @@
-"""Measured cost: wall time and peak memory of `freesolo_attention` over T, any backend and device.
+"""Measured cost: wall time and peak memory of `freesolo_attention` (and of `select_cells`) over T,
+for any backend and device.
 
 Memory methods (recorded in every row as "memory_method"):
 - "cuda_max_memory_allocated": torch.cuda.max_memory_allocated during the call, minus the
   allocated bytes before it (the inputs are not counted).
-- "peak_rss": CPU, Linux: the process's peak resident set (VmHWM, reset through
-  /proc/self/clear_refs before the call) minus the resident set before it. Counts every
-  allocator (NumPy, numba's NRT, torch), so it is the honest CPU number; it includes page-level
-  noise of ~0.1 MiB.
-- "tracemalloc": CPU where /proc cannot be reset: Python/NumPy heap peak only (numba's internal
-  temporaries are not included), a lower bound.
+- "tracemalloc" (CPU, host backends numpy / numba): the peak of traced allocations during the
+  call minus those before it. NumPy arrays and numba's NRT arrays (temporaries included) are
+  traced; the inputs are not counted.
+- "peak_rss" (CPU, torch backend: torch's CPU allocator is not traced): the process's peak
+  resident set (VmHWM, reset through /proc/self/clear_refs) minus the resident set before the
+  call. Memory the C allocator kept from earlier calls is reused without growing the RSS, so
+  this under-counts small peaks; Linux only.
 """
 
 from __future__ import annotations
@@ -112,8 +114,12 @@ class PeakMemory:
 
 
 @contextlib.contextmanager
-def peak_memory(device: str = "cpu") -> Iterator[PeakMemory]:
-    """Measure the peak extra memory of the block on `device` ("cpu" or "cuda[:n]"); see the module doc."""
+def peak_memory(device: str = "cpu", method: Optional[str] = None) -> Iterator[PeakMemory]:
+    """Measure the peak extra memory of the block on `device` ("cpu" or "cuda[:n]").
+
+    method: None (CUDA: "cuda_max_memory_allocated"; CPU: "tracemalloc"), or "peak_rss" on the CPU.
+    See the module doc for what each counts.
+    """
     if device.startswith("cuda"):
         import torch
 
@@ -124,13 +130,17 @@ def peak_memory(device: str = "cpu") -> Iterator[PeakMemory]:
         yield result
         torch.cuda.synchronize(device)
         result.bytes = int(torch.cuda.max_memory_allocated(device) - before)
-    elif device == "cpu" and _can_reset_rss():
+    elif device != "cpu":
+        raise ValueError(f"device={device!r} must be 'cpu' or 'cuda[:n]'")
+    elif method == "peak_rss":
+        if not _can_reset_rss():
+            raise RuntimeError("peak_rss needs Linux /proc/self/clear_refs; use method='tracemalloc'")
         _, before = _rss_kib()  # clear_refs was just written: VmHWM == VmRSS now
         result = PeakMemory("peak_rss")
         yield result
         hwm, _ = _rss_kib()
         result.bytes = max(0, hwm - before) * 1024
-    elif device == "cpu":
+    elif method in (None, "tracemalloc"):
         was_tracing = tracemalloc.is_tracing()
         if not was_tracing:
             tracemalloc.start()
@@ -139,13 +149,13 @@ def peak_memory(device: str = "cpu") -> Iterator[PeakMemory]:
         result = PeakMemory("tracemalloc")
         try:
             yield result
-        finally:
             _, peak = tracemalloc.get_traced_memory()
+            result.bytes = int(peak - before)
+        finally:
             if not was_tracing:
                 tracemalloc.stop()
-        result.bytes = int(peak - before)
     else:
-        raise ValueError(f"device={device!r} must be 'cpu' or 'cuda[:n]'")
+        raise ValueError(f"method={method!r} must be None, 'tracemalloc' or 'peak_rss'")
 
 
 # ---- time -----------------------------------------------------------------------------------
@@ -167,15 +177,17 @@ def time_call(fn: Callable[[], object], device: str = "cpu") -> float:
 def measure_point(
     variant: str, backend: str, T: int, cfg: FreeSoloConfig, batch: int = 1, num_heads: int = 1,
     num_kv_heads: int = 1, dim: int = 64, seed: int = 0, repeats: int = 3, min_total_s: float = 1.0,
-    device: str = "cpu", dtype: Optional[str] = None,
+    device: str = "cpu", dtype: Optional[str] = None, selection: bool = True,
 ) -> dict:
-    """Time and peak memory of one forward `freesolo_attention` call at length T.
+    """Time and peak memory of one forward `freesolo_attention` call at length T (and, with
+    `selection`, the time of `select_cells` alone).
 
-    The first call is measured for memory and time; further calls (up to `repeats` in all) run
-    while the accumulated time is below `min_total_s`. Reports the median and minimum time.
+    The first forward call is measured for memory (and timed); further calls (up to `repeats` in
+    all) run while the accumulated time is below `min_total_s`; "time_s" is the median of the
+    untraced calls when there are any (tracemalloc slows Python code), else the first call's.
     FS-B gets tau from `tau_for_keys` (= calibrate_tau) on the same keys.
     """
-    from ..api import freesolo_attention
+    from ..api import freesolo_attention, select_cells
 
     kind = "torch" if backend in ("torch", "triton") else "numpy"
     q, k, v = make_inputs(batch, T, num_heads, num_kv_heads, dim, seed, kind, device, dtype)
@@ -183,26 +195,39 @@ def measure_point(
     if variant == "fsb":
         vcfg = vcfg.replace(tau=tuple(tau_for_keys(k, vcfg)))
 
-    def call():
+    def forward():
         return freesolo_attention(q, k, v, vcfg, backend=backend)
 
-    with peak_memory(device) as mem:
-        times = [time_call(call, device)]
-    while len(times) < repeats and sum(times) < min_total_s:
-        times.append(time_call(call, device))
-    return {
-        "variant": variant, "backend": backend, "device": device, "dtype": dtype or ("float64" if kind == "numpy" else "float32"),
+    def select():
+        return select_cells(q, k, vcfg, backend=backend)
+
+    method = "peak_rss" if (device == "cpu" and kind == "torch") else None
+    with peak_memory(device, method) as mem:
+        first = time_call(forward, device)
+    times = []
+    while 1 + len(times) < repeats and first + sum(times) < min_total_s:
+        times.append(time_call(forward, device))
+    row = {
+        "variant": variant, "backend": backend, "device": device,
+        "dtype": dtype or ("float64" if kind == "numpy" else "float32"),
         "T": T, "batch": batch, "num_heads": num_heads, "num_kv_heads": num_kv_heads, "dim": dim,
-        "time_s": float(np.median(times)), "time_min_s": float(min(times)), "runs": len(times),
-        "peak_bytes": mem.bytes, "memory_method": mem.method, "status": "ok",
+        "time_s": float(np.median(times)) if times else first, "time_min_s": float(min([first, *times])),
+        "runs": 1 + len(times), "peak_bytes": mem.bytes, "memory_method": mem.method,
+        "select_time_s": None, "status": "ok",
     }
+    if selection:
+        sel = [time_call(select, device)]
+        while len(sel) < repeats and sum(sel) < min_total_s:
+            sel.append(time_call(select, device))
+        row["select_time_s"] = float(np.median(sel))
+    return row
 
 
 def measured_sweep(
     T_list: Sequence[int], variants: Sequence[str], backend: str, cfg: FreeSoloConfig, batch: int = 1,
     num_heads: int = 1, num_kv_heads: int = 1, dim: int = 64, seed: int = 0, repeats: int = 3,
     max_seconds_per_point: float = 30.0, device: str = "cpu", dtype: Optional[str] = None,
-    progress: bool = True, warmup: bool = True,
+    progress: bool = True, warmup: bool = True, selection: bool = True,
 ) -> list[dict]:
     """Measure every (variant, T) in increasing T; one row per point.
 
@@ -224,7 +249,7 @@ def measured_sweep(
         error = None
         if warmup:
             try:
-                measure_point(variant, backend, T_list[0], cfg, repeats=1, **common)
+                measure_point(variant, backend, T_list[0], cfg, repeats=1, selection=selection, **common)
             except Exception as exc:  # noqa: BLE001 - recorded in the rows and printed by the CLI
                 error = f"error: {type(exc).__name__}: {exc}".splitlines()[0]
         done: list[dict] = []
@@ -238,19 +263,20 @@ def measured_sweep(
                 if len(done) >= 2:
                     prev = done[-2]
                     slope = max(1.0, math.log(last["time_s"] / prev["time_s"]) / math.log(last["T"] / prev["T"]))
-                predicted = last["time_s"] * (T / last["T"]) ** slope
+                spent = last["time_s"] + (last["select_time_s"] or 0.0)
+                predicted = spent * (T / last["T"]) ** slope
                 if predicted > max_seconds_per_point:
                     status = f"skipped: predicted {predicted:.1f} s > {max_seconds_per_point:g} s per point"
             if status is None:
                 try:
-                    row = measure_point(variant, backend, T, cfg, repeats=repeats, **common)
+                    row = measure_point(variant, backend, T, cfg, repeats=repeats, selection=selection, **common)
                     done.append(row)
                     rows.append(row)
                 except Exception as exc:  # noqa: BLE001
                     error = status = f"error: {type(exc).__name__}: {exc}".splitlines()[0]
             if status is not None:
                 rows.append({"variant": variant, "backend": backend, "device": device, "T": T, "status": status,
-                             "time_s": None, "peak_bytes": None})
+                             "time_s": None, "select_time_s": None, "peak_bytes": None})
             if bar is not None:
                 bar.update(1)
     if bar is not None:

@@ -44,12 +44,14 @@ def _pyplot():
 
 def plot_cost_vs_T(
     ax, series: Mapping[str, tuple[Sequence[float], Sequence[float]]], ylabel: str, title: str,
-    slopes: Optional[Mapping[str, str]] = None, references: bool = True, skipped: Optional[Mapping[str, Sequence[float]]] = None,
+    slopes: Optional[Mapping[str, str]] = None, references: bool = True,
+    skipped: Optional[Mapping[str, Sequence[float]]] = None, fit_range: Optional[tuple] = None,
 ) -> None:
     """Draw one panel: series {variant: (T [n], y [n])} on log-log axes with reference slopes.
 
     `slopes` {variant: "1.01 [0.99, 1.03]"} is appended to the legend labels; `skipped`
-    {variant: [T, ...]} marks points not measured (an x on the T axis).
+    {variant: [T, ...]} marks points not measured (an x on the T axis); `fit_range` (T0, T1)
+    shades the range the slopes were fitted over.
     """
     all_T, first_y = [], []
     for variant, (T, y) in series.items():
@@ -63,10 +65,13 @@ def plot_cost_vs_T(
         all_T.extend(T.tolist())
         first_y.append(y[0])
     if skipped:
+        labelled = False
         for variant, Ts in skipped.items():
             if len(Ts):
                 colour = VARIANT_STYLE.get(variant, ("black",))[0]
-                ax.plot(Ts, [ax.get_ylim()[0]] * len(Ts), "x", color=colour, clip_on=False, markersize=8)
+                ax.plot(Ts, [ax.get_ylim()[0]] * len(Ts), "x", color=colour, clip_on=False, markersize=9, mew=2,
+                        label=None if labelled else "× = point skipped (too slow) or failed")
+                labelled = True
     if references and all_T:
         t0, t1 = min(all_T), max(all_T)
         grid = np.geomspace(t0, t1, 50)
@@ -75,11 +80,13 @@ def plot_cost_vs_T(
         for name, f in _REFERENCES:
             ref = anchor * f(grid) / f(t0)
             ax.loglog(grid, ref, linestyle="--", color="0.55", linewidth=1)
-            inside = ref <= ylim[1] * 1.5
+            inside = ref <= ylim[1] * 0.8
             k = int(np.nonzero(inside)[0][-1]) if inside.any() else 0
-            ax.annotate(name, (grid[k], ref[k]), textcoords="offset points", xytext=(3, 0), fontsize=8, color="0.35",
-                        va="center")
+            ax.annotate(name, (grid[k], ref[k]), textcoords="offset points", xytext=(4, 0), fontsize=9, color="0.3",
+                        va="center", ha="left" if k == grid.size - 1 else "right")
         ax.set_ylim(ylim)
+    if fit_range is not None and all_T and (fit_range[0] > min(all_T) or fit_range[1] < max(all_T)):
+        ax.axvspan(fit_range[0], fit_range[1], color="0.9", zorder=0, label="fit range")
     Ts = sorted(set(all_T))
     if Ts:
         ticks = [t for t in Ts if math.log2(t).is_integer()]
@@ -97,12 +104,16 @@ def plot_cost_vs_T(
         ax.text(0.5, 0.5, "no data", transform=ax.transAxes, ha="center", va="center", color="0.4")
 
 
-def plot_scaling(panels: Sequence[dict], path: str, suptitle: str) -> str:
+def plot_scaling(panels: Sequence[dict], path: str, suptitle: str, ncols: int = 2) -> str:
     """Save a figure with one panel per dict (keys: the arguments of plot_cost_vs_T but `ax`) to `path` (PNG)."""
     plt = _pyplot()
-    fig, axes = plt.subplots(1, len(panels), figsize=(6.2 * len(panels), 5.2), squeeze=False)
-    for ax, panel in zip(axes[0], panels):
+    ncols = min(ncols, len(panels))
+    nrows = -(-len(panels) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(7.0 * ncols, 5.4 * nrows), squeeze=False)
+    for ax, panel in zip(axes.flat, panels):
         plot_cost_vs_T(ax, **panel)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
     fig.suptitle(suptitle, fontsize=12)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

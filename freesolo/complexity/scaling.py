@@ -82,6 +82,8 @@ def _configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--counted-T-max", type=parse_tokens, default=1 << 20, help="largest counted T (default 1M)")
     parser.add_argument("--fit-T-min", type=parse_tokens, default=16384,
                         help="counted exponents are fitted over T >= this (default 16k, where the window and pool are full)")
+    parser.add_argument("--measured-fit-T-min", type=parse_tokens, default=4096,
+                        help="measured exponents are fitted over T >= this (default 4k: fixed overheads dominate below)")
     parser.add_argument("--heads", type=int, default=2, help="query heads Hq (default 2)")
     parser.add_argument("--kv-heads", type=int, default=1, help="kv heads Hkv (default 1)")
     parser.add_argument("--dim", type=int, default=64, help="head dim D (default 64)")
@@ -196,21 +198,33 @@ def format_report(result: dict) -> str:
     if measured:
         Ts = sorted({r["T"] for r in measured})
         m = result["measured_setup"]
-        lines.append(f"Measured wall time ({m['backend']}, {m['device']}, {m['dtype']}), median of up to "
-                     f"{m['repeats']} runs; peak memory by {m['memory_method']}")
-        rows = []
-        for variant in result["variants"]:
-            vrows = {r["T"]: r for r in measured if r["variant"] == variant}
-            fit = fits["measured_time"].get(variant)
-            cells = []
-            for T in Ts:
-                r = vrows.get(T)
-                cells.append(_fmt_time(r["time_s"]) if r and r["status"] == "ok" else "skip" if r and r["status"].startswith("skipped") else "err")
-            ok = [r for r in vrows.values() if r["status"] == "ok"]
-            peak = max(ok, key=lambda r: r["T"])["peak_bytes"] if ok else None
-            rows.append([variant, fit["slope_text"] if fit else "-", *cells, _fmt_bytes(peak)])
-        lines.append(_table(["variant", "time exponent [95% CI]", *[f"T={format_tokens(T)}" for T in Ts],
-                             "peak mem @largest"], rows))
+        fr = result["fit_ranges"]["measured"]
+        lines.append(f"Measured wall time ({m['backend']}, {m['device']}, {m['dtype']}), median of up to {m['repeats']} runs, "
+                     f"exponents fitted over T = {format_tokens(fr[0])}..{format_tokens(fr[1])}; "
+                     f"peak memory of the forward call by {m['memory_method']}")
+        for key, what in (("time_s", "forward (attention)"), ("select_time_s", "selection only (select_cells)")):
+            fit_name = "measured_time" if key == "time_s" else "measured_select_time"
+            rows = []
+            for variant in result["variants"]:
+                vrows = {r["T"]: r for r in measured if r["variant"] == variant}
+                fit = fits[fit_name].get(variant)
+                cells = []
+                for T in Ts:
+                    r = vrows.get(T)
+                    if r and r["status"] == "ok":
+                        cells.append(_fmt_time(r.get(key)))
+                    else:
+                        cells.append("skipped" if r and r["status"].startswith("skipped") else "error")
+                row = [variant, fit["slope_text"] if fit else "-", *cells]
+                if key == "time_s":
+                    ok = [r for r in vrows.values() if r["status"] == "ok"]
+                    row.append(_fmt_bytes(max(ok, key=lambda r: r["T"])["peak_bytes"]) if ok else "-")
+                rows.append(row)
+            headers = [f"variant", f"{what} exponent [95% CI]", *[f"T={format_tokens(T)}" for T in Ts]]
+            if key == "time_s":
+                headers.append("peak mem @largest")
+            lines.append(_table(headers, rows))
+            lines.append("")
         errors = sorted({f"{r['variant']}: {r['status']}" for r in measured if r["status"] != "ok"})
         for e in errors:
             lines.append(f"  note: {e}")
@@ -268,13 +282,16 @@ def run_scaling(args: argparse.Namespace) -> int:
                                   max_seconds_per_point=args.max_seconds_per_point, device=args.device,
                                   dtype=args.dtype, progress=not args.no_progress, **shape)
     fit_lo = max(args.fit_T_min, counted_T[0]) if counted_T[-1] >= 2 * args.fit_T_min else counted_T[0]
+    # measured fits over T >= measured-fit-T-min when that leaves at least 3 points, else over all points
+    mfit_lo = args.measured_fit_T_min if sum(T >= args.measured_fit_T_min for T in measured_T) >= 3 else measured_T[0]
     fits = {
         "counted_selection_work": _fits(counted, "selection_work", fit_lo),
         "counted_work": _fits(counted, "work", fit_lo),
         "counted_cells_scored": _fits(counted, "cells_scored", fit_lo),
         "counted_node_keys": _fits(counted, "node_keys", fit_lo),
-        "measured_time": _fits(measured, "time_s"),
-        "measured_peak_bytes": _fits(measured, "peak_bytes"),
+        "measured_time": _fits(measured, "time_s", mfit_lo),
+        "measured_select_time": _fits(measured, "select_time_s", mfit_lo),
+        "measured_peak_bytes": _fits(measured, "peak_bytes", mfit_lo),
     }
     ok = [r for r in measured if r["status"] == "ok"]
     result = {
@@ -283,7 +300,7 @@ def run_scaling(args: argparse.Namespace) -> int:
         "config": {name: getattr(cfg, name) for name in (*_CONFIG_FLAGS, "sigma", "lam", "leaf_order", "hash_bits")},
         "shape": {"batch": args.batch, "heads": args.heads, "kv_heads": args.kv_heads, "dim": args.dim, "seed": args.seed},
         "variants": args.variants,
-        "fit_ranges": {"counted": [fit_lo, counted_T[-1]], "measured": [measured_T[0], measured_T[-1]]},
+        "fit_ranges": {"counted": [fit_lo, counted_T[-1]], "measured": [mfit_lo, measured_T[-1]]},
         "measured_setup": {"backend": args.backend, "device": args.device,
                            "dtype": ok[0]["dtype"] if ok else (args.dtype or "-"), "repeats": args.repeats,
                            "memory_method": ok[0]["memory_method"] if ok else "-"},
@@ -297,24 +314,34 @@ def run_scaling(args: argparse.Namespace) -> int:
     panels = [dict(
         series=_series(counted, "selection_work", 1.0 / (args.batch * args.heads)),
         ylabel="selection work per head (D-length dot products)",
-        title=f"Counted selection cost (exact), T = {format_tokens(counted_T[0])}..{format_tokens(counted_T[-1])}",
+        title=f"Counted selection cost (exact, spec §10), B={args.batch} D={args.dim}",
         slopes={v: f["slope_text"] for v, f in fits["counted_selection_work"].items() if f},
+        fit_range=tuple(result["fit_ranges"]["counted"]),
     )]
     if ok:
         skipped = {v: [r["T"] for r in measured if r["variant"] == v and r["status"] != "ok"] for v in args.variants}
+        where = f"{args.backend} on {args.device}, B={args.batch} Hq={args.heads} Hkv={args.kv_heads} D={args.dim}"
         panels.append(dict(
             series=_series(measured, "time_s"), ylabel="wall time of one forward call (s)",
-            title=f"Measured time: {args.backend} on {args.device}, B={args.batch} Hq={args.heads} D={args.dim}",
+            title=f"Measured forward time ({where})",
             slopes={v: f["slope_text"] for v, f in fits["measured_time"].items() if f}, skipped=skipped,
+            fit_range=(mfit_lo, measured_T[-1]),
         ))
         panels.append(dict(
-            series=_series(measured, "peak_bytes", 1.0 / (1 << 20)), ylabel="peak extra memory (MiB)",
-            title=f"Measured peak memory ({result['measured_setup']['memory_method']})",
+            series=_series(measured, "select_time_s"), ylabel="wall time of select_cells (s)",
+            title=f"Measured selection time only ({args.backend} on {args.device})",
+            slopes={v: f["slope_text"] for v, f in fits["measured_select_time"].items() if f}, skipped=skipped,
+            fit_range=(mfit_lo, measured_T[-1]),
+        ))
+        panels.append(dict(
+            series=_series(measured, "peak_bytes", 1.0 / (1 << 20)), ylabel="peak extra memory of a forward call (MiB)",
+            title=f"Measured peak memory ({result['measured_setup']['memory_method']}, inputs not counted)",
             slopes={v: f["slope_text"] for v, f in fits["measured_peak_bytes"].items() if f}, skipped=skipped,
+            fit_range=(mfit_lo, measured_T[-1]),
         ))
     png = plot_scaling(panels, os.path.join(args.out, "scaling.png"),
-                       "FreeSolo cost vs sequence length: FS is quadratic, FS-L linear, FS-B near-linear "
-                       "(dashed: reference slopes; legend: fitted log-log slope [95% CI])")
+                       "FreeSolo attention: cost vs sequence length T, one line per variant "
+                       "(grey dashed: reference slopes; legend: fitted log-log slope [95% CI])")
     result["elapsed_s"] = time.perf_counter() - start
     with open(os.path.join(args.out, "scaling.json"), "w") as f:
         json.dump(result, f, indent=1, default=float)
