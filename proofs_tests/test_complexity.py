@@ -338,4 +338,4 @@ def test_scaling_cli_writes_csv_json_png(tmp_path, capsys):
     assert all(r["status"] == "ok" for r in result["measured"])
     assert result["fits"]["counted_selection_work"]["fs"]["slope"]["slope"] > 1.8
     printed = capsys.readouterr().out
-    assert "selection exponent" in printed and "time exponent" in printed
+    assert "selection exponent" in printed and "forward (attention) exponent" in printed
