@@ -59,6 +59,14 @@ def _sort_desc_ties_larger_id(values: torch.Tensor, ids: torch.Tensor, k: int) -
     return by_id.gather(-1, by_value[..., :k])
 
 
+def _gather_cells(store: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """store [B, Hkv, S, ...], slots int64 [B, Hkv, M] -> [B, Hkv, M, ...] (index_select of rows)."""
+    B, Hkv, S = store.shape[:3]
+    rows = torch.arange(B * Hkv, device=store.device).view(B, Hkv, 1) * S + slots  # [B, Hkv, M]
+    flat = store.reshape((B * Hkv * S,) + store.shape[3:])
+    return flat.index_select(0, rows.reshape(-1)).view((B, Hkv, slots.shape[2]) + store.shape[3:])
+
+
 class TorchCacheState:
     """Streaming state of one layer in torch tensors (FS, FS-L).
 
@@ -190,12 +198,8 @@ class TorchCacheState:
         in_new = (keep - S).clamp(min=0, max=m - 1)
 
         def pick(store: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-            extra = store.dim() - 3
-            shape = keep.shape + store.shape[3:]
-            i_store = in_store.view(keep.shape + (1,) * extra).expand(shape)
-            i_new = in_new.view(keep.shape + (1,) * extra).expand(shape)
-            mask = from_store.view(keep.shape + (1,) * extra)
-            return torch.where(mask, store.gather(2, i_store), new.gather(2, i_new))
+            mask = from_store.view(keep.shape + (1,) * (store.dim() - 3))
+            return torch.where(mask, _gather_cells(store, in_store), _gather_cells(new.contiguous(), in_new))
 
         new_store = {
             "cell_k": pick(self.cell_k, k_cells), "cell_v": pick(self.cell_v, v_cells),
@@ -274,9 +278,9 @@ class TorchCacheState:
         scores = scale_dot(dots, D) + self.lam.view(1, Hkv, G, 1, 1) * a.view(B, Hkv, 1, 1, used) * prior
         scores = torch.where(ids.view(B, Hkv, 1, 1, used) >= 0, scores, torch.full_like(scores, float("-inf")))
         chosen = _sort_desc_ties_larger_id(scores, ids.view(B, Hkv, 1, 1, used), k_eff)  # (B, Hkv, G, n, k_eff) slots
-        flat = chosen.reshape(B, Hkv, G * n * k_eff, 1, 1).expand(B, Hkv, G * n * k_eff, s, D)
-        keys = self.cell_k.gather(2, flat)  # (B, Hkv, G*n*k_eff, s, D)
-        values = self.cell_v.gather(2, flat)
+        flat = chosen.reshape(B, Hkv, G * n * k_eff)
+        keys = _gather_cells(self.cell_k, flat)  # (B, Hkv, G*n*k_eff, s, D)
+        values = _gather_cells(self.cell_v, flat)
         N = B * Hkv * G * n
         keys = keys.reshape(N, 1, k_eff * s, D)
         values = values.reshape(N, 1, k_eff * s, D)

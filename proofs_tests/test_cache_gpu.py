@@ -1,0 +1,109 @@
+"""FreeSoloCache on CUDA: L6 against the oracle, FS-L decode without host synchronisation
+(`torch.cuda.set_sync_debug_mode("error")`), and a decode step captured in a CUDA graph.
+
+Skipped on machines without a CUDA device (the reason is printed). Run on the GPU with
+`python -m pytest proofs_tests/test_cache_gpu.py -v`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import freesolo
+from freesolo import FreeSoloCache, FreeSoloConfig
+
+from .helpers import SMALL, assert_close, random_qkv
+
+torch = pytest.importorskip("torch")
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (FreeSoloCache CUDA decode)"),
+]
+
+CFG = FreeSoloConfig(variant="fsl", window=32, cell=4, block=16, pool=4, recent=3, top_k=3)
+
+
+def cuda(x, dtype=torch.float32):
+    return torch.from_numpy(np.ascontiguousarray(x)).to("cuda", dtype)
+
+
+@pytest.mark.parametrize("variant", ["fs", "fsl"])
+@pytest.mark.parametrize("chunks", [(1,), (5, 16, 1, 33)], ids=["decode", "mixed"])
+def test_cuda_stream_equals_oracle(variant, chunks):
+    cfg = CFG.replace(variant=variant)
+    B, T, Hq, Hkv, D = 2, 150, 4, 2, 64
+    q, k, v = random_qkv(0, B, T, Hq, Hkv, D)
+    expected = freesolo.freesolo_attention(q, k, v, cfg, backend="numpy")
+    cache = FreeSoloCache(cfg, B, Hq, Hkv, D, backend="torch")
+    outs, start, n = [], 0, 0
+    while start < T:
+        size = min(chunks[n % len(chunks)], T - start)
+        sl = slice(start, start + size)
+        outs.append(cache.extend(cuda(q[:, sl]), cuda(k[:, sl]), cuda(v[:, sl])).double().cpu().numpy())
+        start, n = start + size, n + 1
+    assert_close(np.concatenate(outs, 1), expected, rtol=1e-5, name=f"cuda {variant} stream")
+
+
+def test_cuda_fsl_decode_has_no_host_sync():
+    """Every FS-L decode step (block boundaries, T < w masks, early blocks included) with
+    check_finite=False runs under sync debug mode "error": a host sync would raise."""
+    B, T, Hq, Hkv, D = 2, 3 * CFG.block + CFG.window + 7, 4, 2, 64
+    q, k, v = (cuda(x, torch.bfloat16) for x in random_qkv(1, B, T, Hq, Hkv, D))
+    cache = FreeSoloCache(CFG, B, Hq, Hkv, D, backend="torch", dtype=torch.bfloat16, device="cuda")
+    beta = torch.linspace(0.5, 1.5, Hq, device="cuda")
+    outs = []
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for t in range(T):
+            outs.append(cache.extend(q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], beta=beta, check_finite=False))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    out = torch.cat(outs, 1)
+    assert torch.isfinite(out).all()
+    expected = freesolo.freesolo_attention(
+        *(x.double().cpu().numpy() for x in (q, k, v)), CFG, beta=beta.double().cpu().numpy(), backend="numpy"
+    )
+    assert_close(out.double().cpu().numpy(), expected, rtol=3e-2, name="bf16 decode")
+
+
+def test_cuda_graph_decode_matches_eager():
+    B, Hq, Hkv, D = 3, 4, 1, 64
+    T0, steps = CFG.window + 2 * CFG.block + 5, 3 * CFG.block + 2  # steady state, crosses 3 boundaries
+    q, k, v = (cuda(x) for x in random_qkv(2, B, T0 + steps, Hq, Hkv, D))
+    eager = FreeSoloCache(CFG, B, Hq, Hkv, D, backend="torch")
+    eager.extend(q[:, :T0], k[:, :T0], v[:, :T0])
+    graphed = FreeSoloCache(CFG, B, Hq, Hkv, D, backend="torch")
+    graphed.load_state_dict(eager.state_dict())
+    step = graphed.decode_graph()
+    for t in range(T0, T0 + steps):
+        a = eager.extend(q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], check_finite=False)
+        b = step(q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1]).clone()
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)
+    assert graphed.length == eager.length == T0 + steps
+    for name, x in eager.state.buffers().items():
+        assert torch.equal(graphed.state.buffers()[name], x), f"state {name} differs after graph replay"
+
+
+def test_cuda_graph_refuses_before_steady_state():
+    cache = FreeSoloCache(CFG, 1, 2, 1, 64, backend="torch", dtype=torch.float32, device="cuda")
+    with pytest.raises(ValueError, match="steady state"):
+        cache.decode_graph()
+
+
+def test_cuda_fsl_memory_constant_at_large_T():
+    """L7 on the device at paper sizes: prefill 2k and 40k tokens, memory_bytes identical."""
+    cfg = FreeSoloConfig(variant="fsl")
+    sizes = []
+    for T in (2048, 40960):
+        cache = FreeSoloCache(cfg, 1, 8, 2, 64, backend="torch", dtype=torch.bfloat16, device="cuda")
+        for start in range(0, T, 8192):
+            n = min(8192, T - start)
+            cache.prefill(torch.randn(1, n, 2, 64, device="cuda", dtype=torch.bfloat16),
+                          torch.randn(1, n, 2, 64, device="cuda", dtype=torch.bfloat16))
+        sizes.append(cache.memory_bytes())
+        held = (cache.state.cell_ids >= 0).sum(-1)
+        assert int(held.max()) <= cfg.pool + cfg.recent
+    assert sizes[0] == sizes[1]
