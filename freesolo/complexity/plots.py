@@ -15,6 +15,7 @@ VARIANT_STYLE = {
     "fs": ("tab:red", "o", "FS (scores every cell)"),
     "fsl": ("tab:blue", "s", "FS-L (pool of P+W cells)"),
     "fsb": ("tab:green", "^", "FS-B (beam search in trees)"),
+    "sdpa": ("black", "D", "dense causal SDPA (reference)"),
 }
 _REFERENCES = (
     ("∝ N", lambda n: n),
@@ -64,7 +65,7 @@ def plot_cost_vs_T(
         ax.loglog(T, y, marker=marker, color=colour, label=label, linewidth=2, markersize=5)
         all_T.extend(T.tolist())
         first_y.append(y[0])
-    if skipped:
+    if skipped and all_T:
         labelled = False
         for variant, Ts in skipped.items():
             if len(Ts):

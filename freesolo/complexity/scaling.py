@@ -295,7 +295,7 @@ def run_scaling(args: argparse.Namespace) -> int:
     }
     ok = [r for r in measured if r["status"] == "ok"]
     result = {
-        "command": "freesolo scaling " + " ".join(sys.argv[1:]) if sys.argv else "freesolo scaling",
+        "args": {key: value for key, value in vars(args).items() if key != "func"},
         "versions": _versions(),
         "config": {name: getattr(cfg, name) for name in (*_CONFIG_FLAGS, "sigma", "lam", "leaf_order", "hash_bits")},
         "shape": {"batch": args.batch, "heads": args.heads, "kv_heads": args.kv_heads, "dim": args.dim, "seed": args.seed},
