@@ -17,6 +17,7 @@ gpu_scaling.png, and prints a table.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -87,8 +88,12 @@ def _sdpa(q, k, v):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--T", type=lambda s: [parse_tokens(t) for t in s.split(",")],
-                        default=[1 << p for p in range(12, 21)], help="lengths (default 4k..1M, powers of 2)")
+    parser.add_argument(
+        "--T",
+        type=lambda s: [parse_tokens(t) for t in s.split(",")],
+        default=[1 << p for p in range(12, 21)],
+        help="lengths (default 4k..1M, powers of 2)",
+    )
     parser.add_argument("--variants", default="fs,fsl,fsb")
     parser.add_argument("--providers", default=None, help="backends (default: torch, and triton when available)")
     parser.add_argument("--no-sdpa", action="store_true", help="do not time dense causal SDPA")
@@ -113,12 +118,20 @@ def main(argv=None) -> int:
     kv_heads = args.kv_heads or args.heads
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("--device cuda but torch.cuda.is_available() is False (use --device cpu for a smoke run)")
-    providers = args.providers.split(",") if args.providers else [
-        p for p in ("torch", "triton") if p in freesolo.available_backends()]
+    providers = (
+        args.providers.split(",")
+        if args.providers
+        else [p for p in ("torch", "triton") if p in freesolo.available_backends()]
+    )
     variants = args.variants.split(",")
     base = freesolo.FreeSoloConfig()
-    versions = {"python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__,
-                "freesolo": freesolo.__version__, "device": args.device}
+    versions = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "freesolo": freesolo.__version__,
+        "device": args.device,
+    }
     try:
         import triton
 
@@ -128,8 +141,10 @@ def main(argv=None) -> int:
     if args.device.startswith("cuda"):
         versions["gpu"] = torch.cuda.get_device_name()
     print(f"gpu_scaling: {versions}")
-    print(f"providers {providers}, variants {variants}, B={args.batch} Hq={args.heads} Hkv={kv_heads} D={args.dim} "
-          f"{args.dtype}, T = {', '.join(format_tokens(T) for T in args.T)}")
+    print(
+        f"providers {providers}, variants {variants}, B={args.batch} Hq={args.heads} Hkv={kv_heads} D={args.dim} "
+        f"{args.dtype}, T = {', '.join(format_tokens(T) for T in args.T)}"
+    )
 
     jobs = [(p, v) for p in providers for v in variants] + ([] if args.no_sdpa else [("torch", "sdpa")])
     rows = []
@@ -137,14 +152,24 @@ def main(argv=None) -> int:
         done = []
         stop = None
         for T in sorted(args.T):
-            row = {"provider": provider, "variant": variant, "T": T, "status": "ok", "time_s": None,
-                   "select_time_s": None, "peak_bytes": None, "timing": None}
+            row = {
+                "provider": provider,
+                "variant": variant,
+                "T": T,
+                "status": "ok",
+                "time_s": None,
+                "select_time_s": None,
+                "peak_bytes": None,
+                "timing": None,
+            }
             elapsed = time.perf_counter() - start
             if stop is None and done:
                 last = done[-1]
                 slope = 1.0
                 if len(done) >= 2:
-                    slope = max(1.0, math.log(last["time_s"] / done[-2]["time_s"]) / math.log(last["T"] / done[-2]["T"]))
+                    slope = max(
+                        1.0, math.log(last["time_s"] / done[-2]["time_s"]) / math.log(last["T"] / done[-2]["T"])
+                    )
                 growth = (T / last["T"]) ** slope
                 fwd, sel = last["time_s"] * growth, (last["select_time_s"] or 0.0) * growth
                 # slow calls: 2 timed forwards + 1 for memory + 2 selections; fast: do_bench's ~0.15 s each
@@ -160,17 +185,19 @@ def main(argv=None) -> int:
                 print(f"  {provider:6s} {variant:4s} T={format_tokens(T):>5s}  {stop}")
                 continue
             try:
-                q, k, v = make_inputs(args.batch, T, args.heads, kv_heads, args.dim, args.seed, "torch",
-                                      args.device, args.dtype)
+                q, k, v = make_inputs(
+                    args.batch, T, args.heads, kv_heads, args.dim, args.seed, "torch", args.device, args.dtype
+                )
                 if variant == "sdpa":
-                    forward, select = (lambda: _sdpa(q, k, v)), None
+                    forward, select = functools.partial(_sdpa, q, k, v), None
                 else:
                     cfg = base.replace(variant=variant)
                     if variant == "fsb":
                         cfg = cfg.replace(tau=tuple(tau_for_keys(k, cfg)))
-                    forward = lambda: freesolo.freesolo_attention(q, k, v, cfg, backend=provider)  # noqa: E731
-                    select = None if args.no_selection else (
-                        lambda: freesolo.select_cells(q, k, cfg, backend=provider))  # noqa: E731
+                    forward = functools.partial(freesolo.freesolo_attention, q, k, v, cfg, backend=provider)
+                    select = None
+                    if not args.no_selection:
+                        select = functools.partial(freesolo.select_cells, q, k, cfg, backend=provider)
                 with torch.no_grad():
                     row["time_s"], row["timing"] = _timer(forward, args.device, args.single_shot_s)
                     row["peak_bytes"] = _peak_bytes(forward, args.device)
@@ -188,26 +215,56 @@ def main(argv=None) -> int:
             rows.append(row)
             sel = f", select {row['select_time_s'] * 1e3:.3f} ms" if row["select_time_s"] else ""
             mem = f", peak {row['peak_bytes'] / 2**20:.0f} MiB" if row["peak_bytes"] is not None else ""
-            print(f"  {provider:6s} {variant:4s} T={format_tokens(T):>5s}  " + (
-                f"{row['time_s'] * 1e3:.3f} ms ({row['timing']}){sel}{mem}" if row["status"] == "ok" else row["status"]))
+            print(
+                f"  {provider:6s} {variant:4s} T={format_tokens(T):>5s}  "
+                + (
+                    f"{row['time_s'] * 1e3:.3f} ms ({row['timing']}){sel}{mem}"
+                    if row["status"] == "ok"
+                    else row["status"]
+                )
+            )
 
     fits = {}
     for provider, variant in jobs:
         name = f"{provider}/{variant}"
         fits[name] = {}
         for key in ("time_s", "select_time_s", "peak_bytes"):
-            pts = [(r["T"], r[key]) for r in rows if r["provider"] == provider and r["variant"] == variant
-                   and r["status"] == "ok" and r[key] and r["T"] >= args.fit_T_min]
+            pts = [
+                (r["T"], r[key])
+                for r in rows
+                if r["provider"] == provider
+                and r["variant"] == variant
+                and r["status"] == "ok"
+                and r[key]
+                and r["T"] >= args.fit_T_min
+            ]
             if len(pts) >= 2:
                 T, y = np.array(pts, dtype=np.float64).T
                 slope = loglog_slope(T, y)
-                fits[name][key] = {"slope": slope.as_dict(), "slope_text": str(slope),
-                                   "model": fit_cost_model(T, y).as_dict(), "T_range": [int(T.min()), int(T.max())]}
+                fits[name][key] = {
+                    "slope": slope.as_dict(),
+                    "slope_text": str(slope),
+                    "model": fit_cost_model(T, y).as_dict(),
+                    "T_range": [int(T.min()), int(T.max())],
+                }
 
     os.makedirs(args.out, exist_ok=True)
-    result = {"versions": versions, "args": vars(args), "config": {"window": base.window, "cell": base.cell,
-              "top_k": base.top_k, "block": base.block, "pool": base.pool, "recent": base.recent, "beam": base.beam},
-              "rows": rows, "fits": fits, "elapsed_s": time.perf_counter() - start}
+    result = {
+        "versions": versions,
+        "args": vars(args),
+        "config": {
+            "window": base.window,
+            "cell": base.cell,
+            "top_k": base.top_k,
+            "block": base.block,
+            "pool": base.pool,
+            "recent": base.recent,
+            "beam": base.beam,
+        },
+        "rows": rows,
+        "fits": fits,
+        "elapsed_s": time.perf_counter() - start,
+    }
     with open(os.path.join(args.out, "gpu_scaling.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)
 
@@ -222,35 +279,66 @@ def main(argv=None) -> int:
             for p, variant in jobs:
                 if p != provider and variant != "sdpa":
                     continue
-                ok = sorted((r["T"], r[key] * scale) for r in rows
-                            if r["provider"] == p and r["variant"] == variant and r["status"] == "ok" and r[key])
+                ok = sorted(
+                    (r["T"], r[key] * scale)
+                    for r in rows
+                    if r["provider"] == p and r["variant"] == variant and r["status"] == "ok" and r[key]
+                )
                 if ok:
                     series[variant] = ([t for t, _ in ok], [y for _, y in ok])
                     fit = fits[f"{p}/{variant}"].get(key)
                     if fit:
                         slopes[variant] = fit["slope_text"]
-                skipped[variant] = [r["T"] for r in rows if r["provider"] == p and r["variant"] == variant
-                                    and r["status"] != "ok"]
-            panels.append(dict(series=series, ylabel=ylabel, slopes=slopes, skipped=skipped,
-                               title=f"{title}: {provider} backend", fit_range=(args.fit_T_min, max(args.T))))
+                skipped[variant] = [
+                    r["T"] for r in rows if r["provider"] == p and r["variant"] == variant and r["status"] != "ok"
+                ]
+            panels.append(
+                dict(
+                    series=series,
+                    ylabel=ylabel,
+                    slopes=slopes,
+                    skipped=skipped,
+                    title=f"{title}: {provider} backend",
+                    fit_range=(args.fit_T_min, max(args.T)),
+                )
+            )
     where = versions.get("gpu", args.device)
-    plot_scaling(panels, os.path.join(args.out, "gpu_scaling.png"),
-                 f"FreeSolo on {where}: {args.dtype}, B={args.batch} Hq={args.heads} Hkv={kv_heads} D={args.dim} "
-                 f"(legend: log-log slope [95% CI] over T >= {format_tokens(args.fit_T_min)}; dashed: reference slopes)",
-                 ncols=min(3, len(panels)))
+    plot_scaling(
+        panels,
+        os.path.join(args.out, "gpu_scaling.png"),
+        f"FreeSolo on {where}: {args.dtype}, B={args.batch} Hq={args.heads} Hkv={kv_heads} D={args.dim} "
+        f"(legend: log-log slope [95% CI] over T >= {format_tokens(args.fit_T_min)}; dashed: reference slopes)",
+        ncols=min(3, len(panels)),
+    )
 
     table = []
     Ts = sorted(args.T)
     for provider, variant in jobs:
         vrows = {r["T"]: r for r in rows if r["provider"] == provider and r["variant"] == variant}
         fit = fits[f"{provider}/{variant}"]
-        cells = [f"{vrows[T]['time_s'] * 1e3:.2f}" if vrows[T]["status"] == "ok" else "skip" if
-                 vrows[T]["status"].startswith("skipped") else "fail" for T in Ts]
-        table.append([f"{provider}/{variant}", fit["time_s"]["slope_text"] if "time_s" in fit else "-",
-                      fit["select_time_s"]["slope_text"] if "select_time_s" in fit else "-", *cells])
+        cells = [
+            f"{vrows[T]['time_s'] * 1e3:.2f}"
+            if vrows[T]["status"] == "ok"
+            else "skip"
+            if vrows[T]["status"].startswith("skipped")
+            else "fail"
+            for T in Ts
+        ]
+        table.append(
+            [
+                f"{provider}/{variant}",
+                fit["time_s"]["slope_text"] if "time_s" in fit else "-",
+                fit["select_time_s"]["slope_text"] if "select_time_s" in fit else "-",
+                *cells,
+            ]
+        )
     print()
-    print(_table(["provider/variant", "forward exponent", "selection exponent",
-                  *[f"{format_tokens(T)} ms" for T in Ts]], table))
+    print(
+        _table(
+            ["provider/variant", "forward exponent", "selection exponent", *[f"{format_tokens(T)} ms" for T in Ts]],
+            table,
+        )
+    )
     print(f"\nwrote {args.out}/gpu_scaling.json and gpu_scaling.png in {time.perf_counter() - start:.0f} s")
     return 0
 

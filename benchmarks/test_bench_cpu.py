@@ -53,8 +53,9 @@ def test_forward(benchmark, case, variant):
     backend, q, k, v, cfg = case
     cfg = _config(cfg, variant, k)
     benchmark.group = f"forward {backend} T={q.shape[1]}"
-    out = benchmark.pedantic(freesolo.freesolo_attention, args=(q, k, v, cfg), kwargs={"backend": backend},
-                             rounds=3, warmup_rounds=1)
+    out = benchmark.pedantic(
+        freesolo.freesolo_attention, args=(q, k, v, cfg), kwargs={"backend": backend}, rounds=3, warmup_rounds=1
+    )
     assert out.shape == q.shape and np.isfinite(out).all()
 
 
@@ -63,6 +64,7 @@ def test_select_cells(benchmark, case, variant):
     backend, q, k, v, cfg = case
     cfg = _config(cfg, variant, k)
     benchmark.group = f"select_cells {backend} T={q.shape[1]}"
-    idx = benchmark.pedantic(freesolo.select_cells, args=(q, k, cfg), kwargs={"backend": backend},
-                             rounds=3, warmup_rounds=1)
+    idx = benchmark.pedantic(
+        freesolo.select_cells, args=(q, k, cfg), kwargs={"backend": backend}, rounds=3, warmup_rounds=1
+    )
     assert idx.shape == q.shape[:3] + (cfg.top_k,)

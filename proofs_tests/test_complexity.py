@@ -37,8 +37,14 @@ def configs(draw, variant="fsl"):
     window = block * draw(st.integers(1, 3))
     top_k = draw(st.integers(1, 5))
     return FreeSoloConfig(
-        variant=variant, cell=cell, block=block, window=window, top_k=top_k,
-        pool=draw(st.integers(1, 6)), recent=draw(st.integers(1, 4)), beam=draw(st.integers(max(1, top_k), 8)),
+        variant=variant,
+        cell=cell,
+        block=block,
+        window=window,
+        top_k=top_k,
+        pool=draw(st.integers(1, 6)),
+        recent=draw(st.integers(1, 4)),
+        beam=draw(st.integers(max(1, top_k), 8)),
     )
 
 
@@ -95,14 +101,18 @@ def test_forest_build_cost_matches_segment_enumeration():
         segs = sorted_el = radius = nodes = 0
         for level in range(1, max(n, 1).bit_length() + 1):
             size = 1 << level
-            for m in range(n // size):  # aligned [m*size, (m+1)*size) inside [0, n)
+            for _m in range(n // size):  # aligned [m*size, (m+1)*size) inside [0, n)
                 segs += 1
                 sorted_el += size
                 radius += level * size  # every internal node visits its leaves
                 nodes += size - 1
         cost = cc.forest_build_cost(np.array(n))
-        assert (int(cost["segments"]), int(cost["sorted_elements"]), int(cost["radius_visits"]), int(cost["nodes"])) == (
-            segs, sorted_el, radius, nodes), n
+        assert (
+            int(cost["segments"]),
+            int(cost["sorted_elements"]),
+            int(cost["radius_visits"]),
+            int(cost["nodes"]),
+        ) == (segs, sorted_el, radius, nodes), n
     assert int(cc.forest_build_cost(np.array(64), "position")["sorted_elements"]) == 0
     with pytest.raises(ValueError, match="leaf_order"):
         cc.forest_build_cost(np.array(4), "random")
@@ -140,7 +150,8 @@ def test_fsl_per_query_at_most_p_plus_w_at_1m_and_constant_state():
     sizes = {cc.state_bytes(T, cfg.replace(variant="fsl"), 2, 64) for T in range(T0, T0 + 64 * cfg.block, cfg.block)}
     assert len(sizes) == 1
     assert cc.state_bytes(1 << 16, cfg.replace(variant="fs"), 2, 64) * 2 == pytest.approx(
-        cc.state_bytes(1 << 17, cfg.replace(variant="fs"), 2, 64), rel=1e-6)
+        cc.state_bytes(1 << 17, cfg.replace(variant="fs"), 2, 64), rel=1e-6
+    )
 
 
 def test_tokens_read_formula_by_hand():
@@ -278,7 +289,7 @@ def test_loglog_slope_recovers_known_exponents(exponent):
     assert exact.high - exact.low < 1e-9 and exact.r2 == pytest.approx(1.0)
     rng = np.random.default_rng(0)
     hits = 0
-    for trial in range(200):
+    for _ in range(200):
         fit = loglog_slope(N, 3.0 * N**exponent * np.exp(rng.normal(0, 0.1, N.size)))
         hits += fit.low <= exponent <= fit.high
     assert 180 <= hits <= 199  # a 95% interval covers the truth ~95% of the time
@@ -327,9 +338,39 @@ def test_scaling_cli_writes_csv_json_png(tmp_path, capsys):
     from freesolo.complexity.scaling import scaling_main
 
     out = tmp_path / "out"
-    argv = ["--backend", "numpy", "--T", "64,128", "--counted-T-max", "4k", "--T-min", "64", "--fit-T-min", "512",
-            "--window", "16", "--cell", "4", "--block", "8", "--pool", "3", "--recent", "2", "--beam", "2",
-            "--heads", "1", "--dim", "8", "--repeats", "1", "--no-progress", "--out", str(out)]
+    argv = [
+        "--backend",
+        "numpy",
+        "--T",
+        "64,128",
+        "--counted-T-max",
+        "4k",
+        "--T-min",
+        "64",
+        "--fit-T-min",
+        "512",
+        "--window",
+        "16",
+        "--cell",
+        "4",
+        "--block",
+        "8",
+        "--pool",
+        "3",
+        "--recent",
+        "2",
+        "--beam",
+        "2",
+        "--heads",
+        "1",
+        "--dim",
+        "8",
+        "--repeats",
+        "1",
+        "--no-progress",
+        "--out",
+        str(out),
+    ]
     assert scaling_main(argv) == 0
     for name in ("counted.csv", "measured.csv", "scaling.json", "scaling.png"):
         assert (out / name).stat().st_size > 0, name

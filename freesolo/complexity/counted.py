@@ -37,7 +37,7 @@ State bytes are the streaming state of §9 after `T` tokens (per batch row, all 
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -182,7 +182,10 @@ def tau_from_norms(a: np.ndarray) -> np.ndarray:
 
 
 def high_norm_prefix_counts(a: np.ndarray, tau: np.ndarray) -> np.ndarray:
-    """Prefix counts of high-norm cells: a [B, Hkv, C], tau [Hkv] -> int64 [B, Hkv, C+1], [..., n] = #{c < n: a_c > tau}."""
+    """Prefix counts of high-norm cells: a [B, Hkv, C], tau [Hkv] -> int64 [B, Hkv, C+1].
+
+    out[..., n] = #{c < n: a_c > tau} (the size of the high-norm forest over [0, n)).
+    """
     a = np.asarray(a, dtype=np.float64)
     flags = a > np.asarray(tau, dtype=np.float64)[None, :, None]  # [B, Hkv, C]
     out = np.zeros(a.shape[:2] + (a.shape[2] + 1,), dtype=np.int64)
@@ -209,7 +212,7 @@ def random_cell_max_norms(
 
 
 # ---- per-block and per-query counts ---------------------------------------------------------
-def _n_high_per_block(high_prefix: Optional[np.ndarray], n_blocks: np.ndarray, B: int, Hkv: int) -> np.ndarray:
+def _n_high_per_block(high_prefix: np.ndarray | None, n_blocks: np.ndarray, B: int, Hkv: int) -> np.ndarray:
     """n_high per block: high_prefix [B, Hkv, >= max n + 1] -> int64 [B, nb, Hkv]."""
     if high_prefix is None:
         raise ValueError("FS-B counts need the high-norm prefix counts (high_prefix [B, Hkv, C+1])")
@@ -222,7 +225,7 @@ def _n_high_per_block(high_prefix: Optional[np.ndarray], n_blocks: np.ndarray, B
 
 
 def count_per_block(
-    T: int, cfg: FreeSoloConfig, num_kv_heads: int = 1, high_prefix: Optional[np.ndarray] = None, batch: int = 1
+    T: int, cfg: FreeSoloConfig, num_kv_heads: int = 1, high_prefix: np.ndarray | None = None, batch: int = 1
 ) -> dict[str, np.ndarray]:
     """Selection counts per query block and kv head (the same for every query of a block and every
     query head of a kv group): int64 [B, nb, Hkv] for cells_scored, node_keys, cells_reranked,
@@ -267,8 +270,12 @@ def _local_tokens(T: int, window: int) -> np.ndarray:
 
 
 def count_per_query(
-    T: int, cfg: FreeSoloConfig, num_heads: int = 1, num_kv_heads: int = 1,
-    high_prefix: Optional[np.ndarray] = None, batch: int = 1,
+    T: int,
+    cfg: FreeSoloConfig,
+    num_heads: int = 1,
+    num_kv_heads: int = 1,
+    high_prefix: np.ndarray | None = None,
+    batch: int = 1,
 ) -> dict[str, np.ndarray]:
     """Per-query counts of COUNT_NAMES, each int64 [B, T, Hq] (same layout as the numba counters).
 
@@ -297,8 +304,12 @@ def fs_total_cells_scored_closed_form(T: int, cfg: FreeSoloConfig) -> int:
 
 
 def state_bytes(
-    T: int, cfg: FreeSoloConfig, num_kv_heads: int, dim: int, dtype_bytes: int = 2,
-    n_high: Optional[np.ndarray] = None,
+    T: int,
+    cfg: FreeSoloConfig,
+    num_kv_heads: int,
+    dim: int,
+    dtype_bytes: int = 2,
+    n_high: np.ndarray | None = None,
 ) -> int:
     """Streaming state after T tokens (spec §9), per batch row, all kv heads, in bytes (model, not measured).
 
@@ -328,8 +339,14 @@ def state_bytes(
 
 
 def count_totals(
-    T: int, cfg: FreeSoloConfig, num_heads: int = 1, num_kv_heads: int = 1,
-    high_prefix: Optional[np.ndarray] = None, batch: int = 1, dim: int = 64, dtype_bytes: int = 2,
+    T: int,
+    cfg: FreeSoloConfig,
+    num_heads: int = 1,
+    num_kv_heads: int = 1,
+    high_prefix: np.ndarray | None = None,
+    batch: int = 1,
+    dim: int = 64,
+    dtype_bytes: int = 2,
 ) -> dict[str, int]:
     """Totals over the whole batch, sequence and heads (Python ints).
 
@@ -348,7 +365,9 @@ def count_totals(
         name: int(np.sum(blocks[name] * sizes)) * group
         for name in ("cells_scored", "node_keys", "cells_reranked", "cells_selected")
     }
-    totals["tokens_read"] = int(np.sum(_local_tokens(T, cfg.window))) * B * num_heads + cfg.cell * totals["cells_selected"]
+    totals["tokens_read"] = (
+        int(np.sum(_local_tokens(T, cfg.window))) * B * num_heads + cfg.cell * totals["cells_selected"]
+    )
     totals["build_tokens"] = (T // cfg.cell) * cfg.cell * B * num_kv_heads
     totals["build_sorted"] = totals["build_radius"] = 0
     n_high_last = None
@@ -360,8 +379,12 @@ def count_totals(
             totals["build_sorted"] += int(build["sorted_elements"].sum())
             totals["build_radius"] += int(build["radius_visits"].sum())
     totals["selection_work"] = (
-        totals["cells_scored"] + totals["node_keys"] + cfg.cell * totals["cells_reranked"]
-        + totals["build_tokens"] + totals["build_sorted"] + totals["build_radius"]
+        totals["cells_scored"]
+        + totals["node_keys"]
+        + cfg.cell * totals["cells_reranked"]
+        + totals["build_tokens"]
+        + totals["build_sorted"]
+        + totals["build_radius"]
     )
     totals["readout_work"] = totals["tokens_read"]
     totals["work"] = totals["selection_work"] + totals["readout_work"]
@@ -375,8 +398,15 @@ def count_totals(
 
 
 def counted_sweep(
-    T_list: Sequence[int], variants: Sequence[str], cfg: FreeSoloConfig, num_heads: int = 1,
-    num_kv_heads: int = 1, dim: int = 64, seed: int = 0, batch: int = 1, dtype_bytes: int = 2,
+    T_list: Sequence[int],
+    variants: Sequence[str],
+    cfg: FreeSoloConfig,
+    num_heads: int = 1,
+    num_kv_heads: int = 1,
+    dim: int = 64,
+    seed: int = 0,
+    batch: int = 1,
+    dtype_bytes: int = 2,
 ) -> list[dict]:
     """Counted totals for every (variant, T): a list of rows (dicts) with per-query means too.
 

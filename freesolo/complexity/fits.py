@@ -4,8 +4,8 @@ least-squares fit of the model `a*N + b*N*log2(N)^2 + c*N^2` (spec §10's three 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Sequence
 
 import numpy as np
 

@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import re
 import time
 import tracemalloc
-from typing import Callable, Iterator, Optional, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -39,8 +38,15 @@ __all__ = [
 
 
 def make_inputs(
-    batch: int, T: int, num_heads: int, num_kv_heads: int, dim: int, seed: int,
-    kind: str = "numpy", device: str = "cpu", dtype: Optional[str] = None,
+    batch: int,
+    T: int,
+    num_heads: int,
+    num_kv_heads: int,
+    dim: int,
+    seed: int,
+    kind: str = "numpy",
+    device: str = "cpu",
+    dtype: str | None = None,
 ):
     """Standard-normal q [B, T, Hq, D], k / v [B, T, Hkv, D].
 
@@ -110,11 +116,11 @@ class PeakMemory:
 
     def __init__(self, method: str):
         self.method = method
-        self.bytes: Optional[int] = None
+        self.bytes: int | None = None
 
 
 @contextlib.contextmanager
-def peak_memory(device: str = "cpu", method: Optional[str] = None) -> Iterator[PeakMemory]:
+def peak_memory(device: str = "cpu", method: str | None = None) -> Iterator[PeakMemory]:
     """Measure the peak extra memory of the block on `device` ("cpu" or "cuda[:n]").
 
     method: None (CUDA: "cuda_max_memory_allocated"; CPU: "tracemalloc"), or "peak_rss" on the CPU.
@@ -175,9 +181,20 @@ def time_call(fn: Callable[[], object], device: str = "cpu") -> float:
 
 
 def measure_point(
-    variant: str, backend: str, T: int, cfg: FreeSoloConfig, batch: int = 1, num_heads: int = 1,
-    num_kv_heads: int = 1, dim: int = 64, seed: int = 0, repeats: int = 3, min_total_s: float = 1.0,
-    device: str = "cpu", dtype: Optional[str] = None, selection: bool = True,
+    variant: str,
+    backend: str,
+    T: int,
+    cfg: FreeSoloConfig,
+    batch: int = 1,
+    num_heads: int = 1,
+    num_kv_heads: int = 1,
+    dim: int = 64,
+    seed: int = 0,
+    repeats: int = 3,
+    min_total_s: float = 1.0,
+    device: str = "cpu",
+    dtype: str | None = None,
+    selection: bool = True,
 ) -> dict:
     """Time and peak memory of one forward `freesolo_attention` call at length T (and, with
     `selection`, the time of `select_cells` alone).
@@ -208,12 +225,22 @@ def measure_point(
     while 1 + len(times) < repeats and first + sum(times) < min_total_s:
         times.append(time_call(forward, device))
     row = {
-        "variant": variant, "backend": backend, "device": device,
+        "variant": variant,
+        "backend": backend,
+        "device": device,
         "dtype": dtype or ("float64" if kind == "numpy" else "float32"),
-        "T": T, "batch": batch, "num_heads": num_heads, "num_kv_heads": num_kv_heads, "dim": dim,
-        "time_s": float(np.median(times)) if times else first, "time_min_s": float(min([first, *times])),
-        "runs": 1 + len(times), "peak_bytes": mem.bytes, "memory_method": mem.method,
-        "select_time_s": None, "status": "ok",
+        "T": T,
+        "batch": batch,
+        "num_heads": num_heads,
+        "num_kv_heads": num_kv_heads,
+        "dim": dim,
+        "time_s": float(np.median(times)) if times else first,
+        "time_min_s": float(min([first, *times])),
+        "runs": 1 + len(times),
+        "peak_bytes": mem.bytes,
+        "memory_method": mem.method,
+        "select_time_s": None,
+        "status": "ok",
     }
     if selection:
         sel = [time_call(select, device)]
@@ -224,10 +251,22 @@ def measure_point(
 
 
 def measured_sweep(
-    T_list: Sequence[int], variants: Sequence[str], backend: str, cfg: FreeSoloConfig, batch: int = 1,
-    num_heads: int = 1, num_kv_heads: int = 1, dim: int = 64, seed: int = 0, repeats: int = 3,
-    max_seconds_per_point: float = 30.0, device: str = "cpu", dtype: Optional[str] = None,
-    progress: bool = True, warmup: bool = True, selection: bool = True,
+    T_list: Sequence[int],
+    variants: Sequence[str],
+    backend: str,
+    cfg: FreeSoloConfig,
+    batch: int = 1,
+    num_heads: int = 1,
+    num_kv_heads: int = 1,
+    dim: int = 64,
+    seed: int = 0,
+    repeats: int = 3,
+    max_seconds_per_point: float = 30.0,
+    device: str = "cpu",
+    dtype: str | None = None,
+    progress: bool = True,
+    warmup: bool = True,
+    selection: bool = True,
 ) -> list[dict]:
     """Measure every (variant, T) in increasing T; one row per point.
 
@@ -243,8 +282,9 @@ def measured_sweep(
 
         bar = tqdm(total=len(T_list) * len(variants), desc=f"measured ({backend})", unit="point")
     rows = []
-    common = dict(batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads, dim=dim, seed=seed,
-                  device=device, dtype=dtype)
+    common = dict(
+        batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads, dim=dim, seed=seed, device=device, dtype=dtype
+    )
     for variant in variants:
         error = None
         if warmup:
@@ -275,8 +315,18 @@ def measured_sweep(
                 except Exception as exc:  # noqa: BLE001
                     error = status = f"error: {type(exc).__name__}: {exc}".splitlines()[0]
             if status is not None:
-                rows.append({"variant": variant, "backend": backend, "device": device, "T": T, "status": status,
-                             "time_s": None, "select_time_s": None, "peak_bytes": None})
+                rows.append(
+                    {
+                        "variant": variant,
+                        "backend": backend,
+                        "device": device,
+                        "T": T,
+                        "status": status,
+                        "time_s": None,
+                        "select_time_s": None,
+                        "peak_bytes": None,
+                    }
+                )
             if bar is not None:
                 bar.update(1)
     if bar is not None:

@@ -4,7 +4,7 @@ dashed reference slopes N, N log^2 N and N^2."""
 from __future__ import annotations
 
 import math
-from typing import Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -44,9 +44,14 @@ def _pyplot():
 
 
 def plot_cost_vs_T(
-    ax, series: Mapping[str, tuple[Sequence[float], Sequence[float]]], ylabel: str, title: str,
-    slopes: Optional[Mapping[str, str]] = None, references: bool = True,
-    skipped: Optional[Mapping[str, Sequence[float]]] = None, fit_range: Optional[tuple] = None,
+    ax,
+    series: Mapping[str, tuple[Sequence[float], Sequence[float]]],
+    ylabel: str,
+    title: str,
+    slopes: Mapping[str, str] | None = None,
+    references: bool = True,
+    skipped: Mapping[str, Sequence[float]] | None = None,
+    fit_range: tuple | None = None,
 ) -> None:
     """Draw one panel: series {variant: (T [n], y [n])} on log-log axes with reference slopes.
 
@@ -70,8 +75,16 @@ def plot_cost_vs_T(
         for variant, Ts in skipped.items():
             if len(Ts):
                 colour = VARIANT_STYLE.get(variant, ("black",))[0]
-                ax.plot(Ts, [ax.get_ylim()[0]] * len(Ts), "x", color=colour, clip_on=False, markersize=9, mew=2,
-                        label=None if labelled else "× = point skipped (too slow) or failed")
+                ax.plot(
+                    Ts,
+                    [ax.get_ylim()[0]] * len(Ts),
+                    "x",
+                    color=colour,
+                    clip_on=False,
+                    markersize=9,
+                    mew=2,
+                    label=None if labelled else "× = point skipped (too slow) or failed",
+                )
                 labelled = True
     if references and all_T:
         t0, t1 = min(all_T), max(all_T)
@@ -83,8 +96,16 @@ def plot_cost_vs_T(
             ax.loglog(grid, ref, linestyle="--", color="0.55", linewidth=1)
             inside = ref <= ylim[1] * 0.8
             k = int(np.nonzero(inside)[0][-1]) if inside.any() else 0
-            ax.annotate(name, (grid[k], ref[k]), textcoords="offset points", xytext=(4, 0), fontsize=9, color="0.3",
-                        va="center", ha="left" if k == grid.size - 1 else "right")
+            ax.annotate(
+                name,
+                (grid[k], ref[k]),
+                textcoords="offset points",
+                xytext=(4, 0),
+                fontsize=9,
+                color="0.3",
+                va="center",
+                ha="left" if k == grid.size - 1 else "right",
+            )
         ax.set_ylim(ylim)
     if fit_range is not None and all_T and (fit_range[0] > min(all_T) or fit_range[1] < max(all_T)):
         ax.axvspan(fit_range[0], fit_range[1], color="0.9", zorder=0, label="fit range")
@@ -111,9 +132,9 @@ def plot_scaling(panels: Sequence[dict], path: str, suptitle: str, ncols: int = 
     ncols = min(ncols, len(panels))
     nrows = -(-len(panels) // ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(7.0 * ncols, 5.4 * nrows), squeeze=False)
-    for ax, panel in zip(axes.flat, panels):
+    for ax, panel in zip(list(axes.flat)[: len(panels)], panels, strict=True):
         plot_cost_vs_T(ax, **panel)
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.set_visible(False)
     fig.suptitle(suptitle, fontsize=12)
     fig.tight_layout()
