@@ -75,6 +75,13 @@ def _peak_bytes(fn, device: str):
     return int(torch.cuda.max_memory_allocated() - before)
 
 
+def _dump(folder: str, result: dict) -> None:
+    """Write gpu_scaling.json (after every point, so a killed run keeps what it measured)."""
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "gpu_scaling.json"), "w") as f:
+        json.dump(result, f, indent=1, default=str)
+
+
 def _sdpa(q, k, v):
     """Dense causal attention, [B, T, H, D] layout in and out (GQA by repeating kv heads)."""
     import torch.nn.functional as F
@@ -213,6 +220,7 @@ def main(argv=None) -> int:
                 if args.device.startswith("cuda"):
                     torch.cuda.empty_cache()
             rows.append(row)
+            _dump(args.out, {"versions": versions, "args": vars(args), "rows": rows, "partial": True})
             sel = f", select {row['select_time_s'] * 1e3:.3f} ms" if row["select_time_s"] else ""
             mem = f", peak {row['peak_bytes'] / 2**20:.0f} MiB" if row["peak_bytes"] is not None else ""
             print(

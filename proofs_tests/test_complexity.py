@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 import freesolo
 from freesolo import FreeSoloConfig
 from freesolo.complexity import counted as cc
-from freesolo.complexity.fits import fit_cost_model, loglog_slope
+from freesolo.complexity.fits import fit_cost_model, loglog_slope, nnls_small, t_quantile
 from freesolo.complexity.measured import measure_point, peak_memory, tau_for_keys
 from freesolo.reference.primitives import available_cells, cell_stats, fsl_candidates
 
@@ -293,6 +293,41 @@ def test_loglog_slope_recovers_known_exponents(exponent):
         fit = loglog_slope(N, 3.0 * N**exponent * np.exp(rng.normal(0, 0.1, N.size)))
         hits += fit.low <= exponent <= fit.high
     assert 180 <= hits <= 199  # a 95% interval covers the truth ~95% of the time
+
+
+def test_t_quantile_matches_tables():
+    # two-sided 95% and 99% critical values from standard t tables
+    table = {
+        1: (12.706, 63.657),
+        2: (4.303, 9.925),
+        3: (3.182, 5.841),
+        5: (2.571, 4.032),
+        10: (2.228, 3.169),
+        30: (2.042, 2.750),
+        120: (1.980, 2.617),
+    }
+    for dof, (t95, t99) in table.items():
+        assert t_quantile(0.975, dof) == pytest.approx(t95, abs=1e-3)
+        assert t_quantile(0.995, dof) == pytest.approx(t99, abs=1e-3)
+        assert t_quantile(0.025, dof) == pytest.approx(-t95, abs=1e-3)
+    assert t_quantile(0.5, 4) == pytest.approx(0.0, abs=1e-9)
+    with pytest.raises(ValueError):
+        t_quantile(1.0, 3)
+
+
+def test_nnls_small_is_optimal_and_feasible():
+    rng = np.random.default_rng(1)
+    for _ in range(50):
+        A, b = rng.standard_normal((9, 3)), rng.standard_normal(9)
+        x = nnls_small(A, b)
+        assert np.all(x >= 0)
+        res = np.sum((A @ x - b) ** 2)
+        # KKT: the gradient is zero on the support and points into the constraint off it
+        grad = A.T @ (A @ x - b)
+        assert np.all(np.abs(grad[x > 0]) < 1e-8) and np.all(grad[x == 0] >= -1e-8)
+        for _trial in range(20):  # no random feasible point does better
+            z = np.abs(rng.standard_normal(3)) * rng.integers(0, 2, 3)
+            assert np.sum((A @ z - b) ** 2) >= res - 1e-12
 
 
 def test_loglog_slope_validation():

@@ -1,8 +1,8 @@
 """Complexity of FreeSolo selection: counted cost (exact, spec §10), measured time and memory,
 log-log fits, plots, and the `freesolo scaling` command (`scaling.scaling_main`).
 
-Importing this package needs NumPy only; fits import SciPy, plots matplotlib, the measured
-sweep tqdm, each when first used.
+Importing this package needs NumPy only (the fits too); plots import matplotlib and the
+measured sweep tqdm when first used.
 """
 
 from .counted import (

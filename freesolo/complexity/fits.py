@@ -1,5 +1,9 @@
 """Fits of cost against sequence length N: a log-log slope with a t-interval, and a non-negative
-least-squares fit of the model `a*N + b*N*log2(N)^2 + c*N^2` (spec §10's three regimes)."""
+least-squares fit of the model `a*N + b*N*log2(N)^2 + c*N^2` (spec §10's three regimes).
+
+NumPy only: the Student-t quantile is computed here (Simpson integration of the density and
+bisection) and the three-term NNLS is solved exactly by enumerating the supports.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-__all__ = ["SlopeFit", "ModelFit", "loglog_slope", "fit_cost_model", "MODEL_TERMS"]
+__all__ = ["SlopeFit", "ModelFit", "loglog_slope", "fit_cost_model", "MODEL_TERMS", "t_quantile", "nnls_small"]
 
 MODEL_TERMS = ("N", "N log2(N)^2", "N^2")
 
@@ -55,6 +59,56 @@ class ModelFit:
         return self.a * N + self.b * N * np.log2(N) ** 2 + self.c * N**2
 
 
+def _t_cdf(x: float, dof: int) -> float:
+    """P(T <= x) for Student's t with `dof` degrees of freedom (Simpson's rule, 4000 intervals)."""
+    if x == 0:
+        return 0.5
+    log_norm = math.lgamma((dof + 1) / 2) - math.lgamma(dof / 2) - 0.5 * math.log(dof * math.pi)
+    t = np.linspace(0.0, abs(x), 4001)
+    pdf = np.exp(log_norm - (dof + 1) / 2 * np.log1p(t * t / dof))
+    h = abs(x) / 4000
+    area = h / 3 * (pdf[0] + pdf[-1] + 4 * pdf[1:-1:2].sum() + 2 * pdf[2:-1:2].sum())
+    return 0.5 + math.copysign(area, x)
+
+
+def t_quantile(p: float, dof: int) -> float:
+    """The p-quantile of Student's t with `dof` >= 1 degrees of freedom (0 < p < 1), to ~1e-7."""
+    if not 0 < p < 1 or dof < 1:
+        raise ValueError(f"t_quantile needs 0 < p < 1 and dof >= 1, got p={p}, dof={dof}")
+    if p < 0.5:
+        return -t_quantile(1 - p, dof)
+    lo, hi = 0.0, 1.0
+    while _t_cdf(hi, dof) < p:  # heavy tails (dof = 1): grow the bracket
+        lo, hi = hi, hi * 2
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if _t_cdf(mid, dof) < p else (lo, mid)
+    return (lo + hi) / 2
+
+
+def nnls_small(A: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """argmin ||A x - b|| subject to x >= 0, for A [n, m] with few columns (m <= 8), exactly.
+
+    The optimum is the unconstrained least-squares solution on its own support, so the best
+    feasible solution over all 2^m - 1 supports is the global one (the problem is convex).
+    """
+    A, b = np.asarray(A, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    m = A.shape[1]
+    if m > 8:
+        raise ValueError(f"nnls_small enumerates supports: at most 8 columns, got {m}")
+    best, best_res = np.zeros(m), float(np.sum(b * b))
+    for mask in range(1, 1 << m):
+        cols = [j for j in range(m) if mask >> j & 1]
+        sol, *_ = np.linalg.lstsq(A[:, cols], b, rcond=None)
+        if np.all(sol >= 0):
+            x = np.zeros(m)
+            x[cols] = sol
+            res = float(np.sum((A @ x - b) ** 2))
+            if res < best_res:
+                best, best_res = x, res
+    return best
+
+
 def _clean(N: Sequence[float], y: Sequence[float], min_points: int) -> tuple[np.ndarray, np.ndarray]:
     N = np.asarray(N, dtype=np.float64)
     y = np.asarray(y, dtype=np.float64)
@@ -89,24 +143,20 @@ def loglog_slope(N: Sequence[float], y: Sequence[float], level: float = 0.95) ->
     dof = N.size - 2
     if dof == 0:
         return SlopeFit(slope, intercept, math.nan, math.nan, math.nan, level, N.size, r2)
-    from scipy import stats  # lazy: only the fits need scipy
-
     stderr = math.sqrt(float(np.sum(resid**2)) / dof / sxx)
-    half = float(stats.t.ppf(0.5 + level / 2, dof)) * stderr
+    half = t_quantile(0.5 + level / 2, dof) * stderr
     return SlopeFit(slope, intercept, stderr, slope - half, slope + half, level, N.size, r2)
 
 
 def fit_cost_model(N: Sequence[float], y: Sequence[float]) -> ModelFit:
     """Non-negative least squares of y against [N, N log2(N)^2, N^2], weighted by 1/y (relative error).
 
-    Columns are scaled to unit norm before NNLS so the three terms are comparable.
+    Columns are scaled to unit norm before the (exact) NNLS so the three terms are comparable.
     """
     N, y = _clean(N, y, 1)
-    from scipy.optimize import nnls
-
     design = np.stack([N, N * np.log2(N) ** 2, N**2], axis=1) / y[:, None]  # [n, 3], rows / y
     norms = np.linalg.norm(design, axis=0)
-    coef_scaled, _ = nnls(design / norms, np.ones_like(y))
+    coef_scaled = nnls_small(design / norms, np.ones_like(y))
     a, b, c = (float(v) for v in coef_scaled / norms)
     fit = ModelFit(a, b, c, 0.0, "", ())
     rel_rms = float(np.sqrt(np.mean((fit.predict(N) / y - 1.0) ** 2)))
