@@ -7,6 +7,8 @@ For each (B, T) in the same run:
   one `extend` would leave: tested in proofs_tests/test_cache.py), then `--steps` one-token decode
   steps are timed back to back (CUDA events), eagerly (`extend(check_finite=False)`) and through
   a CUDA graph (`decode_graph()`; block boundaries run eagerly inside). Memory: `memory_bytes()`.
+  The eager step also runs `block + 1` times under `torch.cuda.set_sync_debug_mode("error")`
+  (`fsl_sync_free` in the JSON: True, or the error a host sync raised).
 - SDPA: `scaled_dot_product_attention(q [B, H, 1, D], K [B, H, T, D], V)` (1 query vs T cached
   keys, flash kernel), timed the same way. Memory: K and V. Skipped (with the reason) when the
   full KV cache does not fit in free GPU memory (B = 32 at 1M needs 128 GiB).
@@ -96,6 +98,17 @@ def fsl_run(cfg, B, H, D, T, dtype, device, steps, chunk, timer) -> dict:
         o = eager(i)
     assert torch.isfinite(o).all(), "non-finite FS-L decode output"
     out["fsl_eager_us"] = timer(lambda i: eager(2 + i), steps) * 1e6
+    if device.startswith("cuda"):  # the eager FS-L step must not synchronise (block boundaries included)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for i in range(cfg.block + 1):
+                eager(i)
+            out["fsl_sync_free"] = True
+        except RuntimeError as error:
+            out["fsl_sync_free"] = f"host sync detected: {error}"
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
     if cache.length % cfg.block == 0:
         eager(0)
     if device.startswith("cuda"):
@@ -210,6 +223,7 @@ def main(argv=None) -> int:
             print(f"{B:>3} {T:>8} | {fmt(row.get('fsl_graph_us'), '13.1f')} {row['fsl_eager_us']:>13.1f} "
                   f"{fmt(row['sdpa_us'], '9.1f')} | {row['fsl_memory_bytes'] / 2**20:>9.2f} "
                   f"{row['sdpa_memory_bytes'] / 2**20:>12.1f} | {row['prefill_s']:.2f}"
+                  + f"  sync-free: {row.get('fsl_sync_free', 'n/a')}"
                   + (f"  (SDPA skipped: {row['sdpa_skipped']})" if row.get("sdpa_skipped") else ""), flush=True)
     for B in args.batches:
         mems = {r["fsl_memory_bytes"] for r in rows if r["B"] == B}

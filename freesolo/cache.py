@@ -124,6 +124,8 @@ class FreeSoloCache:
         self._check_kind(info.kind, info.dtype, info.device)
         if beta is not None and is_torch_tensor(beta) != (info.kind == "torch"):
             raise TypeError("beta must be of the same array kind (numpy / torch) as q, k, v")
+        if beta is not None and info.kind == "torch" and str(beta.device) != info.device:
+            raise ValueError(f"beta is on {beta.device}, q, k, v on {info.device}")
         return info
 
     def _check_kind(self, kind: str, dtype: str, device: str) -> None:

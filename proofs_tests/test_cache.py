@@ -355,3 +355,15 @@ def test_numpy_inputs_return_numpy_and_torch_cpu_host():
     out = FreeSoloCache(cfg, 1, 2, 1, 8, backend="numpy").extend(*(torch.from_numpy(x) for x in (q, k, v)))
     assert isinstance(out, torch.Tensor) and out.dtype == torch.float64
     np.testing.assert_allclose(out.numpy(), oracle(q, k, v, cfg), atol=1e-12)
+
+
+@pytest.mark.parametrize("variant", ["fs", "fsl"])
+def test_torch_stream_matches_torch_parallel(variant):
+    """Same backend, same dtype: the torch cache (float32) against the torch parallel op."""
+    cfg = make_cfg(variant)
+    B, T, Hq, Hkv, D = 2, 50, 4, 2, 8
+    q, k, v = (torch.from_numpy(x).float() for x in random_qkv(4, B, T, Hq, Hkv, D))
+    parallel = freesolo.freesolo_attention(q, k, v, cfg, backend="torch")
+    cache = FreeSoloCache(cfg, B, Hq, Hkv, D, backend="torch")
+    streamed = torch.cat([cache.extend(q[:, i : i + 7], k[:, i : i + 7], v[:, i : i + 7]) for i in range(0, T, 7)], 1)
+    assert_close(streamed.double().numpy(), parallel.double().numpy(), rtol=1e-5, name="torch stream vs parallel")

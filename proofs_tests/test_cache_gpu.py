@@ -107,3 +107,20 @@ def test_cuda_fsl_memory_constant_at_large_T():
         held = (cache.state.cell_ids >= 0).sum(-1)
         assert int(held.max()) <= cfg.pool + cfg.recent
     assert sizes[0] == sizes[1]
+
+
+def test_cuda_prefill_equals_extend_paper_sizes():
+    """Default (paper) sizes on the device: prefill (state only) then extend == extend throughout."""
+    cfg = FreeSoloConfig(variant="fsl")
+    B, T, cut, Hq, Hkv, D = 2, 3000, 2900, 4, 2, 64
+    q, k, v = (torch.randn(B, T, h, D, device="cuda") for h in (Hq, Hkv, Hkv))
+    full = FreeSoloCache(cfg, B, Hq, Hkv, D, backend="torch")
+    outs = [full.extend(q[:, s : s + 500], k[:, s : s + 500], v[:, s : s + 500]) for s in range(0, T, 500)]
+    expected = torch.cat(outs, 1)[:, cut:]
+    pre = FreeSoloCache(cfg, B, Hq, Hkv, D, backend="torch")
+    for s in range(0, cut, 1000):
+        e = min(s + 1000, cut)
+        pre.prefill(k[:, s:e], v[:, s:e])
+    got = pre.extend(q[:, cut:], k[:, cut:], v[:, cut:])
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(pre.state.cell_ids.sort(-1).values, full.state.cell_ids.sort(-1).values)
