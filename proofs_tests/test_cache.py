@@ -367,3 +367,40 @@ def test_torch_stream_matches_torch_parallel(variant):
     cache = FreeSoloCache(cfg, B, Hq, Hkv, D, backend="torch")
     streamed = torch.cat([cache.extend(q[:, i : i + 7], k[:, i : i + 7], v[:, i : i + 7]) for i in range(0, T, 7)], 1)
     assert_close(streamed.double().numpy(), parallel.double().numpy(), rtol=1e-5, name="torch stream vs parallel")
+
+
+def test_decode_graph_bookkeeping_on_cpu(monkeypatch):
+    """DecodeGraph's host logic (static inputs, eager block boundaries, length) with the graph
+    replaced by a direct call of the captured step: same outputs and state as eager decode."""
+    from freesolo.streaming import torch_state
+
+    class FakeGraph:
+        def __init__(self, graph_self):
+            self.g = graph_self
+
+        def replay(self):
+            self.g.out.copy_(self.g.state._piece(self.g.q, self.g.k, self.g.v, self.g.beta))
+
+    def fake_init(self, state, beta=None):
+        self.state = state
+        self.q = torch.zeros(state.B, 1, state.Hq, state.D, dtype=state.dtype)
+        self.k = torch.zeros(state.B, 1, state.Hkv, state.D, dtype=state.dtype)
+        self.v = torch.zeros_like(self.k)
+        self.beta = state.ones_beta.clone()
+        self.out = torch.zeros_like(self.q)
+        self.graph = FakeGraph(self)
+
+    monkeypatch.setattr(torch_state.DecodeGraph, "__init__", fake_init)
+    cfg = make_cfg("fsl")
+    B, Hq, Hkv, D, T0, steps = 2, 4, 2, 8, cfg.window + 3, 3 * cfg.block + 1
+    q, k, v = (torch.from_numpy(x) for x in random_qkv(9, B, T0 + steps, Hq, Hkv, D))
+    eager = FreeSoloCache(cfg, B, Hq, Hkv, D, backend="torch")
+    eager.extend(q[:, :T0], k[:, :T0], v[:, :T0])
+    graphed = FreeSoloCache(cfg, B, Hq, Hkv, D, backend="torch")
+    graphed.load_state_dict(eager.state_dict())
+    step = graphed.decode_graph()
+    for t in range(T0, T0 + steps):
+        a = eager.extend(q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1])
+        assert torch.equal(step(q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1]), a)
+    assert graphed.length == eager.length
+    assert all(torch.equal(graphed.state.buffers()[n], x) for n, x in eager.state.buffers().items())
