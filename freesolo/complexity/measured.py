@@ -267,61 +267,70 @@ def measured_sweep(
     progress: bool = True,
     warmup: bool = True,
     selection: bool = True,
+    budget_s: float | None = None,
 ) -> list[dict]:
-    """Measure every (variant, T) in increasing T; one row per point.
+    """Measure every (variant, T), T increasing, the variants interleaved; one row per point.
 
-    A variant stops growing once the next point is predicted (from the last two points' slope,
-    at least 1) to exceed `max_seconds_per_point`: the remaining points are recorded with
-    status "skipped: ...". A backend that cannot run a variant gives rows "error: ..." (its message).
-    Before the sweep, each variant runs once at the smallest T (untimed) to compile / warm up.
+    Before the sweep each variant runs once at the smallest T (untimed: numba compiles, caches
+    warm). A point is skipped (status "skipped: ...") when it is predicted, from the variant's
+    last two points' slope (at least 1), to exceed `max_seconds_per_point`, or to end after
+    `budget_s` seconds since the sweep began (compilation included); a variant stops at its
+    first skip. A backend that cannot run a variant gives rows "error: ..." (its message).
     """
+    start = time.perf_counter()
     T_list = sorted(int(T) for T in T_list)
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(T_list) * len(variants), desc=f"measured ({backend})", unit="point")
-    rows = []
     common = dict(
         batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads, dim=dim, seed=seed, device=device, dtype=dtype
     )
-    for variant in variants:
-        error = None
-        if warmup:
+    stopped: dict[str, str | None] = {variant: None for variant in variants}
+    if warmup:
+        for variant in variants:
+            if bar is not None:
+                bar.set_postfix_str(f"{variant} warm-up (compile)")
             try:
                 measure_point(variant, backend, T_list[0], cfg, repeats=1, selection=selection, **common)
             except Exception as exc:  # noqa: BLE001 - recorded in the rows and printed by the CLI
-                error = f"error: {type(exc).__name__}: {exc}".splitlines()[0]
-        done: list[dict] = []
-        for T in T_list:
+                stopped[variant] = f"error: {type(exc).__name__}: {exc}".splitlines()[0]
+    done: dict[str, list[dict]] = {variant: [] for variant in variants}
+    rows = []
+    for T in T_list:
+        for variant in variants:
             if bar is not None:
                 bar.set_postfix_str(f"{variant} T={T}")
-            status = error
-            if status is None and done:
-                last = done[-1]
+            history = done[variant]
+            if stopped[variant] is None and history:
+                last = history[-1]
                 slope = 1.0
-                if len(done) >= 2:
-                    prev = done[-2]
+                if len(history) >= 2:
+                    prev = history[-2]
                     slope = max(1.0, math.log(last["time_s"] / prev["time_s"]) / math.log(last["T"] / prev["T"]))
                 spent = last["time_s"] + (last["select_time_s"] or 0.0)
                 predicted = spent * (T / last["T"]) ** slope
+                elapsed = time.perf_counter() - start
                 if predicted > max_seconds_per_point:
-                    status = f"skipped: predicted {predicted:.1f} s > {max_seconds_per_point:g} s per point"
-            if status is None:
+                    stopped[variant] = f"skipped: predicted {predicted:.1f} s > {max_seconds_per_point:g} s per point"
+                elif budget_s is not None and elapsed + predicted > budget_s:
+                    stopped[variant] = f"skipped: the sweep's {budget_s:g} s budget would be exceeded"
+            if stopped[variant] is None:
                 try:
                     row = measure_point(variant, backend, T, cfg, repeats=repeats, selection=selection, **common)
-                    done.append(row)
+                    history.append(row)
                     rows.append(row)
                 except Exception as exc:  # noqa: BLE001
-                    error = status = f"error: {type(exc).__name__}: {exc}".splitlines()[0]
-            if status is not None:
+                    stopped[variant] = f"error: {type(exc).__name__}: {exc}".splitlines()[0]
+            if stopped[variant] is not None:
                 rows.append(
                     {
                         "variant": variant,
                         "backend": backend,
                         "device": device,
                         "T": T,
-                        "status": status,
+                        "status": stopped[variant],
                         "time_s": None,
                         "select_time_s": None,
                         "peak_bytes": None,
