@@ -5,8 +5,8 @@
 
 The outputs equal the parallel op on the whole sequence (lemma L6). Backends: "numpy" and "numba"
 run the float64 host state (`streaming.host`), "torch" the vectorized torch state
-(`streaming.torch_state`, CPU or CUDA, fp32 accumulation; FS-B: the host state behind a torch
-interface, because its beam search runs on host-side trees). FS-L keeps a state whose size does not
+(`streaming.torch_state`, CPU or CUDA, fp32 accumulation; FS-B: `streaming.torch_fsb`, forests
+grown at carries and searched with the torch backend's beam). FS-L keeps a state whose size does not
 depend on T (lemma L7); FS and FS-B keep the archive.
 
 The cache is inference-only: outputs carry no gradient (inputs that require grad are refused).
@@ -79,11 +79,12 @@ class FreeSoloCache:
                 import torch  # noqa: F401
             except ImportError as error:
                 raise BackendUnavailableError(f"backend='torch' needs torch: {error}") from error
-            from .streaming.torch_state import TorchCacheState, TorchFsbState
+            from .streaming.torch_fsb import TorchFsbDeviceState
+            from .streaming.torch_state import TorchCacheState
 
             if dtype is not None and not getattr(dtype, "is_floating_point", False):
                 raise TypeError(f"dtype={dtype!r} must be a torch floating dtype")
-            state_class = TorchFsbState if cfg.variant == "fsb" else TorchCacheState
+            state_class = TorchFsbDeviceState if cfg.variant == "fsb" else TorchCacheState
             self._state = state_class(cfg, B, Hq, Hkv, D, dtype=dtype, device=device)
             self._dtype, self._device = dtype, device
         elif self.backend == "triton":

@@ -138,14 +138,14 @@ def test_l6_default_sizes_long_stream():
 
 # ---- prefill (state only) -----------------------------------------------------------------
 @given(
-    variant=st.sampled_from(("fs", "fsl")), backend=st.sampled_from(("numpy", "torch")),
+    variant=st.sampled_from(VARIANTS), backend=st.sampled_from(("numpy", "torch")),
     T=st.integers(2, 60), cut=st.integers(1, 59), pre_sizes=chunk_sizes, seed=st.integers(0, 2**16),
 )
 def test_prefill_then_extend_equals_parallel(variant, backend, T, cut, pre_sizes, seed):
     cut = min(cut, T - 1)
     B, Hq, Hkv, D = 1, 2, 1, 8
     q, k, v = random_qkv(seed, B, T, Hq, Hkv, D)
-    cfg = make_cfg(variant)
+    cfg = make_cfg(variant, k)
     expected = oracle(q, k, v, cfg)
     cache = FreeSoloCache(cfg, B, Hq, Hkv, D, backend=backend)
     conv = (lambda x: torch.from_numpy(np.ascontiguousarray(x))) if backend == "torch" else (lambda x: x)
@@ -154,6 +154,52 @@ def test_prefill_then_extend_equals_parallel(variant, backend, T, cut, pre_sizes
     assert cache.length == cut
     got = stream(cache, q, k, v, [slice(cut, T)], as_torch=torch.float64 if backend == "torch" else None)
     np.testing.assert_allclose(got, expected[:, cut:], rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("leaf_order", ["content", "position"])
+def test_torch_fsb_forests_equal_batch_construction(leaf_order):
+    """L10 for the torch state: the node tables grown at carries hold exactly the trees that the
+    torch backend's batch construction builds over all cells (every height, every segment)."""
+    from freesolo.backends.torch.fsb import build_node_table, content_codes
+    from freesolo.reference.forest import hyperplanes
+
+    B, T, Hq, Hkv, D = 2, 150, 2, 2, 8
+    q, k, v = random_qkv(6, B, T, Hq, Hkv, D)
+    cfg = make_cfg("fsb", k, leaf_order=leaf_order)
+    cache = FreeSoloCache(cfg, B, Hq, Hkv, D, backend="torch")
+    stream(cache, q, k, v, split(T, (1, 7, 30)), as_torch=torch.float64)
+    state = cache.state
+    C = (T - 1) // cfg.block * cfg.block // cfg.cell  # cells made available so far
+    k4 = torch.from_numpy(k).permute(0, 2, 1, 3)[:, :, : C * cfg.cell]  # (B, Hkv, C*s, D)
+    cells = k4.reshape(B, Hkv, C, cfg.cell, D)
+    kbar, a = cells.mean(3), (cells * cells).sum(-1).sqrt().amax(3)
+    planes = torch.as_tensor(hyperplanes(cfg.hash_seed, Hkv, cfg.hash_bits, D))
+    codes = content_codes(kbar, planes) if leaf_order == "content" else torch.zeros(B, Hkv, C, dtype=torch.int64)
+    batch = build_node_table(kbar, a, torch.arange(C).expand(B, Hkv, C), codes, C, cfg, outward=False)
+    table = state.forest_all
+    for h in range(C.bit_length()):
+        size = (C >> h) * ((2 << h) - 1)
+        src = int(batch.base[h])
+        dst = table.base(h)
+        for name in ("cell", "e", "A", "rad", "mu"):
+            got, want = getattr(table, name)[:, :, dst : dst + size], getattr(batch, name)[:, :, src : src + size]
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=f"height {h} field {name}")
+    # the high-norm forest's elements are the cells with a_c > tau, in order, per row
+    tau = torch.as_tensor(cfg.tau_array(Hkv)).view(1, Hkv, 1)
+    for b in range(B):
+        for g in range(Hkv):
+            want = torch.nonzero(a[b, g] > tau[0, g, 0]).flatten()
+            assert torch.equal(state.high_cells[b, g, : int(state.n_high[b, g])], want)
+
+
+@pytest.mark.parametrize("leaf_order", ["content", "position"])
+def test_l6_torch_fsb_float32(leaf_order):
+    B, T, Hq, Hkv, D = 2, 97, 4, 2, 16
+    q, k, v = random_qkv(12, B, T, Hq, Hkv, D)
+    cfg = make_cfg("fsb", k, leaf_order=leaf_order, beam=3)
+    cache = FreeSoloCache(cfg, B, Hq, Hkv, D, backend="torch")
+    got = stream(cache, q, k, v, split(T, (1, 9, 4)), as_torch=torch.float32)
+    assert_close(got, oracle(q, k, v, cfg), rtol=1e-5, name="fsb float32 stream")
 
 
 def test_prefill_fsb_host():
@@ -224,10 +270,11 @@ def test_l7_fsl_memory_constant(backend, heads):
 
 
 @pytest.mark.parametrize("backend", ["numpy", "torch"])
-def test_fs_keeps_the_archive(backend):
-    """Contrast for L7: FS memory grows with T (the archive), so the L7 check can fail."""
-    cfg = make_cfg("fs")
+@pytest.mark.parametrize("variant", ["fs", "fsb"])
+def test_fs_keeps_the_archive(backend, variant):
+    """Contrast for L7: FS / FS-B memory grows with T (the archive), so the L7 check can fail."""
     q, k, v = random_qkv(1, 1, 200, 2, 1, 8)
+    cfg = make_cfg(variant, k)
     cache = FreeSoloCache(cfg, 1, 2, 1, 8, backend=backend)
     stream(cache, q, k, v, [slice(0, 50)], as_torch=torch.float64 if backend == "torch" else None)
     early = cache.memory_bytes()

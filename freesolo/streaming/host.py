@@ -72,7 +72,7 @@ class HostCacheState:
             planes = hyperplanes(cfg.hash_seed, Hkv, cfg.hash_bits, D)  # [Hkv, r, D]
             self.forests = [
                 [
-                    CausalForests(D, s, float(tau[g]), cfg.leaf_order, planes[g] if cfg.leaf_order == "content" else None)
+                    CausalForests(D, s, float(tau[g]), cfg.leaf_order, planes[g].copy() if cfg.leaf_order == "content" else None)
                     for g in range(Hkv)
                 ]
                 for _ in range(B)
@@ -95,6 +95,8 @@ class HostCacheState:
         if self.forests is not None:
             for row in self.forests:
                 for cf in row:
+                    if cf.all.planes is not None:  # shared by the two forests
+                        total += cf.all.planes.nbytes
                     for forest in (cf.all, cf.high):
                         total += sum(x.nbytes for x in (forest._kbar, forest._a, forest._cell, forest._code))
                         for tree in (forest.history.values() if forest.keep_history else forest.trees):

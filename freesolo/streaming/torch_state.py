@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from ..config import FreeSoloConfig
 
-__all__ = ["TorchCacheState", "TorchFsbState", "DecodeGraph", "fsl_candidate_count"]
+__all__ = ["TorchCacheState", "DecodeGraph", "fsl_candidate_count"]
 
 _BUFFERS = (
     "pos", "inv_freq", "sigma", "lam", "ones_beta",
@@ -76,13 +76,14 @@ class TorchCacheState:
     """
 
     kind = "torch"
+    variants = ("fs", "fsl")
 
     def __init__(
         self, cfg: FreeSoloConfig, batch: int, num_heads: int, num_kv_heads: int, head_dim: int,
         dtype: Optional[torch.dtype] = None, device=None,
     ):
-        if cfg.variant not in ("fs", "fsl"):
-            raise ValueError(f"TorchCacheState implements variants 'fs' and 'fsl', not {cfg.variant!r} (see TorchFsbState)")
+        if cfg.variant not in self.variants:
+            raise ValueError(f"{type(self).__name__} implements variants {self.variants}, not {cfg.variant!r}")
         self.cfg = cfg
         self.B, self.Hq, self.Hkv, self.D = batch, num_heads, num_kv_heads, head_dim
         self.group = num_heads // num_kv_heads
@@ -176,7 +177,7 @@ class TorchCacheState:
         v_cells = tokens_v.reshape(k_cells.shape)
         m = k_cells.shape[2]
         new_ids = torch.arange(n_avail - m, n_avail, device=self.device).expand(self.B, self.Hkv, m)
-        if cfg.variant == "fs":
+        if cfg.variant != "fsl":  # FS, FS-B: the archive
             self._grow_store(n_avail)
             lo = n_avail - m
             self.cell_ids[:, :, lo:n_avail] = new_ids
@@ -255,13 +256,17 @@ class TorchCacheState:
 
         out = o_loc.to(self.acc).view(B, Hkv, G, n, D)
         n_avail = (t0 // cfg.block) * cfg.block // cfg.cell
-        k_eff = min(cfg.top_k, fsl_candidate_count(cfg, n_avail))
+        k_eff = min(cfg.top_k, self._candidate_count(n_avail))
         if k_eff > 0:
             o_long = self._long_range(qg, positions, n_avail, k_eff)  # (B, Hkv, G, n, D), acc
             normed = o_long * torch.rsqrt((o_long * o_long).mean(dim=-1, keepdim=True) + cfg.eps)
             out = out + beta.to(self.acc).view(1, Hkv, G, 1, 1) * normed
         self.pos += n
         return out.permute(0, 3, 1, 2, 4).reshape(B, n, self.Hq, D).to(self.dtype)  # (B, n, Hq, D)
+
+    def _candidate_count(self, n_avail: int) -> int:
+        """|C_j| (FS, FS-L): the same for every batch row and kv head, known on the host."""
+        return fsl_candidate_count(self.cfg, n_avail)
 
     def _long_range(self, qg: torch.Tensor, positions: torch.Tensor, n_avail: int, k_eff: int) -> torch.Tensor:
         """NoPE readout of the top-k_eff held cells. qg [B, Hkv, G*n, D] -> [B, Hkv, G, n, D] (acc)."""
@@ -437,46 +442,3 @@ class DecodeGraph:
         state.length += 1
         return self.out
 
-
-class TorchFsbState:
-    """FS-B for backend="torch": the float64 host state behind a torch interface.
-
-    FS-B's beam search walks host-side trees grown at carries (`reference.forest.CausalForests`);
-    there is no device implementation of the streaming search yet, so this state converts each
-    chunk to float64 on the host, runs `HostCacheState` and returns the outputs on the chunk's
-    device and dtype (it synchronises; `decode_graph` is not available). Documented, not silent.
-    """
-
-    kind = "torch"
-
-    def __init__(self, cfg: FreeSoloConfig, batch: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 dtype: Optional[torch.dtype] = None, device=None):
-        from .host import HostCacheState
-
-        self.cfg = cfg
-        self.host = HostCacheState(cfg, batch, num_heads, num_kv_heads, head_dim)
-
-    @property
-    def length(self) -> int:
-        return self.host.length
-
-    def memory_bytes(self) -> int:
-        return self.host.memory_bytes()
-
-    def extend(self, q, k, v, beta) -> torch.Tensor:
-        host = [x.detach().to("cpu", torch.float64).numpy() for x in (q, k, v)]
-        beta64 = (torch.ones(q.shape[2], dtype=torch.float64) if beta is None else beta.detach().double().cpu()).numpy()
-        out = self.host.extend(*host, beta64)
-        return torch.from_numpy(out).to(device=q.device, dtype=q.dtype)
-
-    def prefill(self, k, v) -> None:
-        self.host.prefill(k.detach().to("cpu", torch.float64).numpy(), v.detach().to("cpu", torch.float64).numpy())
-
-    def state_dict(self) -> dict:
-        return self.host.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.host.load_state_dict(state)
-
-    def decode_graph(self, beta=None):
-        raise ValueError("decode_graph captures the FS-L step; FS-B streaming runs its search on the host")

@@ -1,0 +1,247 @@
+"""FS-B streaming state on torch (spec §6, §9): the archive plus two forests grown at carries.
+
+The state is `TorchCacheState`'s FS archive (every complete cell, slot = cell id; ring; block
+buffer) plus, per batch row and kv head:
+
+- the element sequences of the two forests: all cells, and the high-norm cells (a_c > tau_h,
+  tested in float64 like the torch backend) compacted per row (`high_cells`, `n_high`);
+- one flat node table per forest (`ForestTable`): every tree of every height, laid out as the
+  torch backend's `NodeTable` (trees of height h consecutive by segment index, levels inside),
+  with fixed per-height capacity (doubling). A tree is built when its segment completes, i.e. at
+  the carry of the binary counter, from its own elements only (`build_node_table` on the
+  segment), and never again (high-norm forest: rows whose counts differ rebuild the segments past
+  the slowest row once the row's elements arrive).
+
+Queries search the tables with the torch backend's level-wise beam (`_beam_search`), rerank the
+union by rho and read the top-K cells (`topk_cells`: ties to the larger cell). FS-B decode syncs
+the host at block boundaries (counts of high cells); it is not a CUDA-graph path.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..backends.torch.fsb import NodeTable, _beam_search, build_node_table, content_codes
+from ..backends.torch.selection import topk_cells
+from ..config import FreeSoloConfig
+from ..reference.forest import hyperplanes
+from .torch_state import TorchCacheState, _gather_cells
+
+__all__ = ["ForestTable", "TorchFsbDeviceState"]
+
+_FIELDS = ("mu", "rad", "A", "e", "cell")
+
+
+def _nodes(h: int) -> int:
+    """Nodes of a perfect tree of height h."""
+    return (2 << h) - 1
+
+
+class ForestTable:
+    """All trees of one forest kind for every (b, kv head), in a flat table of fixed layout.
+
+    Capacity `cap` (a power of two) elements: height h has cap >> h segment slots starting at
+    base[h] = sum_{h' < h} (cap >> h') * nodes(h'). mu [B, Hkv, N, D]; rad, A [B, Hkv, N]
+    (accumulation dtype); e, cell [B, Hkv, N] int64. `valid[h]`: segments of height h built from
+    final elements for every row.
+    """
+
+    def __init__(self, B: int, Hkv: int, D: int, dtype: torch.dtype, device, cap: int = 16):
+        self.B, self.Hkv, self.D, self.dtype, self.device = B, Hkv, D, dtype, device
+        self.cap = 0
+        self.valid: list[int] = []
+        self._allocate(cap)
+
+    def base(self, h: int, cap: Optional[int] = None) -> int:
+        cap = self.cap if cap is None else cap
+        return sum((cap >> g) * _nodes(g) for g in range(h))
+
+    def _allocate(self, cap: int) -> None:
+        heights = cap.bit_length()  # heights 0 .. log2(cap)
+        N = self.base(heights, cap)
+        B, Hkv, dev = self.B, self.Hkv, self.device
+        new = {
+            "mu": torch.zeros(B, Hkv, N, self.D, dtype=self.dtype, device=dev),
+            "rad": torch.zeros(B, Hkv, N, dtype=self.dtype, device=dev),
+            "A": torch.zeros(B, Hkv, N, dtype=self.dtype, device=dev),
+            "e": torch.zeros(B, Hkv, N, dtype=torch.int64, device=dev),
+            "cell": torch.full((B, Hkv, N), -1, dtype=torch.int64, device=dev),
+        }
+        if self.cap:  # re-lay the built trees of every height
+            for h in range(self.cap.bit_length()):
+                size = (self.cap >> h) * _nodes(h)
+                lo_old, lo_new = self.base(h), self.base(h, cap)
+                for name in _FIELDS:
+                    new[name][:, :, lo_new : lo_new + size] = getattr(self, name)[:, :, lo_old : lo_old + size]
+        for name in _FIELDS:
+            setattr(self, name, new[name])
+        self.valid = self.valid + [0] * (heights - len(self.valid))
+        self.cap = cap
+
+    def update(self, elems: dict, n_min: int, n_max: int, cfg: FreeSoloConfig, outward: bool) -> None:
+        """Build the segments completed by the rows' element counts (n_min <= counts <= n_max).
+
+        elems: kbar [B, Hkv, >= n_max, D], a, cells, codes [B, Hkv, >= n_max] in position order.
+        """
+        if n_max > self.cap:
+            cap = self.cap
+            while cap < n_max:
+                cap *= 2
+            self._allocate(cap)
+        for h in range(n_max.bit_length()):
+            m0, m1 = self.valid[h], n_max >> h
+            if m1 > m0:
+                lo, hi = m0 << h, m1 << h
+                part = {key: x[:, :, lo:hi] for key, x in elems.items()}
+                table = build_node_table(part["kbar"], part["a"], part["cells"], part["codes"], hi - lo, cfg, outward)
+                src = sum(((hi - lo) >> g) * _nodes(g) for g in range(h))  # height h inside `table`
+                size = (m1 - m0) * _nodes(h)
+                dst = self.base(h) + m0 * _nodes(h)
+                for name in _FIELDS:
+                    getattr(self, name)[:, :, dst : dst + size] = getattr(table, name)[:, :, src : src + size]
+            self.valid[h] = n_min >> h
+
+    def node_table(self, n_max: int) -> NodeTable:
+        """The backend's NodeTable view (trees up to the height of n_max elements)."""
+        base = torch.tensor([self.base(h) for h in range(self.cap.bit_length() + 1)], device=self.device)
+        return NodeTable(self.mu, self.rad, self.A, self.e, self.cell, base, n_max.bit_length() - 1)
+
+    def tensors(self, prefix: str) -> dict:
+        return {f"{prefix}.{name}": getattr(self, name) for name in _FIELDS}
+
+
+class TorchFsbDeviceState(TorchCacheState):
+    """FS-B streaming state in torch tensors (CPU or CUDA); see the module docstring."""
+
+    variants = ("fsb",)
+
+    def allocate(self, dtype: torch.dtype, device) -> None:
+        super().allocate(dtype, device)
+        cfg, B, Hkv, D = self.cfg, self.B, self.Hkv, self.D
+        self.tau = torch.as_tensor(cfg.tau_array(Hkv), dtype=torch.float64, device=self.device)  # [Hkv]
+        self.planes = torch.as_tensor(hyperplanes(cfg.hash_seed, Hkv, cfg.hash_bits, D), device=self.device)
+        slots = self.cell_ids.shape[2]
+        self.codes = torch.zeros(B, Hkv, slots, dtype=torch.int64, device=self.device)  # per cell
+        self.high_cells = torch.full((B, Hkv, slots + 1), -1, dtype=torch.int64, device=self.device)
+        self.n_high = torch.zeros(B, Hkv, dtype=torch.int64, device=self.device)
+        self.n_high_range = (0, 0)  # host copy of (min, max) of n_high
+        self.forest_all = ForestTable(B, Hkv, D, self.acc, self.device)
+        self.forest_high = ForestTable(B, Hkv, D, self.acc, self.device)
+
+    def buffers(self) -> dict:
+        out = super().buffers()
+        if self.allocated:
+            out.update(tau=self.tau, planes=self.planes, codes=self.codes, high_cells=self.high_cells,
+                       n_high=self.n_high)
+            out.update(self.forest_all.tensors("forest_all"))
+            out.update(self.forest_high.tensors("forest_high"))
+        return out
+
+    def _grow_store(self, needed: int) -> None:
+        slots = self.cell_ids.shape[2]
+        super()._grow_store(needed)
+        new_slots = self.cell_ids.shape[2]
+        if new_slots != slots:
+            codes = torch.zeros(self.B, self.Hkv, new_slots, dtype=torch.int64, device=self.device)
+            codes[:, :, :slots] = self.codes
+            high = torch.full((self.B, self.Hkv, new_slots + 1), -1, dtype=torch.int64, device=self.device)
+            high[:, :, : slots + 1] = self.high_cells
+            self.codes, self.high_cells = codes, high
+
+    def _advance(self, tokens_k: torch.Tensor, tokens_v: torch.Tensor, n_avail: int) -> None:
+        """Append the new cells to the archive, their codes and high-norm flags; grow both forests."""
+        super()._advance(tokens_k, tokens_v, n_avail)
+        cfg, s, B, Hkv = self.cfg, self.cfg.cell, self.B, self.Hkv
+        m = tokens_k.shape[2] // s
+        lo = n_avail - m
+        x64 = tokens_k.to(torch.float64).reshape(B, Hkv, m, s, self.D)
+        kbar64 = x64.mean(dim=3)  # (B, Hkv, m, D): codes and the tau test in float64 (spec §6.2)
+        a64 = (x64 * x64).sum(dim=-1).sqrt().amax(dim=3)  # (B, Hkv, m)
+        if cfg.leaf_order == "content":
+            self.codes[:, :, lo:n_avail] = content_codes(kbar64, self.planes)
+        high = a64 > self.tau.view(1, Hkv, 1)  # (B, Hkv, m)
+        rank = torch.cumsum(high.to(torch.int64), dim=-1) - 1
+        scratch = self.high_cells.shape[2] - 1
+        dest = torch.where(high, self.n_high[:, :, None] + rank, torch.full_like(rank, scratch))
+        self.high_cells.scatter_(2, dest, torch.arange(lo, n_avail, device=self.device).expand(B, Hkv, m).contiguous())
+        self.high_cells[:, :, scratch] = -1
+        self.n_high += high.sum(dim=-1)
+        n_min, n_max = int(self.n_high.min()), int(self.n_high.max())  # host sync (FS-B only)
+        self.n_high_range = (n_min, n_max)
+        outward = self.acc != torch.float64
+        all_elems = {"kbar": self.cell_kbar[:, :, :n_avail], "a": self.cell_a[:, :, :n_avail],
+                     "cells": self.cell_ids[:, :, :n_avail], "codes": self.codes[:, :, :n_avail]}
+        self.forest_all.update(all_elems, n_avail, n_avail, cfg, outward)
+        if n_max:
+            hc = self.high_cells[:, :, :n_max].clamp(min=0)  # (B, Hkv, n_max); rows with fewer: padding
+            high_elems = {
+                "kbar": torch.gather(self.cell_kbar, 2, hc[..., None].expand(B, Hkv, n_max, self.D)),
+                "a": torch.gather(self.cell_a, 2, hc), "cells": torch.gather(self.cell_ids, 2, hc),
+                "codes": torch.gather(self.codes, 2, hc),
+            }
+            self.forest_high.update(high_elems, n_min, n_max, cfg, outward)
+
+    def _candidate_count(self, n_avail: int) -> int:
+        return n_avail  # > 0: run the long-range branch (found cells may be fewer than K: masked)
+
+    def _long_range(self, qg: torch.Tensor, positions: torch.Tensor, n_avail: int, k_eff: int) -> torch.Tensor:
+        """Beam search in both forests, rerank by rho, NoPE readout. qg [B, Hkv, G*n, D] -> [B, Hkv, G, n, D]."""
+        cfg, B, Hkv, G, D, s, K = self.cfg, self.B, self.Hkv, self.group, self.D, self.cfg.cell, self.cfg.top_k
+        n = positions.shape[0]
+        scale = 1.0 / math.sqrt(D)
+        qc = qg.to(self.acc).view(B, Hkv, G, 1, n, D)  # (B, Hkv, G, nb=1, n, D)
+        qn = torch.linalg.vector_norm(qc, dim=-1)
+        pos = positions.to(self.acc).view(1, n)
+        n_all = torch.full((B, Hkv, 1), n_avail, dtype=torch.int64, device=self.device)
+        found = [_beam_search(self.forest_all.node_table(n_avail), n_all, qc, qn, pos, self.sigma, self.lam, cfg)]
+        if self.n_high_range[1]:
+            table = self.forest_high.node_table(self.n_high_range[1])
+            found.append(_beam_search(table, self.n_high.view(B, Hkv, 1), qc, qn, pos, self.sigma, self.lam, cfg))
+        found = torch.sort(torch.cat(found, dim=-1), dim=-1, descending=True).values  # larger c first, -1 last
+        found = found.view(B, Hkv, G, n, -1)
+        dup = torch.zeros_like(found, dtype=torch.bool)
+        dup[..., 1:] = found[..., 1:] == found[..., :-1]
+        ok = (found >= 0) & ~dup
+        cells = torch.where(ok, found, torch.full_like(found, -1))  # (B, Hkv, G, n, U)
+        U = cells.shape[-1]
+        keys = _gather_cells(self.cell_k, cells.clamp(min=0).view(B, Hkv, G * n * U))  # (B, Hkv, G*n*U, s, D)
+        keys = keys.view(B, Hkv, G, n, U, s, D).to(self.acc)
+        logits = torch.einsum("bhgnd,bhgnusd->bhgnus", qc.view(B, Hkv, G, n, D), keys) * scale
+        rho = torch.logsumexp(logits, dim=-1).masked_fill(~ok, float("-inf"))
+        chosen = topk_cells(rho, cells, K)  # (B, Hkv, G, n, K) cell ids (= slots), -1 padded
+        flat = chosen.clamp(min=0).reshape(B, Hkv, G * n * K)
+        N = B * Hkv * G * n
+        sel_k = _gather_cells(self.cell_k, flat).reshape(N, 1, K * s, D)
+        sel_v = _gather_cells(self.cell_v, flat).reshape(N, 1, K * s, D)
+        valid = (chosen >= 0).reshape(N, K, 1).expand(N, K, s).reshape(N, 1, 1, K * s)
+        has = valid.any(dim=-1, keepdim=True)  # (N, 1, 1, 1)
+        mask = valid | ~has  # rows without a cell attend to anything, then are zeroed
+        o_long = F.scaled_dot_product_attention(qg.reshape(N, 1, 1, D), sel_k, sel_v, attn_mask=mask, scale=scale)
+        o_long = torch.where(has, o_long, torch.zeros_like(o_long))
+        return o_long.to(self.acc).view(B, Hkv, G, n, D)
+
+    def state_dict(self) -> dict:
+        out = super().state_dict()
+        if self.allocated:
+            out["forest_caps"] = (self.forest_all.cap, self.forest_high.cap)
+            out["forest_valid"] = (list(self.forest_all.valid), list(self.forest_high.valid))
+            out["n_high_range"] = self.n_high_range
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        if state.get("dtype") is None:
+            return
+        for name in ("codes", "high_cells", "n_high", "tau", "planes"):
+            setattr(self, name, state[name].clone().to(self.device))
+        for forest, prefix, cap, valid in zip(
+            (self.forest_all, self.forest_high), ("forest_all", "forest_high"), state["forest_caps"], state["forest_valid"]
+        ):
+            forest.cap, forest.valid = int(cap), list(valid)
+            for name in _FIELDS:
+                setattr(forest, name, state[f"{prefix}.{name}"].clone().to(self.device))
+        self.n_high_range = tuple(state["n_high_range"])
