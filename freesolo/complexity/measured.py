@@ -274,10 +274,10 @@ def measured_sweep(
     Before the sweep each variant runs once at the smallest T (untimed: numba compiles, caches
     warm). A point is skipped (status "skipped: ...") when it is predicted, from the variant's
     last two points' slope (at least 1), to exceed `max_seconds_per_point`, or to end after
-    `budget_s` seconds since the sweep began (compilation included); a variant stops at its
-    first skip. A backend that cannot run a variant gives rows "error: ..." (its message).
+    `budget_s` seconds after the warm-ups (compilation is not counted: it happens once per
+    machine with numba's cache); a variant stops at its first skip. A backend that cannot run a
+    variant gives rows "error: ..." (its message).
     """
-    start = time.perf_counter()
     T_list = sorted(int(T) for T in T_list)
     bar = None
     if progress:
@@ -298,6 +298,7 @@ def measured_sweep(
                 stopped[variant] = f"error: {type(exc).__name__}: {exc}".splitlines()[0]
     done: dict[str, list[dict]] = {variant: [] for variant in variants}
     rows = []
+    start = time.perf_counter()  # the budget counts the timed points only
     for T in T_list:
         for variant in variants:
             if bar is not None:

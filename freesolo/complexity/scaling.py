@@ -116,8 +116,8 @@ def _configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument(
         "--budget-s",
         type=float,
-        default=140.0,
-        help="wall-clock budget of the measured sweep, numba compile included (default 140 s); "
+        default=100.0,
+        help="wall-clock budget of the measured points after the warm-up / numba compile (default 100 s); "
         "points that would end later are skipped and reported",
     )
     parser.add_argument("--skip-measured", action="store_true", help="counted cost only (no timing)")
