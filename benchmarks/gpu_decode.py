@@ -112,14 +112,19 @@ def fsl_run(cfg, B, H, D, T, dtype, device, steps, chunk, timer) -> dict:
     if cache.length % cfg.block == 0:
         eager(0)
     if device.startswith("cuda"):
-        graph = cache.decode_graph()
-        base = 2 + steps
+        try:
+            graph = cache.decode_graph()
+            base = 2 + steps
 
-        def replay(i):
-            return graph(q[:, base + i : base + i + 1], k[:, base + i : base + i + 1], v[:, base + i : base + i + 1])
+            def replay(i):
+                return graph(q[:, base + i : base + i + 1], k[:, base + i : base + i + 1], v[:, base + i : base + i + 1])
 
-        replay(0)
-        out["fsl_graph_us"] = timer(lambda i: replay(1 + i), steps - 1) * 1e6
+            replay(0)
+            out["fsl_graph_us"] = timer(lambda i: replay(1 + i), steps - 1) * 1e6
+        except Exception as error:  # noqa: BLE001 - record why, keep the eager numbers
+            out["fsl_graph_us"] = None
+            out["fsl_graph_error"] = f"{type(error).__name__}: {error}"
+            print(f"  CUDA graph capture failed: {out['fsl_graph_error']}")
     out.update(fsl_memory_bytes=memory, fsl_memory_after_decode=cache.memory_bytes(), prefill_s=prefill_s,
                fsl_T_end=cache.length)
     del cache, q, k, v
