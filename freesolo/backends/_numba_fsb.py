@@ -17,7 +17,7 @@ import math
 from typing import NamedTuple, Optional
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from ..config import FreeSoloConfig
 from ..reference.forest import content_codes, hyperplanes
@@ -257,7 +257,7 @@ def _beam(qv, q_norm, i, scale, sigma, lam, rw, cell, beam, n, height_base, mu, 
     return nf, evaluated
 
 
-@njit(cache=True)
+@njit(cache=True, parallel=True)
 def _query_head(
     q_g, positions, k_g, sigma, lam, rw, cell, block, beam, top_k,
     hb_all, mu_all, rad_all, A_all, e_all, leaf_all,
@@ -272,15 +272,16 @@ def _query_head(
     idx = np.full((P, G, top_k), -1, np.int64)
     node_keys = np.zeros((P, G), np.int64)
     reranked = np.zeros((P, G), np.int64)
-    found = np.empty(beam, np.int64)
-    union = np.empty(2 * beam, np.int64)
-    rho = np.empty(2 * beam)
-    rank = np.empty(2 * beam, np.int64)
-    for p in range(P):
+    for p in prange(P):  # queries are independent
         i = positions[p]
         n_avail = (i // block) * block // cell
         if n_avail == 0:
             continue
+        found = np.empty(beam, np.int64)
+        union = np.empty(2 * beam, np.int64)
+        rho = np.empty(2 * beam)
+        rank = np.empty(2 * beam, np.int64)
+        logits = np.empty(cell)
         n_high = high_prefix[n_avail]
         for h in range(G):
             qv = q_g[p, h]
@@ -313,18 +314,16 @@ def _query_head(
             for x in range(nu):  # rho = logsumexp over the cell's tokens
                 c = union[x]
                 best = -np.inf
-                for t in range(c * cell, (c + 1) * cell):
+                for t in range(cell):
                     dot = 0.0
                     for d in range(D):
-                        dot += k_g[t, d] * qv[d]
-                    if dot * scale > best:
-                        best = dot * scale
+                        dot += k_g[c * cell + t, d] * qv[d]
+                    logits[t] = dot * scale
+                    if logits[t] > best:
+                        best = logits[t]
                 s = 0.0
-                for t in range(c * cell, (c + 1) * cell):
-                    dot = 0.0
-                    for d in range(D):
-                        dot += k_g[t, d] * qv[d]
-                    s += math.exp(dot * scale - best)
+                for t in range(cell):
+                    s += math.exp(logits[t] - best)
                 rho[x] = best + math.log(s)
                 y = x  # insertion by (rho desc, c desc)
                 while y > 0:

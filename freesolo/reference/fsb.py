@@ -71,8 +71,9 @@ def fsb_node_keys_count(n_cells: int, beam: int) -> int:
     """Node keys one forest over n_cells elements evaluates per query (independent of the data).
 
     Level l (from the tallest height H - 1 down to 0) has 2 * |F_{l+1}| + bit_l(n) candidates and
-    keeps |F_l| = min(beam, candidates); the root of height H is taken without a key.
-    Always <= 2*beam*(floor(log2 n)+1) + popcount(n) (lemma L9).
+    keeps |F_l| = min(beam, candidates) = min(beam, n >> l); the root of height H is taken without
+    a key. Closed form: sum_{l=0}^{H-1} (2 * min(beam, n >> (l+1)) + bit_l(n)), H = floor(log2 n),
+    so always <= 2*beam*H + popcount(n) - 1 <= 2*beam*(floor(log2 n)+1) + popcount(n) (lemma L9).
     """
     if n_cells <= 0:
         return 0
