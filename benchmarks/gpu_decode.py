@@ -81,7 +81,6 @@ def fsl_run(cfg, B, H, D, T, dtype, device, steps, chunk, timer) -> dict:
         k = torch.randn(B, n, H, D, device=device, dtype=dtype)  # (B, n, H, D)
         v = torch.randn(B, n, H, D, device=device, dtype=dtype)
         cache.prefill(k, v, check_finite=False)
-        del k, v
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     prefill_s = time.perf_counter() - t0
@@ -127,7 +126,6 @@ def fsl_run(cfg, B, H, D, T, dtype, device, steps, chunk, timer) -> dict:
             print(f"  CUDA graph capture failed: {out['fsl_graph_error']}")
     out.update(fsl_memory_bytes=memory, fsl_memory_after_decode=cache.memory_bytes(), prefill_s=prefill_s,
                fsl_T_end=cache.length)
-    del cache, q, k, v
     return out
 
 
@@ -150,7 +148,6 @@ def sdpa_run(B, H, D, T, dtype, device, steps, timer) -> dict:
     step(0)
     n = max(10, min(steps, int(2e10 // max(need, 1))))  # fewer calls when each reads many GB
     us = timer(step, n) * 1e6
-    del Kc, Vc
     return {"sdpa_us": us, "sdpa_memory_bytes": need, "sdpa_steps": n}
 
 

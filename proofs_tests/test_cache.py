@@ -218,7 +218,7 @@ def held_arrays(obj, seen=None) -> list:
     if id(obj) in seen:
         return []
     seen.add(id(obj))
-    if isinstance(obj, np.ndarray) or isinstance(obj, torch.Tensor):
+    if isinstance(obj, (np.ndarray, torch.Tensor)):
         return [obj]
     if isinstance(obj, dict):
         return [a for x in obj.values() for a in held_arrays(x, seen)]

@@ -13,7 +13,7 @@ import pytest
 import freesolo
 from freesolo import FreeSoloCache, FreeSoloConfig
 
-from .helpers import SMALL, assert_close, random_qkv
+from .helpers import assert_close, random_qkv
 
 torch = pytest.importorskip("torch")
 

@@ -9,4 +9,4 @@
 Both are reached through `freesolo.FreeSoloCache`; nothing here is imported by `import freesolo`.
 """
 
-__all__ = ["host", "torch_state", "torch_fsb", "cli"]
+__all__ = ["cli", "host", "torch_fsb", "torch_state"]

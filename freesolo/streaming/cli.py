@@ -53,8 +53,8 @@ def run_decode(args) -> int:
 
     B, Hq, D = args.batch, args.heads, args.dim
     Hkv = args.kv_heads or Hq
-    sizes = dict(window=args.window, cell=args.cell, top_k=args.top_k, block=args.block, pool=args.pool,
-                 recent=args.recent)
+    sizes = {"window": args.window, "cell": args.cell, "top_k": args.top_k, "block": args.block,
+             "pool": args.pool, "recent": args.recent}
     rng = np.random.default_rng(args.seed)
     tau = None
     if args.variant == "fsb":

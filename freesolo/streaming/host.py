@@ -18,6 +18,7 @@ Shapes: B batch, Hq / Hkv heads, D head dim, w window, Bq block, s cell, S store
 from __future__ import annotations
 
 import math
+
 import numpy as np
 
 from ..config import FreeSoloConfig

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from ..config import FreeSoloConfig
 
-__all__ = ["TorchCacheState", "DecodeGraph", "fsl_candidate_count"]
+__all__ = ["DecodeGraph", "TorchCacheState", "fsl_candidate_count"]
 
 _BUFFERS = (
     "pos", "inv_freq", "sigma", "lam", "ones_beta",
@@ -102,7 +102,7 @@ class TorchCacheState:
         """Allocate every buffer (FS-L: their final size) for storage `dtype` on `device`."""
         if not dtype.is_floating_point:
             raise TypeError(f"dtype={dtype} must be a floating dtype")
-        cfg, B, Hkv, D, G, s = self.cfg, self.B, self.Hkv, self.D, self.group, self.cfg.cell
+        cfg, B, Hkv, D, G = self.cfg, self.B, self.Hkv, self.D, self.group
         device = torch.device(device)
         self.dtype, self.device = dtype, device
         self.acc = torch.float64 if dtype == torch.float64 else torch.float32
