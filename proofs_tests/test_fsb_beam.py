@@ -61,10 +61,11 @@ def fsb_config(k, tau_shift=0.0, **fields) -> FreeSoloConfig:
     return cfg.replace(tau=tuple(tau))
 
 
-shapes = dict(
-    seed=st.integers(0, 2**31), T=st.integers(1, 200), Hkv=st.sampled_from([1, 2]), group=st.sampled_from([1, 2]),
-    D=st.sampled_from([2, 4, 8, 16]), leaf_order=st.sampled_from(["content", "position"]),
-)
+shapes = {
+    "seed": st.integers(0, 2**31), "T": st.integers(1, 200), "Hkv": st.sampled_from([1, 2]),
+    "group": st.sampled_from([1, 2]), "D": st.sampled_from([2, 4, 8, 16]),
+    "leaf_order": st.sampled_from(["content", "position"]),
+}
 
 # ---- L5 ---------------------------------------------------------------------------------------------
 
@@ -100,7 +101,7 @@ def test_L5_each_forest_returns_its_top_beam_cells(seed, T, Hkv, group, D, leaf_
                 q_i = q[b, i, h]
                 q_norm = math.sqrt(float(q_i @ q_i))
 
-                def key(tree, level, m):
+                def key(tree, level, m, q_i=q_i, q_norm=q_norm, i=i, h=h):
                     return node_key(q_i, q_norm, i, tree, tree.node(level, m), scale, sigma[h], lam[h], 4, radius_weight)
 
                 for trees, cells in zip(hf.forests(n), (np.arange(n), hf.high_cells[hf.high_cells < n])):
@@ -122,7 +123,7 @@ def test_L9_node_key_count_closed_form_and_bound():
             H = n.bit_length() - 1
             assert count == sum(2 * min(beam, n >> (l + 1)) + (n >> l & 1) for l in range(H))
             if n:
-                assert count <= 2 * beam * (math.floor(math.log2(n)) + 1) + bin(n).count("1")
+                assert count <= 2 * beam * (math.floor(math.log2(n)) + 1) + n.bit_count()
 
 
 @given(**shapes, beam=st.integers(1, 5))
@@ -147,7 +148,7 @@ def test_L9_counted_node_keys_match_the_data_independent_count(seed, T, Hkv, gro
                     assert costs["node_keys"][0, i, h] == expected
                     for n_ in (n, n_high):
                         assert fsb_node_keys_count(n_, beam) <= (
-                            2 * beam * (math.floor(math.log2(n_)) + 1) + bin(n_).count("1") if n_ else 0)
+                            2 * beam * (math.floor(math.log2(n_)) + 1) + n_.bit_count() if n_ else 0)
                     reranked = costs["cells_reranked"][0, i, h]
                     assert min(beam, n) <= reranked <= min(2 * beam, n)
         assert np.array_equal(costs["node_keys"], numba_costs["node_keys"])

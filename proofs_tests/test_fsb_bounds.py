@@ -39,7 +39,7 @@ def bound_violations(q, k, cfg: FreeSoloConfig, radius=exact_radius) -> list:
     radius; scores from the oracle's `cell_scores` (independent of the trees).
     Returns the violations [(b, i, h, node, cell, UB, score)].
     """
-    B, T, Hq, D = q.shape
+    _, T, Hq, D = q.shape
     Hkv = k.shape[2]
     scale = 1.0 / math.sqrt(D)
     sigma, lam = cfg.per_head("sigma", Hq), cfg.per_head("lam", Hq)

@@ -66,7 +66,7 @@ def test_dyadic_segments_example_and_shape():
     assert dyadic_segments(0) == []
     for n in range(1, 600):
         segments = dyadic_segments(n)
-        assert len(segments) == bin(n).count("1")
+        assert len(segments) == n.bit_count()
         start = 0
         for (s, h), nxt in zip(segments, segments[1:] + [(n, -1)]):
             assert s == start and s % (1 << h) == 0 and h > nxt[1]  # aligned, largest first

@@ -14,7 +14,7 @@ leaf_cell [N] (the cell of a level-0 node, -1 elsewhere).
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import numpy as np
 from numba import njit, prange
@@ -26,10 +26,10 @@ from ..reference.primitives import cell_stats
 __all__ = [
     "FlatForest",
     "HeadForestsNumba",
-    "radix_argsort_numba",
     "build_flat_forest",
     "build_head_forests_numba",
     "query_head_numba",
+    "radix_argsort_numba",
     "select_cells_fsb_numba",
 ]
 
@@ -107,10 +107,8 @@ def _build_flat_forest(ekbar, ea, ecell, ecode, content, code_bits, cell):
                         r = ranks[first + x]
                         for d in range(D):
                             acc[d] += ekbar[r, d]
-                        if ea[r] > best_a:
-                            best_a = ea[r]
-                        if ecell[r] < low:
-                            low = ecell[r]
+                        best_a = max(best_a, ea[r])
+                        low = min(low, ecell[r])
                     for d in range(D):
                         mu[node, d] = acc[d] / group
                     radius = 0.0
@@ -122,8 +120,7 @@ def _build_flat_forest(ekbar, ea, ecell, ecode, content, code_bits, cell):
                                 diff = ekbar[r, d] - mu[node, d]
                                 s += diff * diff
                             s = math.sqrt(s)
-                            if s > radius:
-                                radius = s
+                            radius = max(radius, s)
                     rad[node] = radius
                     A[node] = best_a
                     e[node] = low * cell
@@ -141,7 +138,7 @@ class FlatForest(NamedTuple):
     leaf_cell: np.ndarray  # int64 [N]
 
 
-def build_flat_forest(kbar, a, cells, planes: Optional[np.ndarray], code_bits: int, cell: int) -> FlatForest:
+def build_flat_forest(kbar, a, cells, planes: np.ndarray | None, code_bits: int, cell: int) -> FlatForest:
     """Forest over the given cells (increasing). planes [r, D] int64 for content order, None for position."""
     cells = np.ascontiguousarray(cells, dtype=np.int64)
     ekbar = np.ascontiguousarray(kbar[cells], dtype=np.float64).reshape(len(cells), kbar.shape[1])
@@ -319,8 +316,7 @@ def _query_head(
                     for d in range(D):
                         dot += k_g[c * cell + t, d] * qv[d]
                     logits[t] = dot * scale
-                    if logits[t] > best:
-                        best = logits[t]
+                    best = max(best, logits[t])
                 s = 0.0
                 for t in range(cell):
                     s += math.exp(logits[t] - best)
@@ -359,7 +355,7 @@ def query_head_numba(
 
 
 def select_cells_fsb_numba(
-    q: np.ndarray, k: np.ndarray, cfg: FreeSoloConfig, positions: Optional[np.ndarray] = None,
+    q: np.ndarray, k: np.ndarray, cfg: FreeSoloConfig, positions: np.ndarray | None = None,
     return_costs: bool = False,
 ):
     """FS-B selection (spec §6), equal to the float64 oracle's.

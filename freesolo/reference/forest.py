@@ -19,28 +19,27 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
 
 __all__ = [
-    "QUANT_SCALE",
     "DIGIT_BITS",
-    "hyperplanes",
-    "quantize",
-    "content_codes",
-    "radix_argsort",
-    "merge_by_code",
-    "dyadic_segments",
-    "level_offset",
-    "ForestElements",
-    "Tree",
-    "tree_stats",
-    "build_tree",
-    "merge_trees",
-    "batch_forest",
-    "StreamingForest",
+    "QUANT_SCALE",
     "CausalForests",
+    "ForestElements",
+    "StreamingForest",
+    "Tree",
+    "batch_forest",
+    "build_tree",
+    "content_codes",
+    "dyadic_segments",
+    "hyperplanes",
+    "level_offset",
+    "merge_by_code",
+    "merge_trees",
+    "quantize",
+    "radix_argsort",
+    "tree_stats",
 ]
 
 QUANT_SCALE = 4096.0  # Q(x) = rint(x * 2^12) as int64 (spec §6.2)
@@ -65,6 +64,8 @@ def content_codes(kbar: np.ndarray, planes: np.ndarray) -> np.ndarray:
     Bit b (most significant first) is 1 iff sum_d planes[b, d] * Q(kbar[c, d]) > 0 (exact integers).
     """
     kbar = np.asarray(kbar, dtype=np.float64).reshape(-1, planes.shape[1])
+    if kbar.size and float(np.abs(kbar).max()) * QUANT_SCALE * planes.shape[1] >= 2.0**62:
+        raise ValueError(f"mean keys too large for the int64 content code: max |kbar| = {np.abs(kbar).max():.3e}")
     projections = quantize(kbar) @ planes.T  # int64 [M, r], exact
     r = planes.shape[0]
     codes = np.zeros(kbar.shape[0], dtype=np.int64)
@@ -150,7 +151,7 @@ class ForestElements:
     code: np.ndarray
 
     @classmethod
-    def from_cells(cls, kbar, a, cells, planes: Optional[np.ndarray]) -> "ForestElements":
+    def from_cells(cls, kbar, a, cells, planes: np.ndarray | None) -> ForestElements:
         """Elements = the given cells (sorted increasing); codes from planes [r, D] (zeros if None)."""
         cells = np.asarray(cells, dtype=np.int64)
         kbar = np.asarray(kbar, dtype=np.float64)
@@ -185,7 +186,7 @@ class Tree:
         """The cells under node (level, index), in leaf order."""
         return self.cells[index << level : (index + 1) << level]
 
-    def same_as(self, other: "Tree") -> bool:
+    def same_as(self, other: Tree) -> bool:
         """Bit-identical leaf order and statistics."""
         return (
             (self.start, self.height) == (other.start, other.height)
@@ -248,7 +249,7 @@ def merge_trees(left: Tree, right: Tree, elems: ForestElements, leaf_order: str,
 
 
 def batch_forest(
-    n: int, elems: ForestElements, leaf_order: str, code_bits: int, cell: int, cache: Optional[dict] = None
+    n: int, elems: ForestElements, leaf_order: str, code_bits: int, cell: int, cache: dict | None = None
 ) -> list[Tree]:
     """The forest over elements [0, n): one tree per segment of `dyadic_segments(n)`, largest first.
 
@@ -285,7 +286,7 @@ class StreamingForest:
 
     def __init__(
         self, head_dim: int, cell: int, leaf_order: str = "content",
-        planes: Optional[np.ndarray] = None, keep_history: bool = False,
+        planes: np.ndarray | None = None, keep_history: bool = False,
     ):
         if leaf_order not in ("content", "position"):
             raise ValueError(f"leaf_order={leaf_order!r} must be 'content' or 'position'")
@@ -338,7 +339,7 @@ class StreamingForest:
         if self.keep_history:
             self.history[(tree.start, tree.height)] = tree
 
-    def forest(self, n: Optional[int] = None) -> list[Tree]:
+    def forest(self, n: int | None = None) -> list[Tree]:
         """The forest over the first n elements (default: all); n < count needs keep_history."""
         n = self.count if n is None else int(n)
         if n == self.count:
@@ -370,7 +371,7 @@ class StreamingForest:
         }
 
     @classmethod
-    def from_state_dict(cls, state: dict) -> "StreamingForest":
+    def from_state_dict(cls, state: dict) -> StreamingForest:
         planes = np.asarray(state["planes"], np.int64)
         leaf_order = str(state["leaf_order"])
         forest = cls(int(state["head_dim"]), int(state["cell"]), leaf_order,
@@ -406,7 +407,7 @@ class CausalForests:
 
     def __init__(
         self, head_dim: int, cell: int, tau: float, leaf_order: str = "content",
-        planes: Optional[np.ndarray] = None, keep_history: bool = False,
+        planes: np.ndarray | None = None, keep_history: bool = False,
     ):
         self.tau = float(tau)
         self.all = StreamingForest(head_dim, cell, leaf_order, planes, keep_history)
@@ -425,7 +426,7 @@ class CausalForests:
             self.high.append_cell(kbar_c, a_c, c)
         self.high_prefix.append(self.high.count)
 
-    def forests(self, n: Optional[int] = None) -> tuple[list[Tree], list[Tree]]:
+    def forests(self, n: int | None = None) -> tuple[list[Tree], list[Tree]]:
         n = self.count if n is None else int(n)
         return self.all.forest(n), self.high.forest(self.high_prefix[n])
 
@@ -436,7 +437,7 @@ class CausalForests:
         return state
 
     @classmethod
-    def from_state_dict(cls, state: dict) -> "CausalForests":
+    def from_state_dict(cls, state: dict) -> CausalForests:
         new = cls.__new__(cls)
         new.tau = float(state["tau"])
         new.high_prefix = [int(x) for x in state["high_prefix"]]

@@ -14,7 +14,7 @@ then smaller index in the level); the union of both forests' leaves is reranked 
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -23,14 +23,14 @@ from .forest import ForestElements, Tree, batch_forest, hyperplanes
 from .primitives import available_cells, cell_stats, top_k_cells
 
 __all__ = [
-    "select_cells_fsb",
+    "HeadForests",
+    "beam_search",
     "fsb_costs",
     "fsb_node_keys_count",
-    "node_key",
-    "beam_search",
-    "rerank_scores",
-    "HeadForests",
     "head_forests",
+    "node_key",
+    "rerank_scores",
+    "select_cells_fsb",
 ]
 
 
@@ -118,7 +118,7 @@ class HeadForests:
     def forests(self, n_avail: int) -> tuple[list[Tree], list[Tree]]:
         cfg = self.cfg
         n_high = int(np.sum(self.high_cells < n_avail))
-        build = dict(leaf_order=cfg.leaf_order, code_bits=cfg.hash_bits, cell=cfg.cell)
+        build = {"leaf_order": cfg.leaf_order, "code_bits": cfg.hash_bits, "cell": cfg.cell}
         return (
             batch_forest(n_avail, self.elems_all, cache=self._cache_all, **build),
             batch_forest(n_high, self.elems_high, cache=self._cache_high, **build),
@@ -127,7 +127,7 @@ class HeadForests:
 
 def head_forests(k: np.ndarray, cfg: FreeSoloConfig) -> dict[tuple[int, int], HeadForests]:
     """HeadForests for every (b, g) of k [B, T, Hkv, D] (FS-B without tau raises ValueError)."""
-    B, T, Hkv, D = k.shape
+    B, _, Hkv, D = k.shape
     tau = cfg.tau_array(Hkv)
     planes = hyperplanes(cfg.hash_seed, Hkv, cfg.hash_bits, D)  # [Hkv, r, D]
     return {(b, g): HeadForests(k[b, :, g], cfg, tau[g], planes[g]) for b in range(B) for g in range(Hkv)}
@@ -156,7 +156,7 @@ def _run(q: np.ndarray, k: np.ndarray, cfg: FreeSoloConfig):
                     q_i = q[b, i, h]  # [D]
                     q_norm = math.sqrt(float(q_i @ q_i))
 
-                    def key(tree, level, m, q_i=q_i, q_norm=q_norm, i=i):
+                    def key(tree, level, m, q_i=q_i, q_norm=q_norm, i=i, h=h):
                         return node_key(q_i, q_norm, i, tree, tree.node(level, m), scale,
                                         sigma[h], lam[h], cfg.cell, cfg.radius_weight)
 
