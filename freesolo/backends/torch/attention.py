@@ -91,6 +91,7 @@ class _Chunk:
         cells = idx[:, :, :, self.i0 : self.i1]  # (B, Hkv, G, L, K)
         B, Hkv, G, L, K = cells.shape
         tok = cells.clamp(min=0)[..., None] * s + torch.arange(s, device=idx.device)  # (B, Hkv, G, L, K, s)
+        tok = tok.clamp(max=idx.shape[3] - 1)  # -1 pads read a masked, in-range token
         self.tok = tok.reshape(B, Hkv, G, L, K * s)
         self.valid = (cells >= 0)[..., None].expand(B, Hkv, G, L, K, s).reshape(B, Hkv, G, L, K * s)
         self.bi = torch.arange(B, device=idx.device).view(B, 1, 1, 1, 1)

@@ -231,7 +231,7 @@ def fsb_select(q, k, cfg: FreeSoloConfig, sigma, lam, nblocks_per_chunk: int) ->
         dup[..., 1:] = found[..., 1:] == found[..., :-1]
         ok = (found >= 0) & ~dup
         cells = torch.where(ok, found, torch.full_like(found, -1))
-        tok = cells.clamp(min=0)[..., None] * s + torch.arange(s, device=dev)  # (..., 2*beam, s)
+        tok = (cells.clamp(min=0)[..., None] * s + torch.arange(s, device=dev)).clamp(max=T - 1)  # (..., 2*beam, s)
         kt = k[bi[..., None], hi[..., None], tok]  # (B, Hkv, G, nb, Bq, 2*beam, s, D)
         logits = torch.einsum("bhgnqd,bhgnqcsd->bhgnqcs", qc, kt) * scale
         rho = torch.logsumexp(logits, dim=-1).masked_fill(~ok, float("-inf"))

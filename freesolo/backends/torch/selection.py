@@ -97,6 +97,8 @@ def fs_fsl_select(q, k, cfg: FreeSoloConfig, sigma, lam, nblocks_per_chunk: int)
     scale = D**-0.5
     kbar, a = cell_stats(k, s)  # (B, Hkv, C, D), (B, Hkv, C)
     idx = torch.full((B, Hkv, G, T, K), -1, dtype=torch.int64, device=dev)
+    if kbar.shape[2] == 0:
+        return idx  # no complete cell: nothing to select
     fsl = cfg.variant == "fsl"
     if fsl:
         rank = rank_by_norm(a)
