@@ -451,3 +451,21 @@ def test_decode_graph_bookkeeping_on_cpu(monkeypatch):
         assert torch.equal(step(q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1]), a)
     assert graphed.length == eager.length
     assert all(torch.equal(graphed.state.buffers()[n], x) for n, x in eager.state.buffers().items())
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_decode_cli_smoke(backend, capsys):
+    import argparse
+
+    from freesolo.streaming.cli import add_decode_parser
+
+    parser = argparse.ArgumentParser()
+    add_decode_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args([
+        "decode", "--context", "100", "--steps", "3", "--heads", "2", "--kv-heads", "1", "--dim", "8",
+        "--backend", backend, "--dtype", "float32", "--device", "cpu", "--window", "16", "--cell", "4",
+        "--block", "8", "--pool", "3", "--recent", "2", "--chunk", "37", "--quiet",
+    ])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "decode latency" in out and "cache memory" in out
