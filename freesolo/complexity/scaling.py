@@ -265,7 +265,7 @@ def format_report(result: dict) -> str:
         m = result["measured_setup"]
         fr = result["fit_ranges"]["measured"]
         lines.append(
-            f"Measured wall time ({m['backend']}, {m['device']}, {m['dtype']}), median of up to {m['repeats']} runs, "
+            f"Measured wall time ({m['backend']}, {m['device']}, {m['dtype']}), best of up to {m['repeats']} runs, "
             f"exponents fitted over T = {format_tokens(fr[0])}..{format_tokens(fr[1])}; "
             f"peak memory of the forward call by {m['memory_method']}"
         )
