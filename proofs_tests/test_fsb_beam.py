@@ -234,6 +234,7 @@ def test_numba_equals_oracle_at_default_sizes():
     got, costs = select_cells_fsb_numba(q, k, cfg, return_costs=True)
     assert np.array_equal(got, ref)
     assert np.array_equal(freesolo.select_cells(q, k, cfg, backend="numpy"), ref)
+    assert np.array_equal(freesolo.select_cells(q, k, cfg, backend="numba"), ref)  # the backend uses _numba_fsb
     hf = head_forests(k, cfg)[(0, 0)]
     for i in (0, 127, 128, 700, 1099):
         n = (i // 128) * 4
