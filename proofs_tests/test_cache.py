@@ -184,12 +184,24 @@ def test_torch_fsb_forests_equal_batch_construction(leaf_order):
         for name in ("cell", "e", "A", "rad", "mu"):
             got, want = getattr(table, name)[:, :, dst : dst + size], getattr(batch, name)[:, :, src : src + size]
             torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=f"height {h} field {name}")
-    # the high-norm forest's elements are the cells with a_c > tau, in order, per row
+    # the high-norm forest: elements = the cells with a_c > tau in order, trees = batch trees, per row
     tau = torch.as_tensor(cfg.tau_array(Hkv)).view(1, Hkv, 1)
+    counts = set()
     for b in range(B):
         for g in range(Hkv):
-            want = torch.nonzero(a[b, g] > tau[0, g, 0]).flatten()
-            assert torch.equal(state.high_cells[b, g, : int(state.n_high[b, g])], want)
+            high = torch.nonzero(a[b, g] > tau[0, g, 0]).flatten()
+            M = len(high)
+            counts.add(M)
+            assert torch.equal(state.high_cells[b, g, :M], high)
+            row = build_node_table(kbar[b : b + 1, g : g + 1, high], a[b : b + 1, g : g + 1, high],
+                                   high.view(1, 1, M), codes[b : b + 1, g : g + 1, high], M, cfg, outward=False)
+            for h in range(M.bit_length()):
+                size = (M >> h) * ((2 << h) - 1)
+                src, dst = int(row.base[h]), state.forest_high.base(h)
+                for name in ("cell", "e", "A", "rad", "mu"):
+                    got = getattr(state.forest_high, name)[b, g, dst : dst + size]
+                    torch.testing.assert_close(got, getattr(row, name)[0, 0, src : src + size], rtol=1e-12, atol=1e-12)
+    assert len(counts) > 1, "rows should differ in high-cell counts (exercises the per-row rebuild)"
 
 
 @pytest.mark.parametrize("leaf_order", ["content", "position"])
