@@ -481,3 +481,38 @@ def test_decode_cli_smoke(backend, capsys):
     assert args.func(args) == 0
     out = capsys.readouterr().out
     assert "decode latency" in out and "cache memory" in out
+
+
+@pytest.mark.parametrize("variant", ["fs", "fsl"])
+def test_decode_ops_never_read_tensor_values_on_host(variant):
+    """CPU proxy of "no host sync" (the GPU test checks it with set_sync_debug_mode): every aten op
+    of FS / FS-L decode steps (boundaries and T < w included, check_finite=False) is recorded; none
+    reads a tensor value on the host (.item / bool / int -> _local_scalar_dense), none has a
+    data-dependent output shape (nonzero, masked_select, boolean indexing, unique)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.add(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    cfg = make_cfg(variant)
+    B, T, Hq, Hkv, D = 2, 3 * cfg.block + cfg.window + 3, 4, 2, 8
+    q, k, v = (torch.from_numpy(x).float() for x in random_qkv(8, B, T, Hq, Hkv, D))
+    cache = FreeSoloCache(cfg, B, Hq, Hkv, D, backend="torch", dtype=torch.float32, device="cpu")
+    beta = torch.ones(Hq)
+    recorder = Record()
+    with recorder:
+        for t in range(T):
+            cache.extend(q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], beta=beta, check_finite=False)
+    forbidden = {"aten._local_scalar_dense", "aten.item", "aten.is_nonzero", "aten.nonzero", "aten.nonzero_static",
+                 "aten.masked_select", "aten.unique", "aten._unique2", "aten.masked_scatter", "aten.argwhere"}
+    assert recorder.ops, "nothing recorded"
+    assert not recorder.ops & forbidden, f"host reads in decode: {recorder.ops & forbidden}"
+    bool_index = [op for op in recorder.ops if op.startswith("aten.index") and op not in
+                  ("aten.index_copy", "aten.index_copy_", "aten.index_select")]
+    assert not bool_index, f"advanced indexing in decode: {bool_index}"
