@@ -171,7 +171,9 @@ def select_kernel(q, kbar, a, cand, ncand, use_pool, sigma, lam, block, cell, to
             cnt = 0
             for n in range(m):
                 c = cells[n]
-                s = scale * dots[n] + lm * amax[n] * math.erf(sig * (i - c * cell) / (2.0 * cell))
+                arg = sig * (i - c * cell) / (2.0 * cell)
+                prior = 1.0 if arg >= 6.0 else math.erf(arg)  # libm's erf(x >= 6) is exactly 1.0
+                s = scale * dots[n] + lm * amax[n] * prior
                 if cnt < top_k:
                     pos = cnt
                     cnt += 1
@@ -191,15 +193,97 @@ def select_kernel(q, kbar, a, cand, ncand, use_pool, sigma, lam, block, cell, to
     return idx, scored
 
 
-@njit(cache=True, parallel=True)
-def local_kernel(q_rot, kT_rot, v, window, block):
+# ---- exp, vectorisable ----------------------------------------------------------------------
+# math.exp is a scalar libm call (no SVML here); softmax weights use this branch-free version
+# instead: Cody-Waite reduction x = k ln2 + r, |r| <= ln2/2, degree-13 Taylor polynomial
+# (truncation < 3e-17 relative), 2^k built from its bits. Max relative error vs libm: ~2 ulp.
+_LN2_HI = 6.93147180369123816490e-01  # ln 2, upper bits (k * _LN2_HI is exact for |k| < 2^20)
+_LN2_LO = 1.90821492927058770002e-10
+_INV_LN2 = 1.44269504088896338700e00
+_EXP_FLOOR = -708.0  # exp(-708) ~ 3e-308 is still normal; smaller x are clamped (weights ~0 vs >= 1)
+
+
+@njit(cache=True)
+def _exp_nonpositive(x, lo, hi, bits):
+    """x[lo:hi] <- exp(x[lo:hi]) for x <= 0 (values below -708 give exp(-708)); bits int64 scratch."""
+    xs = x[lo:hi]  # slices: indices from 0 are provably >= 0, so no wraparound blocks vectorisation
+    bs = bits[lo:hi]
+    for t in range(hi - lo):
+        y = max(xs[t], _EXP_FLOOR)
+        kf = math.floor(y * _INV_LN2 + 0.5)
+        r = (y - kf * _LN2_HI) - kf * _LN2_LO
+        p = 1.0 / 6227020800.0
+        p = p * r + 1.0 / 479001600.0
+        p = p * r + 1.0 / 39916800.0
+        p = p * r + 1.0 / 3628800.0
+        p = p * r + 1.0 / 362880.0
+        p = p * r + 1.0 / 40320.0
+        p = p * r + 1.0 / 5040.0
+        p = p * r + 1.0 / 720.0
+        p = p * r + 1.0 / 120.0
+        p = p * r + 1.0 / 24.0
+        p = p * r + 1.0 / 6.0
+        p = p * r + 0.5
+        p = p * r + 1.0
+        p = p * r + 1.0
+        xs[t] = p
+        bs[t] = (np.int64(kf) + 1023) << 52  # the bits of 2^kf
+    scale = bs.view(np.float64)
+    for t in range(hi - lo):
+        xs[t] *= scale[t]
+
+
+@njit(cache=True, fastmath=True)  # inputs are finite: every fast-math assumption holds
+def _softmax_row(row, lo, hi, n, sqrt_d, bits):
+    """row[lo:hi] <- softmax(row[lo:hi] / sqrt_d); row[:lo] and row[hi:n] <- 0 (hi > lo)."""
+    inv = 1.0 / sqrt_d
+    seg = row[lo:hi]  # indices from 0: provably >= 0, no wraparound in the vectorised loops
+    m = hi - lo
+    m0 = m1 = m2 = m3 = seg[0]  # four running maxima: independent chains (max() does not vectorise)
+    t = 0
+    while t + 4 <= m:
+        a0, a1, a2, a3 = seg[t], seg[t + 1], seg[t + 2], seg[t + 3]
+        m0 = a0 if a0 > m0 else m0
+        m1 = a1 if a1 > m1 else m1
+        m2 = a2 if a2 > m2 else m2
+        m3 = a3 if a3 > m3 else m3
+        t += 4
+    while t < m:
+        m0 = seg[t] if seg[t] > m0 else m0
+        t += 1
+    mx = max(max(m0, m1), max(m2, m3))
+    for t in range(m):
+        seg[t] = (seg[t] - mx) * inv  # <= 0
+    _exp_nonpositive(seg, 0, m, bits)
+    total = 0.0
+    for t in range(m):
+        total += seg[t]
+    inv_total = 1.0 / total
+    for t in range(m):
+        seg[t] = seg[t] * inv_total
+    head = row[:lo]
+    for t in range(lo):
+        head[t] = 0.0
+    tail = row[hi:n]
+    for t in range(n - hi):
+        tail[t] = 0.0
+
+
+_FAST = {"reassoc", "contract", "nsz", "arcp"}  # sums may be reordered (vectorised); no nnan/ninf assumptions
+_QT = 4  # queries per tile of the local branch (share every key and value they load)
+
+
+@njit(cache=True, parallel=True, fastmath=_FAST)
+def local_kernel(q_rot, k_rot, vT, window, block):
     """Sliding-window softmax attention over keys i-window < t <= i (spec §2).
 
-    q_rot [B, T, Hq, D] (RoPE applied), kT_rot [B, Hkv, D, T] (RoPE applied, transposed),
-    v [B, T, Hkv, D] -> out [B, T, Hq, D]. Scratch per task: [window] logits, no T x T array.
+    q_rot [B, T, Hq, D] (RoPE applied), k_rot [B, Hkv, T, D] (RoPE applied, per head),
+    vT [B, Hkv, D, T] -> out [B, T, Hq, D]. Queries go by tiles of 4 that share the keys of the
+    union of their windows (<= window + 3, each row masked to its own window). Scratch per task:
+    [4, window + 4] probabilities; no T x T array.
     """
     B, T, Hq, D = q_rot.shape
-    Hkv = kT_rot.shape[1]
+    Hkv = k_rot.shape[1]
     group = Hq // Hkv
     nb = (T + block - 1) // block
     sqrt_d = math.sqrt(D)
@@ -210,46 +294,73 @@ def local_kernel(q_rot, kT_rot, v, window, block):
         b = bh // Hq
         h = bh % Hq
         g = h // group
-        logits = np.empty(window)
-        acc = np.empty(D)
-        for i in range(j * block, min(T, (j + 1) * block)):
-            lo = max(0, i - window + 1)
-            n = i - lo + 1
+        probs = np.zeros((_QT, window + _QT))  # rows: one query of the tile each
+        bits = np.empty(window + _QT, dtype=np.int64)
+        p0 = probs[0]
+        p1 = probs[1]
+        p2 = probs[2]
+        p3 = probs[3]
+        end = min(T, (j + 1) * block)
+        for i0 in range(j * block, end, _QT):
+            nq = min(_QT, end - i0)
+            lo = max(0, i0 - window + 1)  # first key of the tile
+            n = i0 + nq - lo  # keys of the tile: [lo, i0 + nq)
+            q0 = q_rot[b, i0, h]
+            q1 = q_rot[b, min(i0 + 1, end - 1), h]
+            q2 = q_rot[b, min(i0 + 2, end - 1), h]
+            q3 = q_rot[b, min(i0 + 3, end - 1), h]
+            keys = k_rot[b, g, lo : lo + n]  # [n, D]
             for t in range(n):
-                logits[t] = 0.0
-            for d in range(D):
-                qd = q_rot[b, i, h, d]
-                for t in range(n):
-                    logits[t] += qd * kT_rot[b, g, d, lo + t]
-            mx = -np.inf
-            for t in range(n):
-                logits[t] = logits[t] / sqrt_d
-                if logits[t] > mx:
-                    mx = logits[t]
-            total = 0.0
-            for t in range(n):
-                logits[t] = math.exp(logits[t] - mx)
-                total += logits[t]
-            for d in range(D):
-                acc[d] = 0.0
-            for t in range(n):
-                p = logits[t] / total
+                kr = keys[t]
+                s0 = 0.0
+                s1 = 0.0
+                s2 = 0.0
+                s3 = 0.0
                 for d in range(D):
-                    acc[d] += p * v[b, lo + t, g, d]
+                    x = kr[d]
+                    s0 += q0[d] * x
+                    s1 += q1[d] * x
+                    s2 += q2[d] * x
+                    s3 += q3[d] * x
+                p0[t] = s0
+                p1[t] = s1
+                p2[t] = s2
+                p3[t] = s3
+            for r in range(_QT):
+                i = min(i0 + r, i0 + nq - 1)
+                _softmax_row(probs[r], max(0, i - window + 1) - lo, i - lo + 1, n, sqrt_d, bits)
             for d in range(D):
-                out[b, i, h, d] = acc[d]
+                vr = vT[b, g, d, lo : lo + n]
+                o0 = 0.0
+                o1 = 0.0
+                o2 = 0.0
+                o3 = 0.0
+                for t in range(n):
+                    x = vr[t]
+                    o0 += p0[t] * x
+                    o1 += p1[t] * x
+                    o2 += p2[t] * x
+                    o3 += p3[t] * x
+                out[b, i0, h, d] = o0
+                if nq > 1:
+                    out[b, i0 + 1, h, d] = o1
+                if nq > 2:
+                    out[b, i0 + 2, h, d] = o2
+                if nq > 3:
+                    out[b, i0 + 3, h, d] = o3
     return out
 
 
-@njit(cache=True, parallel=True)
-def readout_kernel(q, kT, v, idx, cell, block):
+@njit(cache=True, parallel=True, fastmath=_FAST)
+def readout_kernel(q, k_h, vTc, idx, cell, block):
     """NoPE softmax attention over the tokens of the selected cells (spec §7).
 
-    q [B, T, Hq, D], kT [B, Hkv, D, T] (unrotated, transposed), v [B, T, Hkv, D],
-    idx int64 [B, T, Hq, K] (-1 = none) -> out [B, T, Hq, D]; a query with no cell gets 0.
+    q [B, T, Hq, D], k_h [B, Hkv, T, D] (unrotated, per head), vTc [B, Hkv, C, D, cell] (values
+    of each complete cell, transposed), idx int64 [B, T, Hq, K] (-1 = none) -> out [B, T, Hq, D];
+    a query with no cell gets 0.
     """
     B, T, Hq, D = q.shape
-    Hkv = kT.shape[1]
+    Hkv = k_h.shape[1]
     K = idx.shape[3]
     group = Hq // Hkv
     nb = (T + block - 1) // block
@@ -261,46 +372,38 @@ def readout_kernel(q, kT, v, idx, cell, block):
         b = bh // Hq
         h = bh % Hq
         g = h // group
-        logits = np.empty(K * cell)
-        acc = np.empty(D)
+        probs = np.empty(K * cell)
+        bits = np.empty(K * cell, dtype=np.int64)
+        cells = np.empty(K, dtype=np.int64)
         for i in range(j * block, min(T, (j + 1) * block)):
-            n = 0
+            m = 0
             for r in range(K):
                 c = idx[b, i, h, r]
-                if c < 0:
-                    continue
-                for t in range(cell):
-                    logits[n + t] = 0.0
-                for d in range(D):
-                    qd = q[b, i, h, d]
-                    for t in range(cell):
-                        logits[n + t] += qd * kT[b, g, d, c * cell + t]
-                n += cell
-            if n == 0:
+                if c >= 0:
+                    cells[m] = c
+                    m += 1
+            if m == 0:
                 continue
-            mx = -np.inf
-            for t in range(n):
-                logits[t] = logits[t] / sqrt_d
-                if logits[t] > mx:
-                    mx = logits[t]
-            total = 0.0
-            for t in range(n):
-                logits[t] = math.exp(logits[t] - mx)
-                total += logits[t]
-            for d in range(D):
-                acc[d] = 0.0
-            n = 0
-            for r in range(K):
-                c = idx[b, i, h, r]
-                if c < 0:
-                    continue
+            qi = q[b, i, h]
+            for r in range(m):
+                first = cells[r] * cell
+                keys = k_h[b, g, first : first + cell]  # [cell, D]
+                pr = probs[r * cell : (r + 1) * cell]
                 for t in range(cell):
-                    p = logits[n + t] / total
+                    kr = keys[t]
+                    s = 0.0
                     for d in range(D):
-                        acc[d] += p * v[b, c * cell + t, g, d]
-                n += cell
+                        s += qi[d] * kr[d]
+                    pr[t] = s
+            _softmax_row(probs, 0, m * cell, m * cell, sqrt_d, bits)
             for d in range(D):
-                out[b, i, h, d] = acc[d]
+                acc = 0.0
+                for r in range(m):
+                    vr = vTc[b, g, cells[r], d]
+                    pr = probs[r * cell : (r + 1) * cell]
+                    for t in range(cell):
+                        acc += pr[t] * vr[t]
+                out[b, i, h, d] = acc
     return out
 
 

@@ -63,9 +63,22 @@ def _rope_all(x: np.ndarray, theta: float) -> np.ndarray:
     return np.ascontiguousarray(np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1))
 
 
-def _transpose_keys(k: np.ndarray) -> np.ndarray:
-    """k [B, T, Hkv, D] -> kT [B, Hkv, D, T] (key index innermost, for vectorised dot products)."""
-    return np.ascontiguousarray(k.transpose(0, 2, 3, 1))
+def _per_head(x: np.ndarray) -> np.ndarray:
+    """x [B, T, H, D] -> [B, H, T, D] contiguous (each head's rows contiguous)."""
+    return np.ascontiguousarray(x.transpose(0, 2, 1, 3))
+
+
+def _transposed(x: np.ndarray) -> np.ndarray:
+    """x [B, T, H, D] -> [B, H, D, T] contiguous (token index innermost)."""
+    return np.ascontiguousarray(x.transpose(0, 2, 3, 1))
+
+
+def _cells_transposed(x: np.ndarray, cell: int) -> np.ndarray:
+    """x [B, T, H, D] -> [B, H, C, D, cell] contiguous: each complete cell's tokens, transposed."""
+    B, T, H, D = x.shape
+    C = T // cell
+    cells = x[:, : C * cell].reshape(B, C, cell, H, D)  # (B, C, cell, H, D)
+    return np.ascontiguousarray(cells.transpose(0, 3, 1, 4, 2))  # (B, H, C, D, cell)
 
 
 def _check_fs_fsl(cfg: FreeSoloConfig, what: str) -> None:
@@ -132,8 +145,8 @@ def select_cells(q: np.ndarray, k: np.ndarray, cfg: FreeSoloConfig) -> np.ndarra
 def local_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, cfg: FreeSoloConfig) -> np.ndarray:
     """RoPE sliding-window attention (spec §2): q [B, T, Hq, D], k / v [B, T, Hkv, D] -> [B, T, Hq, D]."""
     q_rot = _rope_all(_f64(q), cfg.rope_theta)  # [B, T, Hq, D]
-    kT_rot = _transpose_keys(_rope_all(_f64(k), cfg.rope_theta))  # [B, Hkv, D, T]
-    return _kernels().local_kernel(q_rot, kT_rot, _f64(v), cfg.window, cfg.block)
+    k_rot = _per_head(_rope_all(_f64(k), cfg.rope_theta))  # [B, Hkv, T, D]
+    return _kernels().local_kernel(q_rot, k_rot, _transposed(_f64(v)), cfg.window, cfg.block)
 
 
 def _check_idx(idx, q: np.ndarray, k: np.ndarray, cfg: FreeSoloConfig) -> np.ndarray:
@@ -153,7 +166,9 @@ def long_range_readout(q: np.ndarray, k: np.ndarray, v: np.ndarray, idx: np.ndar
     """NoPE attention over the selected cells idx [B, T, Hq, K] (-1 = none) -> [B, T, Hq, D]; no cell -> 0."""
     q, k = _f64(q), _f64(k)
     idx = _check_idx(idx, q, k, cfg)
-    return _kernels().readout_kernel(q, _transpose_keys(k), _f64(v), idx, cfg.cell, cfg.block)
+    k_h = _per_head(k)  # [B, Hkv, T, D]
+    vTc = _cells_transposed(_f64(v), cfg.cell)  # [B, Hkv, C, D, cell]
+    return _kernels().readout_kernel(q, k_h, vTc, idx, cfg.cell, cfg.block)
 
 
 def combine(o_loc: np.ndarray, o_long: np.ndarray, beta: np.ndarray, eps: float) -> np.ndarray:
@@ -171,36 +186,43 @@ def attention(q, k, v, cfg: FreeSoloConfig, beta: Optional[np.ndarray] = None) -
 
 
 def count_costs(q, k, cfg: FreeSoloConfig) -> dict[str, np.ndarray]:
-    """Counted costs of FS / FS-L from the instrumented selection path (spec §10).
+    """Counted costs from the instrumented selection path (spec §10).
 
     Args:
         q: [B, T, Hq, D]; k: [B, T, Hkv, D] (numpy or torch; converted to float64).
     Returns a dict of arrays:
-        "cells_scored"  int64 [B, T, Hq]: cells whose score each query computed (FS: n_j, FS-L: |C_j|)
+        "cells_scored"  int64 [B, T, Hq]: cells whose score each query computed (FS: n_j, FS-L: |C_j|, FS-B: 0)
         "tokens_read"   int64 [B, T, Hq]: local window tokens + tokens of the selected cells
         "cells_selected" int64 [B, T, Hq]: selected cells (<= top_k)
-        "candidates_per_block" int64 [B, Hkv, nb]: |C_j| per kv head and query block
         "available_per_block"  int64 [nb]: n_j
         "total_cells_scored", "total_tokens_read": int64 scalars (0-d arrays), sums over (b, i, h).
+      FS / FS-L also: "candidates_per_block" int64 [B, Hkv, nb]: |C_j| per kv head and query block.
+      FS-B also (from `_numba_fsb`): "node_keys", "cells_reranked" int64 [B, T, Hq].
     """
     from .._validation import check_inputs
 
     check_inputs(q, k, None, cfg)
-    if cfg.variant == "fsb":
-        raise NotImplementedError("count_costs counts FS and FS-L; FS-B's node counters come with issue 3")
     q, k = _f64(q), _f64(k)
-    T = q.shape[1]
-    idx, scored, ncand = _select(q, k, cfg)
+    B, T, Hq, _ = q.shape
+    extra: dict[str, np.ndarray] = {}
+    if cfg.variant == "fsb":
+        idx, fsb_costs = _fsb_module().select_cells_fsb_numba(q, k, cfg, return_costs=True)
+        idx = np.ascontiguousarray(idx, dtype=np.int64)
+        scored = np.zeros((B, T, Hq), dtype=np.int64)
+        extra = {name: np.asarray(value, dtype=np.int64) for name, value in fsb_costs.items()}
+    else:
+        idx, scored, ncand = _select(q, k, cfg)
+        extra["candidates_per_block"] = ncand
     tokens = _kernels().tokens_read_kernel(idx, cfg.window, cfg.cell)
     nb = (T + cfg.block - 1) // cfg.block
     return {
         "cells_scored": scored,
         "tokens_read": tokens,
         "cells_selected": (idx >= 0).sum(axis=-1).astype(np.int64),
-        "candidates_per_block": ncand,
         "available_per_block": np.arange(nb, dtype=np.int64) * cfg.block // cfg.cell,
         "total_cells_scored": np.asarray(scored.sum(), dtype=np.int64),
         "total_tokens_read": np.asarray(tokens.sum(), dtype=np.int64),
+        **extra,
     }
 
 
