@@ -60,6 +60,7 @@ def plot_cost_vs_T(
     shades the range the slopes were fitted over.
     """
     all_T, first_y = [], []
+    drawn: list[tuple[str, np.ndarray, np.ndarray]] = []
     for variant, (T, y) in series.items():
         T, y = np.asarray(T, dtype=np.float64), np.asarray(y, dtype=np.float64)
         if T.size == 0:
@@ -67,6 +68,11 @@ def plot_cost_vs_T(
         colour, marker, label = VARIANT_STYLE.get(variant, ("black", "o", variant))
         if slopes and variant in slopes:
             label = f"{label}: slope {slopes[variant]}"
+        for other, T_other, y_other in drawn:  # say so when a line hides another
+            if T_other.shape == T.shape and np.all(T_other == T) and np.allclose(y, y_other, rtol=0.02):
+                label += f" (on top of {other})"
+                break
+        drawn.append((variant.upper().replace("FSL", "FS-L").replace("FSB", "FS-B"), T, y))
         ax.loglog(T, y, marker=marker, color=colour, label=label, linewidth=2, markersize=5)
         all_T.extend(T.tolist())
         first_y.append(y[0])
@@ -137,7 +143,7 @@ def plot_scaling(panels: Sequence[dict], path: str, suptitle: str, ncols: int = 
     for ax in list(axes.flat)[len(panels) :]:
         ax.set_visible(False)
     fig.suptitle(suptitle, fontsize=12)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
