@@ -133,11 +133,10 @@ class FreeSoloCache:
         signature = (kind, dtype, device)
         if self._input is None:
             if self.backend == "torch":
-                if kind != "torch":
-                    raise TypeError("backend='torch' takes torch tensors (got numpy arrays)")
-                if self._dtype is not None and dtype != str(self._dtype):
+                torch_dtype = dtype if kind == "torch" else f"torch.{dtype}"  # numpy chunks are converted
+                if self._dtype is not None and torch_dtype != str(self._dtype):
                     raise TypeError(f"the cache was built for dtype={self._dtype}, the chunk is {dtype}")
-                if self._device is not None:
+                if self._device is not None and kind == "torch":
                     import torch
 
                     want = torch.device(self._device)
@@ -172,7 +171,15 @@ class FreeSoloCache:
             beta64 = np.ones(self.num_heads) if beta is None else _to_float64(beta)
             out = self._state.extend(_to_float64(q), _to_float64(k), _to_float64(v), beta64)
             return _like_input(out, q)
+        if not is_torch_tensor(q):  # numpy chunk on the torch state: in as tensors, out as numpy
+            q, k, v, beta = (None if x is None else self._as_tensor(x) for x in (q, k, v, beta))
+            return self._state.extend(q, k, v, beta).cpu().numpy()
         return self._state.extend(q, k, v, beta)
+
+    def _as_tensor(self, x):
+        import torch
+
+        return torch.from_numpy(np.ascontiguousarray(x)).to(self._device or "cpu")
 
     def prefill(self, k, v, check_finite: Optional[bool] = None) -> None:
         """Consume keys / values [B, n, Hkv, D] without computing outputs (a long prompt whose
@@ -187,6 +194,8 @@ class FreeSoloCache:
             from .api import _to_float64
 
             self._state.prefill(_to_float64(k), _to_float64(v))
+        elif not is_torch_tensor(k):
+            self._state.prefill(self._as_tensor(k), self._as_tensor(v))
         else:
             self._state.prefill(k, v)
 

@@ -383,8 +383,8 @@ def test_errors_construction_and_kinds():
     q, k, v = (torch.zeros(1, 2, h, 8) for h in (2, 1, 1))
     with pytest.raises(TypeError, match="dtype"):
         FreeSoloCache(cfg, 1, 2, 1, 8, backend="torch", dtype=torch.float64).extend(q, k, v)
-    with pytest.raises(TypeError, match="torch tensors"):
-        FreeSoloCache(cfg, 1, 2, 1, 8, backend="torch").extend(q.numpy(), k.numpy(), v.numpy())
+    with pytest.raises(TypeError, match="dtype"):
+        FreeSoloCache(cfg, 1, 2, 1, 8, backend="torch", dtype=torch.float64).extend(q.numpy(), k.numpy(), v.numpy())
     with pytest.raises(ValueError, match="inference-only"):
         FreeSoloCache(cfg, 1, 2, 1, 8, backend="torch").extend(q.requires_grad_(), k, v)
 
@@ -403,6 +403,19 @@ def test_errors_load_state_dict():
         FreeSoloCache(cfg, 1, 2, 1, 8, backend="torch").load_state_dict(sd)
     with pytest.raises(ValueError, match="format"):
         cache.load_state_dict({"format": "something else"})
+
+
+def test_torch_backend_takes_numpy_chunks():
+    """Spec §12: numpy in, numpy out, also on the torch state (converted on the way in and out)."""
+    cfg = make_cfg("fsl")
+    q, k, v = random_qkv(0, 1, 30, 2, 1, 8)
+    cache = FreeSoloCache(cfg, 1, 2, 1, 8, backend="torch")
+    cache.prefill(k[:, :10], v[:, :10])
+    out = cache.extend(q[:, 10:], k[:, 10:], v[:, 10:], beta=np.ones(2))
+    assert isinstance(out, np.ndarray) and out.dtype == np.float64
+    np.testing.assert_allclose(out, oracle(q, k, v, cfg)[:, 10:], atol=1e-10)
+    with pytest.raises(TypeError, match="mid-stream"):
+        cache.extend(*(torch.from_numpy(x[:, :1]) for x in (q, k, v)))
 
 
 def test_numpy_inputs_return_numpy_and_torch_cpu_host():
