@@ -286,15 +286,16 @@ def _grads(fn, tensors):
     return out.detach(), [x.grad.detach().clone() for x in tensors]
 
 
-@given(problems(variants=("fs", "fsl", "fsb"), max_t=48), st.sampled_from([1, 2]))
-def test_gradients_match_dense_formulation(problem, chunk_blocks):
+@given(problems(variants=("fs", "fsl", "fsb"), max_t=48), st.sampled_from([1, 2]), st.sampled_from(["union", "gather"]))
+def test_gradients_match_dense_formulation(problem, chunk_blocks, long_path):
     cfg, B, T, Hq, Hkv, D, seed = problem
     q, k, v = random_qkv(seed, B, T, Hq, Hkv, D)
     cfg = _with_tau(cfg, k)
     beta = np.random.default_rng(seed + 1).standard_normal(Hq)
     idx = select_cells(_t(q), _t(k), cfg)  # the selection is a constant of the gradient
     xs = [_t(x, grad=True) for x in (q, k, v, beta)]
-    out, grads = _grads(lambda a, b, c, d: attention(a, b, c, cfg, d, chunk_tokens=chunk_blocks * cfg.block), xs)
+    ct = chunk_blocks * cfg.block
+    out, grads = _grads(lambda a, b, c, d: attention(a, b, c, cfg, d, chunk_tokens=ct, long_path=long_path), xs)
     ref_out, ref_grads = _grads(lambda a, b, c, d: dense_reference(a, b, c, idx, cfg, d), xs)
     assert_close(out.numpy(), ref_out.numpy(), 1e-9, "output vs dense")
     for name, g, r in zip(("dq", "dk", "dv", "dbeta"), grads, ref_grads):
@@ -349,15 +350,16 @@ def test_low_precision_within_2x_naive(dtype, variant):
 # ---- chunking and memory ---------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("long_path", ["union", "gather"])
 @pytest.mark.parametrize("variant", ["fs", "fsl", "fsb"])
-def test_chunk_size_changes_nothing(variant):
+def test_chunk_size_changes_nothing(variant, long_path):
     cfg = FreeSoloConfig(variant=variant, window=20, cell=4, block=8, pool=3, recent=2, top_k=2, beam=3, tau=(2.9,))
     q, k, v = random_qkv(2, 2, 101, 4, 2, 8)
     results = []
     for ct in (8, 24, 10_000):
         xs = [_t(x, grad=True) for x in (q, k, v, np.ones(4))]
         idx = select_cells(xs[0].detach(), xs[1].detach(), cfg, chunk_tokens=ct)
-        out, grads = _grads(lambda a, b, c, d: attention(a, b, c, cfg, d, chunk_tokens=ct), xs)
+        out, grads = _grads(lambda a, b, c, d: attention(a, b, c, cfg, d, chunk_tokens=ct, long_path=long_path), xs)
         results.append((idx, out, grads))
     for idx, out, grads in results[1:]:
         assert torch.equal(idx, results[0][0])

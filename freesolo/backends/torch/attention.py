@@ -3,7 +3,11 @@
 Per chunk of `nb` query blocks (queries [i0, i1)):
 - local branch: the keys [i0 - w + 1, i0 + nb*Bq) of the chunk, unfolded into one banded window
   of Bq + w - 1 keys per block; logits [B, Hkv, G, nb, Bq, Bq + w - 1], never T x T;
-- long branch: the tokens of the selected cells gathered into [B, Hkv, G, L, K*s, D];
+- long branch, two equivalent layouts (same token sets, same softmax):
+  "union": per (block, kv head) the union of the cells its queries selected (U cells; FS-L:
+  U <= P + W), gathered once as [B, Hkv, nb, U*s, D] and read by matmuls with a per-query mask;
+  "gather": the tokens of each query's own cells, [B, Hkv, G, L, K*s, D] (no sharing);
+  "auto" picks union when U is small enough that it moves less memory (FS-L always);
 - o = o_loc + beta * rmsnorm(o_long).
 Forward keeps only the inputs; backward recomputes one chunk at a time under autograd and
 scatters the chunk's gradients into full-size buffers, so peak memory is O(T) plus one chunk.
@@ -16,13 +20,36 @@ import torch
 
 from ...config import FreeSoloConfig
 
-__all__ = ["FreeSoloReadout", "chunk_forward", "readout_bytes_per_query"]
+__all__ = ["FreeSoloReadout", "chunk_forward", "readout_bytes_per_query", "block_unions", "choose_long_path"]
 
 
-def readout_bytes_per_query(B: int, Hq: int, D: int, cfg: FreeSoloConfig, itemsize: int) -> int:
+def block_unions(idx: torch.Tensor, block: int) -> tuple[torch.Tensor, int]:
+    """idx [B, Hkv, G, T, K] -> (cells [B, Hkv, nblocks, U] the union of the cells selected in each
+    query block by any of its queries and query heads, decreasing, -1 padded; U >= 1)."""
+    B, Hkv, G, T, K = idx.shape
+    nblocks = -(-T // block)
+    x = torch.nn.functional.pad(idx, (0, 0, 0, nblocks * block - T), value=-1)
+    x = x.reshape(B, Hkv, G, nblocks, block * K).transpose(2, 3).reshape(B, Hkv, nblocks, G * block * K)
+    x = torch.sort(x, dim=-1, descending=True).values
+    dup = torch.zeros_like(x, dtype=torch.bool)
+    dup[..., 1:] = x[..., 1:] == x[..., :-1]
+    x = torch.sort(torch.where(dup, torch.full_like(x, -1), x), dim=-1, descending=True).values
+    U = max(1, int((x >= 0).sum(dim=-1).max())) if x.numel() else 1
+    return x[..., :U].contiguous(), U
+
+
+def choose_long_path(U: int, cfg: FreeSoloConfig, D: int) -> str:
+    """"union" when its per-query tensors (~5 U*s) are no larger than the gather's (~4 K*s*(D+2))."""
+    return "union" if 5 * U <= 4 * cfg.top_k * (D + 2) else "gather"
+
+
+def readout_bytes_per_query(B: int, Hq: int, D: int, cfg: FreeSoloConfig, itemsize: int, path: str, U: int) -> int:
     """Transient bytes per query position of one readout chunk, backward recomputation included."""
     local = 6 * (cfg.block + cfg.window)  # logits, mask, probabilities and their gradients
-    long = 4 * cfg.top_k * cfg.cell * (D + 2)  # gathered k, v, their gradients, logits
+    if path == "union":
+        long = 6 * U * cfg.cell + U * cfg.top_k  # logits, probabilities, gradients, mask
+    else:
+        long = 4 * cfg.top_k * cfg.cell * (D + 2)  # gathered k, v, their gradients, logits
     return B * Hq * itemsize * (local + long)
 
 
@@ -36,16 +63,27 @@ def _local_mask(j0: int, nb: int, cfg: FreeSoloConfig, device) -> torch.Tensor:
     return band[None] & (first >= 0)[:, None, :]
 
 
-def chunk_forward(qr, q, kr_span, v_span, k_sel, v_sel, sel_valid, beta, j0: int, pad_front: int, cfg: FreeSoloConfig):
-    """One chunk of the readout; differentiable in qr, q, kr_span, v_span, k_sel, v_sel, beta.
+def _masked_softmax_readout(lg, mask, values_eq: str, values):
+    """softmax over the masked entries of lg (rows with none give 0), then einsum with values."""
+    lg = lg.masked_fill(~mask, float("-inf"))
+    mx = lg.detach().amax(dim=-1, keepdim=True)
+    mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))  # rows with no cell: 0
+    e = torch.exp(lg - mx)  # masked entries: exp(-inf) = 0
+    den = e.sum(dim=-1, keepdim=True)
+    return torch.einsum(values_eq, e, values), den
+
+
+def chunk_forward(qr, q, kr_span, v_span, k_long, v_long, long_mask, beta, j0: int, pad_front: int,
+                  cfg: FreeSoloConfig, path: str):
+    """One chunk of the readout; differentiable in qr, q, kr_span, v_span, k_long, v_long, beta.
 
     Args:
         qr, q: [B, Hkv, G, L, D] rotated / unrotated queries of positions [j0*Bq, j0*Bq + L).
         kr_span, v_span: [B, Hkv, S, D] rotated keys / values of tokens [max(0, j0*Bq - w + 1), ...),
-            S <= L + w - 1 (the chunk pads zeros for missing tokens: they are masked out).
-        k_sel, v_sel: [B, Hkv, G, L, K*s, D] unrotated keys / values of the selected cells' tokens.
-        sel_valid: [B, Hkv, G, L, K*s] bool (False for -1 padding).
-        beta: [Hkv, G]. pad_front: zero keys before kr_span (the window start is before token 0).
+            S <= L + w - 1 (missing tokens are padded with zeros and masked out).
+        k_long, v_long: "gather": [B, Hkv, G, L, K*s, D]; "union": [B, Hkv, nb, U*s, D] (unrotated).
+        long_mask: "gather": [B, Hkv, G, L, K*s]; "union": [B, Hkv, G, nb, Bq, U*s] bool.
+        beta: [Hkv, G]. pad_front: zero keys before kr_span (the window starts before token 0).
     Returns:
         o [B, Hkv, G, L, D] in the compute dtype.
     """
@@ -53,8 +91,8 @@ def chunk_forward(qr, q, kr_span, v_span, k_sel, v_sel, sel_valid, beta, j0: int
     Bq, w = cfg.block, cfg.window
     nb = -(-L // Bq)
     scale = D**-0.5
-    # ---- local branch: banded windows per block
     pad_q = nb * Bq - L
+    # ---- local branch: banded windows per block
     qb = torch.nn.functional.pad(qr, (0, 0, 0, pad_q)) if pad_q else qr
     qb = qb.reshape(B, Hkv, G, nb, Bq, D)  # (B, Hkv, G, nb, Bq, D)
     pad_back = nb * Bq + w - 1 - pad_front - kr_span.shape[2]
@@ -64,25 +102,30 @@ def chunk_forward(qr, q, kr_span, v_span, k_sel, v_sel, sel_valid, beta, j0: int
     vw = vp.unfold(2, Bq + w - 1, Bq).transpose(-1, -2)
     logits = torch.einsum("bhgnqd,bhnkd->bhgnqk", qb, kw) * scale  # (B, Hkv, G, nb, Bq, Bq+w-1)
     logits = logits.masked_fill(~_local_mask(j0, nb, cfg, q.device), float("-inf"))
-    p = torch.softmax(logits, dim=-1)
-    o_loc = torch.einsum("bhgnqk,bhnkd->bhgnqd", p, vw).reshape(B, Hkv, G, nb * Bq, D)[:, :, :, :L]
+    o_loc = torch.einsum("bhgnqk,bhnkd->bhgnqd", torch.softmax(logits, dim=-1), vw)
+    o_loc = o_loc.reshape(B, Hkv, G, nb * Bq, D)[:, :, :, :L]
     # ---- long branch: NoPE softmax over the selected tokens
-    lg = torch.einsum("bhgld,bhglnd->bhgln", q, k_sel) * scale  # (B, Hkv, G, L, K*s)
-    lg = lg.masked_fill(~sel_valid, float("-inf"))
-    mx = lg.detach().amax(dim=-1, keepdim=True)
-    mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))  # rows with no cell: 0
-    e = torch.exp(lg - mx)  # masked entries: exp(-inf) = 0
-    den = e.sum(dim=-1, keepdim=True)
-    o_long = torch.einsum("bhgln,bhglnd->bhgld", e, v_sel) / torch.where(den > 0, den, torch.ones_like(den))
+    if path == "union":
+        qu = torch.nn.functional.pad(q, (0, 0, 0, pad_q)) if pad_q else q
+        qu = qu.reshape(B, Hkv, G, nb, Bq, D)
+        lg = torch.einsum("bhgnqd,bhnud->bhgnqu", qu, k_long) * scale  # (B, Hkv, G, nb, Bq, U*s)
+        num, den = _masked_softmax_readout(lg, long_mask, "bhgnqu,bhnud->bhgnqd", v_long)
+        num = num.reshape(B, Hkv, G, nb * Bq, D)[:, :, :, :L]
+        den = den.reshape(B, Hkv, G, nb * Bq, 1)[:, :, :, :L]
+    else:
+        lg = torch.einsum("bhgld,bhglnd->bhgln", q, k_long) * scale  # (B, Hkv, G, L, K*s)
+        num, den = _masked_softmax_readout(lg, long_mask, "bhgln,bhglnd->bhgld", v_long)
+    o_long = num / torch.where(den > 0, den, torch.ones_like(den))
     rms = torch.rsqrt((o_long * o_long).mean(dim=-1, keepdim=True) + cfg.eps)
     return o_loc + beta.view(1, Hkv, G, 1, 1) * (o_long * rms)
 
 
 class _Chunk:
-    """Index bookkeeping of one chunk: query range, key span, gather indices."""
+    """Index bookkeeping of one chunk: query range, key span, long-branch token indices and mask."""
 
-    def __init__(self, j0, j1, T, cfg, idx, s):
-        Bq, w = cfg.block, cfg.window
+    def __init__(self, j0, j1, T, cfg, idx, unions, path):
+        Bq, w, s = cfg.block, cfg.window, cfg.cell
+        dev = idx.device
         self.j0 = j0
         self.i0, self.i1 = j0 * Bq, min(T, j1 * Bq)
         start = self.i0 - w + 1
@@ -90,69 +133,81 @@ class _Chunk:
         self.pad_front = self.lo - start
         cells = idx[:, :, :, self.i0 : self.i1]  # (B, Hkv, G, L, K)
         B, Hkv, G, L, K = cells.shape
-        tok = cells.clamp(min=0)[..., None] * s + torch.arange(s, device=idx.device)  # (B, Hkv, G, L, K, s)
-        tok = tok.clamp(max=idx.shape[3] - 1)  # -1 pads read a masked, in-range token
-        self.tok = tok.reshape(B, Hkv, G, L, K * s)
-        self.valid = (cells >= 0)[..., None].expand(B, Hkv, G, L, K, s).reshape(B, Hkv, G, L, K * s)
-        self.bi = torch.arange(B, device=idx.device).view(B, 1, 1, 1, 1)
-        self.hi_ = torch.arange(Hkv, device=idx.device).view(1, Hkv, 1, 1, 1)
+        ar = torch.arange(s, device=dev)
+        if path == "union":
+            nb = j1 - j0
+            uc = unions[:, :, j0:j1]  # (B, Hkv, nb, U)
+            U = uc.shape[-1]
+            self.tok = (uc.clamp(min=0)[..., None] * s + ar).clamp(max=T - 1).reshape(B, Hkv, nb, U * s)
+            sel = torch.nn.functional.pad(cells, (0, 0, 0, nb * Bq - L), value=-1).reshape(B, Hkv, G, nb, Bq, K, 1)
+            hit = ((sel == uc[:, :, None, :, None, None, :]) & (sel >= 0)).any(dim=-2)  # (B, Hkv, G, nb, Bq, U)
+            self.mask = hit[..., None].expand(*hit.shape, s).reshape(B, Hkv, G, nb, Bq, U * s)
+            self.bi = torch.arange(B, device=dev).view(B, 1, 1, 1)
+            self.hi_ = torch.arange(Hkv, device=dev).view(1, Hkv, 1, 1)
+        else:
+            tok = cells.clamp(min=0)[..., None] * s + ar  # (B, Hkv, G, L, K, s)
+            self.tok = tok.clamp(max=T - 1).reshape(B, Hkv, G, L, K * s)  # -1 pads read a masked token
+            self.mask = (cells >= 0)[..., None].expand(B, Hkv, G, L, K, s).reshape(B, Hkv, G, L, K * s)
+            self.bi = torch.arange(B, device=dev).view(B, 1, 1, 1, 1)
+            self.hi_ = torch.arange(Hkv, device=dev).view(1, Hkv, 1, 1, 1)
 
     def gather(self, x):
-        """x [B, Hkv, T, D] -> [B, Hkv, G, L, K*s, D] tokens of the selected cells."""
+        """x [B, Hkv, T, D] -> the long branch's tokens (union or per-query layout)."""
         return x[self.bi, self.hi_, self.tok]
 
     def scatter_add(self, dst, src):
-        """dst [B, Hkv, T, D] += src [B, Hkv, G, L, K*s, D] at the selected tokens."""
+        """dst [B, Hkv, T, D] += src (layout of `gather`) at the same tokens."""
         bi, hi, tok = torch.broadcast_tensors(self.bi, self.hi_, self.tok)
         dst.index_put_((bi, hi, tok), src, accumulate=True)
+
+    def leaves(self, qr, kr, q, k, v, beta):
+        """The chunk's slices of every differentiable input, in chunk_forward's order."""
+        return (
+            qr[:, :, :, self.i0 : self.i1], q[:, :, :, self.i0 : self.i1],
+            kr[:, :, self.lo : self.hi], v[:, :, self.lo : self.hi],
+            self.gather(k), self.gather(v), beta,
+        )
 
 
 class FreeSoloReadout(torch.autograd.Function):
     """o = local(qr, kr, v) + beta * rmsnorm(long(q, k, v; idx)), chunked, recomputed in backward.
 
-    forward(qr, kr, q, k, v, beta, idx, cfg, nblocks_per_chunk):
+    forward(qr, kr, q, k, v, beta, idx, unions, cfg, nblocks_per_chunk, path):
         qr, q: [B, Hkv, G, T, D] rotated / unrotated queries (compute dtype);
         kr, k, v: [B, Hkv, T, D] rotated keys, keys, values; beta [Hkv, G];
-        idx: int64 [B, Hkv, G, T, K] selected cells (-1 padded). Returns o [B, Hkv, G, T, D].
+        idx: int64 [B, Hkv, G, T, K] selected cells (-1 padded); unions: block_unions(idx)[0]
+        (only read when path == "union"). Returns o [B, Hkv, G, T, D].
     """
 
     @staticmethod
-    def forward(ctx, qr, kr, q, k, v, beta, idx, cfg, nblocks_per_chunk):
+    def forward(ctx, qr, kr, q, k, v, beta, idx, unions, cfg, nblocks_per_chunk, path):
         B, Hkv, G, T, D = q.shape
         nblocks = -(-T // cfg.block)
         out = q.new_empty(B, Hkv, G, T, D)
         with torch.no_grad():
             for j0 in range(0, nblocks, nblocks_per_chunk):
-                c = _Chunk(j0, min(nblocks, j0 + nblocks_per_chunk), T, cfg, idx, cfg.cell)
-                out[:, :, :, c.i0 : c.i1] = chunk_forward(
-                    qr[:, :, :, c.i0 : c.i1], q[:, :, :, c.i0 : c.i1], kr[:, :, c.lo : c.hi], v[:, :, c.lo : c.hi],
-                    c.gather(k), c.gather(v), c.valid, beta, j0, c.pad_front, cfg,
-                )
-        ctx.save_for_backward(qr, kr, q, k, v, beta, idx)
-        ctx.cfg, ctx.nblocks_per_chunk = cfg, nblocks_per_chunk
+                c = _Chunk(j0, min(nblocks, j0 + nblocks_per_chunk), T, cfg, idx, unions, path)
+                x = c.leaves(qr, kr, q, k, v, beta)
+                out[:, :, :, c.i0 : c.i1] = chunk_forward(*x[:6], c.mask, x[6], j0, c.pad_front, cfg, path)
+        ctx.save_for_backward(qr, kr, q, k, v, beta, idx, unions)
+        ctx.cfg, ctx.nblocks_per_chunk, ctx.path = cfg, nblocks_per_chunk, path
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        qr, kr, q, k, v, beta, idx = ctx.saved_tensors
-        cfg = ctx.cfg
-        B, Hkv, G, T, D = q.shape
+        qr, kr, q, k, v, beta, idx, unions = ctx.saved_tensors
+        cfg, path = ctx.cfg, ctx.path
+        T = q.shape[3]
         nblocks = -(-T // cfg.block)
         dqr, dq = torch.zeros_like(qr), torch.zeros_like(q)
         dkr, dk, dv = torch.zeros_like(kr), torch.zeros_like(k), torch.zeros_like(v)
         dbeta = torch.zeros_like(beta)
         for j0 in range(0, nblocks, ctx.nblocks_per_chunk):
-            c = _Chunk(j0, min(nblocks, j0 + ctx.nblocks_per_chunk), T, cfg, idx, cfg.cell)
-            leaves = [
-                x.detach().requires_grad_(True)
-                for x in (
-                    qr[:, :, :, c.i0 : c.i1], q[:, :, :, c.i0 : c.i1], kr[:, :, c.lo : c.hi], v[:, :, c.lo : c.hi],
-                    c.gather(k), c.gather(v), beta,
-                )
-            ]
+            c = _Chunk(j0, min(nblocks, j0 + ctx.nblocks_per_chunk), T, cfg, idx, unions, path)
+            x = [t.detach().requires_grad_(True) for t in c.leaves(qr, kr, q, k, v, beta)]
             with torch.enable_grad():
-                o = chunk_forward(*leaves[:6], c.valid, leaves[6], j0, c.pad_front, cfg)
-                g = torch.autograd.grad(o, leaves, dout[:, :, :, c.i0 : c.i1])
+                o = chunk_forward(*x[:6], c.mask, x[6], j0, c.pad_front, cfg, path)
+                g = torch.autograd.grad(o, x, dout[:, :, :, c.i0 : c.i1])
             dqr[:, :, :, c.i0 : c.i1] += g[0]
             dq[:, :, :, c.i0 : c.i1] += g[1]
             dkr[:, :, c.lo : c.hi] += g[2]
@@ -160,4 +215,4 @@ class FreeSoloReadout(torch.autograd.Function):
             c.scatter_add(dk, g[4])
             c.scatter_add(dv, g[5])
             dbeta += g[6]
-        return dqr, dkr, dq, dk, dv, dbeta, None, None, None
+        return dqr, dkr, dq, dk, dv, dbeta, None, None, None, None, None

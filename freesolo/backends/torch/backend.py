@@ -15,7 +15,7 @@ import torch
 from ...config import FreeSoloConfig
 from ..base import Backend
 from ._ops import chunk_blocks, compute_dtype, rope, rope_tables
-from .attention import FreeSoloReadout, readout_bytes_per_query
+from .attention import FreeSoloReadout, block_unions, choose_long_path, readout_bytes_per_query
 from .selection import fs_fsl_select
 
 __all__ = ["TorchBackend", "attention", "select_cells"]
@@ -81,6 +81,7 @@ def select_cells(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig, chunk_to
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: FreeSoloConfig, beta: Optional[torch.Tensor] = None,
     idx: Optional[torch.Tensor] = None, chunk_tokens: Optional[int] = None, chunk_bytes: Optional[int] = None,
+    long_path: str = "auto",
 ) -> torch.Tensor:
     """FreeSolo attention with autograd to q, k, v, beta (spec §7, §8).
 
@@ -88,6 +89,7 @@ def attention(
         q: [B, T, Hq, D] unrotated queries; k, v: [B, T, Hkv, D]; beta: [Hq] or None (ones).
         idx: optional int64 [B, T, Hq, K] selection to read instead of computing it (-1 padded).
         chunk_tokens / chunk_bytes: query chunk size, or its memory budget (default by device).
+        long_path: "auto", "union" or "gather": layout of the long branch (see attention.py).
     Returns:
         o [B, T, Hq, D] in q's dtype.
     """
@@ -109,9 +111,14 @@ def attention(
     b = torch.ones(Hq, dtype=cdt, device=q.device) if beta is None else beta.to(cdt)
     cos, sin = rope_tables(T, D, cfg.rope_theta, q.device, cdt)
     qr, kr = rope(q4, cos, sin), rope(k4, cos, sin)
-    per_query = readout_bytes_per_query(B, Hq, D, cfg, torch.finfo(cdt).bits // 8)
+    idx4 = idx4.contiguous()
+    if long_path not in ("auto", "union", "gather"):
+        raise ValueError(f"long_path={long_path!r} must be 'auto', 'union' or 'gather'")
+    unions, U = block_unions(idx4, cfg.block)  # (B, Hkv, nblocks, U)
+    path = choose_long_path(U, cfg, D) if long_path == "auto" else long_path
+    per_query = readout_bytes_per_query(B, Hq, D, cfg, torch.finfo(cdt).bits // 8, path, U)
     nbc = chunk_blocks(per_query, cfg.block, q.device, chunk_tokens, chunk_bytes)
-    o = FreeSoloReadout.apply(qr, kr, q4, k4, v4, b.view(Hkv, G), idx4.contiguous(), cfg, nbc)  # (B, Hkv, G, T, D)
+    o = FreeSoloReadout.apply(qr, kr, q4, k4, v4, b.view(Hkv, G), idx4, unions, cfg, nbc, path)  # (B, Hkv, G, T, D)
     return o.reshape(B, Hq, T, D).permute(0, 2, 1, 3).to(q.dtype).contiguous()  # (B, T, Hq, D)
 
 

@@ -47,30 +47,32 @@ def topk_cells(scores: torch.Tensor, cand: torch.Tensor, top_k: int) -> torch.Te
     return cells
 
 
-def _fsl_block_candidates(rank, pool, jj, cfg: FreeSoloConfig):
-    """FS-L candidates of blocks jj[:-1] and the pool of block jj[-1] (the next chunk's first).
+def _fsl_block_candidates(rank, pool, j0: int, j1: int, cfg: FreeSoloConfig):
+    """FS-L candidates of blocks j0..j1-1 and the pool of block j1 (the next chunk's first).
 
-    rank [B, Hkv, C]; pool [B, Hkv, P] = top-P older cells of block jj[0] (-1 padded); jj [nb+1].
+    rank [B, Hkv, C]; pool [B, Hkv, P] = top-P older cells of block j0 (-1 padded).
     Returns cand [B, Hkv, nb, P+W] by decreasing cell (-1 last) and the next pool [B, Hkv, P].
     Top-P of a prefix == top-P of (top-P of a shorter prefix + the cells added since): linear.
     """
     s, P, W = cfg.cell, cfg.pool, cfg.recent
     B, Hkv, C = rank.shape
     dev = rank.device
-    n = torch.clamp(jj * cfg.block // s, max=C)  # (nb+1,) available cells (the block after the end: C)
-    m = torch.clamp(n - W, min=0)  # (nb+1,) older cells are c < m
-    m0, m1 = int(m[0]), int(m[-1])
-    new = torch.arange(m0, m1, device=dev)  # (Nn,) cells turning old during the chunk
+    n_py = [min(j * cfg.block // s, C) for j in range(j0, j1 + 1)]  # available cells (after the end: C)
+    m_py = [max(0, x - W) for x in n_py]  # older cells are c < m
+    n = torch.tensor(n_py, device=dev)  # (nb+1,)
+    m = torch.tensor(m_py, device=dev)
+    nj = len(n_py)
+    new = torch.arange(m_py[0], m_py[-1], device=dev)  # (Nn,) cells turning old during the chunk
     X = torch.cat([pool, new.expand(B, Hkv, -1)], dim=-1)  # (B, Hkv, P+Nn)
     valid = torch.cat(
-        [(pool >= 0)[:, :, None, :].expand(B, Hkv, len(jj), P), (new[None, :] < m[:, None]).expand(B, Hkv, -1, -1)],
+        [(pool >= 0)[:, :, None, :].expand(B, Hkv, nj, P), (new[None, :] < m[:, None]).expand(B, Hkv, -1, -1)],
         dim=-1,
     )  # (B, Hkv, nb+1, P+Nn)
     big = C + 1
     key = torch.gather(rank, -1, X.clamp(min=0))[:, :, None, :].expand_as(valid)
     key = torch.where(valid, key, torch.full_like(key, big))
     kvals, kidx = torch.topk(key, P, dim=-1, largest=False)  # distinct ranks: exact
-    pooled = torch.gather(X[:, :, None, :].expand(-1, -1, len(jj), -1), -1, kidx)
+    pooled = torch.gather(X[:, :, None, :].expand(-1, -1, nj, -1), -1, kidx)
     pooled = torch.where(kvals >= big, torch.full_like(pooled, -1), pooled)  # (B, Hkv, nb+1, P)
     recent = m[:-1, None] + torch.arange(W, device=dev)[None, :]  # (nb, W)
     recent = torch.where(recent < n[:-1, None], recent, torch.full_like(recent, -1))
@@ -111,7 +113,7 @@ def fs_fsl_select(q, k, cfg: FreeSoloConfig, sigma, lam, nblocks_per_chunk: int)
         jj = torch.arange(j0, j1 + 1, device=dev)
         n_last = (j1 - 1) * Bq // s
         if fsl:
-            cand, pool = _fsl_block_candidates(rank, pool, jj, cfg)  # (B, Hkv, nb, N)
+            cand, pool = _fsl_block_candidates(rank, pool, j0, j1, cfg)  # (B, Hkv, nb, N)
             if n_last == 0:
                 continue
             cc = cand.clamp(min=0)
