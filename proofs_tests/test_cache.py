@@ -442,27 +442,28 @@ def test_torch_stream_matches_torch_parallel(variant):
 
 
 def test_decode_graph_bookkeeping_on_cpu(monkeypatch):
-    """DecodeGraph's host logic (static inputs, eager block boundaries, length) with the graph
-    replaced by a direct call of the captured step: same outputs and state as eager decode."""
+    """DecodeGraph's logic (static inputs, the step / boundary-step choice, the boundary with a
+    device-side n_avail, length) with each CUDA graph replaced by a direct call of the function it
+    would capture: same outputs and state as eager decode, across several block boundaries."""
     from freesolo.streaming import torch_state
 
     class FakeGraph:
-        def __init__(self, graph_self):
-            self.g = graph_self
+        def __init__(self, fn):
+            self.fn, self.out = fn, None
 
         def replay(self):
-            self.g.out.copy_(self.g.state._piece(self.g.q, self.g.k, self.g.v, self.g.beta))
+            self.out.copy_(self.fn())
 
-    def fake_init(self, state, beta=None):
-        self.state = state
-        self.q = torch.zeros(state.B, 1, state.Hq, state.D, dtype=state.dtype)
-        self.k = torch.zeros(state.B, 1, state.Hkv, state.D, dtype=state.dtype)
-        self.v = torch.zeros_like(self.k)
-        self.beta = state.ones_beta.clone()
-        self.out = torch.zeros_like(self.q)
-        self.graph = FakeGraph(self)
+    def fake_capture(self, fn, share_with):
+        graph = FakeGraph(fn)
+        snapshot = self.state.state_dict()
+        graph.out = fn().clone()  # shape / dtype of the static output
+        self.state.load_state_dict(snapshot)
+        return graph, graph.out
 
-    monkeypatch.setattr(torch_state.DecodeGraph, "__init__", fake_init)
+    monkeypatch.setattr(torch_state.DecodeGraph, "_check", staticmethod(lambda state: None))
+    monkeypatch.setattr(torch_state.DecodeGraph, "_warmup", lambda self, fns: [fn() for fn in fns])
+    monkeypatch.setattr(torch_state.DecodeGraph, "_capture", fake_capture)
     cfg = make_cfg("fsl")
     B, Hq, Hkv, D, T0, steps = 2, 4, 2, 8, cfg.window + 3, 3 * cfg.block + 1
     q, k, v = (torch.from_numpy(x) for x in random_qkv(9, B, T0 + steps, Hq, Hkv, D))
@@ -471,9 +472,10 @@ def test_decode_graph_bookkeeping_on_cpu(monkeypatch):
     graphed = FreeSoloCache(cfg, B, Hq, Hkv, D, backend="torch")
     graphed.load_state_dict(eager.state_dict())
     step = graphed.decode_graph()
+    assert graphed.length == T0 and torch.equal(graphed.state.pos, eager.state.pos)
     for t in range(T0, T0 + steps):
         a = eager.extend(q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1])
-        assert torch.equal(step(q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1]), a)
+        assert torch.equal(step(q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1]), a), f"t={t}"
     assert graphed.length == eager.length
     assert all(torch.equal(graphed.state.buffers()[n], x) for n, x in eager.state.buffers().items())
 

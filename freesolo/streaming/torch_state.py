@@ -14,11 +14,12 @@ Vectorized over batch rows and heads. Per batch row and kv head the state holds:
 Decode without host synchronisation (FS-L and FS): a step of one token reads its position from
 `pos` on the device, writes the ring and block slots with `index_copy_`, scores the <= P+W held
 cells, takes the top-K with two stable sorts (ties: larger cell first) and reads the K*s tokens with
-`gather`: no `.item()`, no `nonzero`, no boolean-mask indexing, no branch on tensor values. The
-host branches only on integers it knows (the token count): the block boundary (every Bq tokens),
-the local-window mask (T < w) and K_eff = min(K, |C_j|) (|C_j| depends on T only).
+`index_select`: no `.item()`, no `nonzero`, no boolean-mask indexing, no branch on tensor values.
+The host branches only on integers it knows (the token count): the block boundary (every Bq
+tokens), the local-window mask (T < w) and K_eff = min(K, |C_j|) (|C_j| depends on T only).
 Finite checks sync (`bool(isfinite(x).all())`): pass `check_finite=False` to `extend` on the
-decode path. `decode_graph()` captures the steady-state FS-L step in a CUDA graph.
+decode path. `decode_graph()` captures the steady-state FS-L step (and the block-boundary step)
+in CUDA graphs.
 """
 
 from __future__ import annotations
@@ -165,10 +166,11 @@ class TorchCacheState:
         return cells, kbar, a
 
     # ---- cells becoming available ---------------------------------------------------------
-    def _advance(self, tokens_k: torch.Tensor, tokens_v: torch.Tensor, n_avail: int) -> None:
+    def _advance(self, tokens_k: torch.Tensor, tokens_v: torch.Tensor, n_avail) -> None:
         """Make the m = tokens // s cells ending at cell n_avail available.
 
         tokens_k / tokens_v [B, Hkv, m*s, D] (unrotated) hold cells [n_avail - m, n_avail).
+        n_avail: an int, or (FS-L, inside a CUDA graph) a 0-dim int64 tensor on the device.
         FS: appended to the archive. FS-L: the union of the held cells and the new ones keeps the
         W most recent and the top-P older by (a_c, c); the rest is dropped for ever (spec §5).
         """
@@ -176,7 +178,7 @@ class TorchCacheState:
         k_cells, kbar, a = self._cell_stats(tokens_k)
         v_cells = tokens_v.reshape(k_cells.shape)
         m = k_cells.shape[2]
-        new_ids = torch.arange(n_avail - m, n_avail, device=self.device).expand(self.B, self.Hkv, m)
+        new_ids = (n_avail - m + torch.arange(m, device=self.device)).expand(self.B, self.Hkv, m)
         if cfg.variant != "fsl":  # FS, FS-B: the archive
             self._grow_store(n_avail)
             lo = n_avail - m
@@ -389,26 +391,25 @@ def scale_dot(dots: torch.Tensor, D: int) -> torch.Tensor:
 
 
 class DecodeGraph:
-    """One-token FS-L decode step captured in a CUDA graph; block boundaries run eagerly (no sync).
+    """The one-token FS-L decode step captured in CUDA graphs: no host sync, no Python per kernel.
 
-    `graph(q, k, v)` with q [B, 1, Hq, D], k / v [B, 1, Hkv, D] copies the inputs into static
-    buffers, applies the block boundary if the new token starts a block, replays the graph and
-    returns the static output [B, 1, Hq, D] (overwritten by the next call: clone to keep it).
-    Needs T >= w and |C_j| >= K when captured (then every later step has the same kernels).
+    Two graphs share one memory pool: `step` (a token inside a block) and `boundary_step` (the
+    block boundary, i.e. the pool update, then the token). `graph(q, k, v)` with q [B, 1, Hq, D],
+    k / v [B, 1, Hkv, D] copies the inputs into static buffers, replays the right graph (the host
+    knows T) and returns the static output [B, 1, Hq, D], overwritten by the next call (clone it
+    to keep it). Inputs are not validated (no finite check). Needs the steady state when built:
+    T >= w and |C_j| >= K, so that every later step runs the same kernels.
     """
 
     def __init__(self, state: TorchCacheState, beta: Optional[torch.Tensor] = None):
         cfg = state.cfg
-        if not state.allocated or state.device.type != "cuda":
-            raise ValueError("decode_graph needs an allocated cache on a CUDA device")
-        if state.cfg.variant != "fsl":
-            raise ValueError(f"decode_graph captures the FS-L step, not variant={cfg.variant!r} (its store grows)")
+        self._check(state)
         t = state.length
         n_avail = (t // cfg.block) * cfg.block // cfg.cell
-        if t < cfg.window or fsl_candidate_count(cfg, n_avail) < cfg.top_k or t % cfg.block == 0:
+        if t < cfg.window or fsl_candidate_count(cfg, n_avail) < cfg.top_k:
             raise ValueError(
-                f"decode_graph needs the steady state (T >= window={cfg.window}, at least top_k held cells) "
-                f"and T not on a block boundary; T={t}: decode eagerly a few tokens first"
+                f"decode_graph needs the steady state (T >= window={cfg.window}, at least top_k={cfg.top_k} "
+                f"held cells); T={t}: decode eagerly a few tokens first"
             )
         self.state = state
         B, Hq, Hkv, D = state.B, state.Hq, state.Hkv, state.D
@@ -417,28 +418,56 @@ class DecodeGraph:
         self.v = torch.zeros_like(self.k)
         self.beta = (state.ones_beta if beta is None else beta).detach().clone()
         snapshot = state.state_dict()
-        side = torch.cuda.Stream(device=state.device)
-        side.wait_stream(torch.cuda.current_stream(state.device))
-        with torch.no_grad(), torch.cuda.stream(side):  # warm-up (allocator, kernels), then undo it
-            for _ in range(2):
-                state._piece(self.q, self.k, self.v, self.beta)
-        torch.cuda.current_stream(state.device).wait_stream(side)
+        self._warmup((self._step, self._boundary_step))
         state.load_state_dict(snapshot)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.no_grad(), torch.cuda.graph(self.graph):
-            self.out = state._piece(self.q, self.k, self.v, self.beta)
-        state.load_state_dict(snapshot)  # capture does not run the kernels, but pos is restored anyway
+        self.graph, self.out = self._capture(self._step, None)
+        self.boundary_graph, self.boundary_out = self._capture(self._boundary_step, self.graph)
+        state.load_state_dict(snapshot)  # capture records without running; restore anyway
+
+    def _step(self) -> torch.Tensor:
+        return self.state._piece(self.q, self.k, self.v, self.beta)
+
+    def _boundary_step(self) -> torch.Tensor:
+        state = self.state
+        n_avail = torch.div(state.pos, state.cfg.cell, rounding_mode="floor")  # on the device: T // s
+        state._advance(state.block_k, state.block_v, n_avail)
+        return state._piece(self.q, self.k, self.v, self.beta)
+
+    # CUDA specifics (a CPU test replaces these three)
+    @staticmethod
+    def _check(state: TorchCacheState) -> None:
+        if not state.allocated or state.device.type != "cuda":
+            raise ValueError("decode_graph needs an allocated cache on a CUDA device")
+        if state.cfg.variant != "fsl":
+            raise ValueError(f"decode_graph captures the FS-L step, not variant={state.cfg.variant!r} (its store grows)")
+
+    def _warmup(self, fns) -> None:
+        """Run each step once on a side stream (allocator, kernel selection); the caller restores the state."""
+        device = self.state.device
+        side = torch.cuda.Stream(device=device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.no_grad(), torch.cuda.stream(side):
+            for fn in fns:
+                fn()
+        torch.cuda.current_stream(device).wait_stream(side)
+
+    def _capture(self, fn, share_with):
+        graph = torch.cuda.CUDAGraph()
+        pool = None if share_with is None else share_with.pool()
+        with torch.no_grad(), torch.cuda.graph(graph, pool=pool):
+            out = fn()
+        return graph, out
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        state, cfg = self.state, self.state.cfg
+        state = self.state
         self.q.copy_(q)
         self.k.copy_(k)
         self.v.copy_(v)
-        t = state.length
-        if t % cfg.block == 0:
-            with torch.no_grad():
-                state._advance(state.block_k, state.block_v, t // cfg.cell)
-        self.graph.replay()
+        if state.length % state.cfg.block == 0:
+            self.boundary_graph.replay()
+            out = self.boundary_out
+        else:
+            self.graph.replay()
+            out = self.out
         state.length += 1
-        return self.out
-
+        return out
