@@ -78,10 +78,17 @@ def test_cuda_graph_decode_matches_eager():
     graphed = FreeSoloCache(CFG, B, Hq, Hkv, D, backend="torch")
     graphed.load_state_dict(eager.state_dict())
     step = graphed.decode_graph()
-    for t in range(T0, T0 + steps):
-        a = eager.extend(q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], check_finite=False)
-        b = step(q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1]).clone()
-        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)
+    outs_eager, outs_graph = [], []
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # neither the eager step nor the replays may sync
+    try:
+        for t in range(T0, T0 + steps):
+            outs_eager.append(eager.extend(q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], check_finite=False))
+            outs_graph.append(step(q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1]).clone())
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for t, (a, b) in enumerate(zip(outs_eager, outs_graph)):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6, msg=f"step {t}")
     assert graphed.length == eager.length == T0 + steps
     for name, x in eager.state.buffers().items():
         assert torch.equal(graphed.state.buffers()[name], x), f"state {name} differs after graph replay"
