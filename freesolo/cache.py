@@ -9,6 +9,11 @@ run the float64 host state (`streaming.host`), "torch" the vectorized torch stat
 grown at carries and searched with the torch backend's beam). FS-L keeps a state whose size does not
 depend on T (lemma L7); FS and FS-B keep the archive.
 
+Decode without host synchronisation (torch, CUDA, FS-L and FS): `extend(q, k, v, check_finite=False)`
+(the finite check is the only sync: it reads a flag back); `cache.prefill(k, v)` ingests a long
+prompt without outputs; `step = cache.decode_graph()` captures the FS-L one-token step (and the
+block-boundary step) in CUDA graphs: `o = step(q, k, v)`.
+
 The cache is inference-only: outputs carry no gradient (inputs that require grad are refused).
 """
 
