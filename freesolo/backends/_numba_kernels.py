@@ -23,6 +23,7 @@ import numpy as np
 from numba import njit, prange
 
 __all__ = [
+    "rope_kernel",
     "cell_stats_kernel",
     "fsl_pool_kernel",
     "select_kernel",
@@ -40,14 +41,34 @@ def _zigzag(jj, nb):
     return nb - 1 - jj // 2
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True)
+def rope_kernel(x, cos, sin, per_head):
+    """Half-split RoPE: x [B, T, H, D], cos / sin [T, D/2] -> [B, T, H, D], or [B, H, T, D] when
+    per_head (each head's rows contiguous). Same operations as the oracle (no fused multiply-add)."""
+    B, T, H, D = x.shape
+    half = D // 2
+    out = np.empty((B, H, T, D)) if per_head else np.empty((B, T, H, D))
+    for task in range(B * T):  # serial: memory-bound, cheaper than a parallel launch
+        b = task // T
+        t = task % T
+        for h in range(H):
+            row = out[b, h, t] if per_head else out[b, t, h]
+            for m in range(half):
+                x1 = x[b, t, h, m]
+                x2 = x[b, t, h, half + m]
+                row[m] = x1 * cos[t, m] - x2 * sin[t, m]
+                row[half + m] = x2 * cos[t, m] + x1 * sin[t, m]
+    return out
+
+
+@njit(cache=True)
 def cell_stats_kernel(k, cell):
     """k [B, T, Hkv, D] -> kbar [B, Hkv, C, D] (mean key), a [B, Hkv, C] (max key norm); C = T // cell."""
     B, T, Hkv, D = k.shape
     C = T // cell
     kbar = np.zeros((B, Hkv, C, D))
     a = np.zeros((B, Hkv, C))
-    for task in prange(B * Hkv):
+    for task in range(B * Hkv):  # serial: O(T D), and a parallel launch costs more under load
         b = task // Hkv
         g = task % Hkv
         for c in range(C):
@@ -67,7 +88,7 @@ def cell_stats_kernel(k, cell):
     return kbar, a
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True)
 def fsl_pool_kernel(a, n_blocks, block, cell, pool, recent):
     """FS-L candidate sets of every query block, per kv head (streaming form of spec §5).
 
@@ -80,7 +101,7 @@ def fsl_pool_kernel(a, n_blocks, block, cell, pool, recent):
     M = pool + recent
     cand = np.full((B, Hkv, n_blocks, M), -1, dtype=np.int64)
     ncand = np.zeros((B, Hkv, n_blocks), dtype=np.int64)
-    for task in prange(B * Hkv):
+    for task in range(B * Hkv):  # serial: O(C (P + W)) in all
         b = task // Hkv
         g = task % Hkv
         pool_a = np.empty(pool)  # kept pool, sorted by (a, c) descending
@@ -309,45 +330,59 @@ def local_kernel(q_rot, k_rot, vT, window, block):
             q1 = q_rot[b, min(i0 + 1, end - 1), h]
             q2 = q_rot[b, min(i0 + 2, end - 1), h]
             q3 = q_rot[b, min(i0 + 3, end - 1), h]
+            # logits: two keys x four queries per pass (8 accumulators share 6 loads)
             keys = k_rot[b, g, lo : lo + n]  # [n, D]
-            for t in range(n):
-                kr = keys[t]
-                s0 = 0.0
-                s1 = 0.0
-                s2 = 0.0
-                s3 = 0.0
+            for t in range(0, n, 2):
+                ka = keys[t]
+                kb = keys[min(t + 1, n - 1)]
+                a0 = a1 = a2 = a3 = 0.0
+                c0 = c1 = c2 = c3 = 0.0
                 for d in range(D):
-                    x = kr[d]
-                    s0 += q0[d] * x
-                    s1 += q1[d] * x
-                    s2 += q2[d] * x
-                    s3 += q3[d] * x
-                p0[t] = s0
-                p1[t] = s1
-                p2[t] = s2
-                p3[t] = s3
+                    x = ka[d]
+                    y = kb[d]
+                    z0, z1, z2, z3 = q0[d], q1[d], q2[d], q3[d]
+                    a0 += z0 * x
+                    a1 += z1 * x
+                    a2 += z2 * x
+                    a3 += z3 * x
+                    c0 += z0 * y
+                    c1 += z1 * y
+                    c2 += z2 * y
+                    c3 += z3 * y
+                p0[t], p1[t], p2[t], p3[t] = a0, a1, a2, a3
+                p0[t + 1], p1[t + 1], p2[t + 1], p3[t + 1] = c0, c1, c2, c3  # t + 1 <= n < window + 4
             for r in range(_QT):
                 i = min(i0 + r, i0 + nq - 1)
                 _softmax_row(probs[r], max(0, i - window + 1) - lo, i - lo + 1, n, sqrt_d, bits)
-            for d in range(D):
-                vr = vT[b, g, d, lo : lo + n]
-                o0 = 0.0
-                o1 = 0.0
-                o2 = 0.0
-                o3 = 0.0
+            # output: two value dims x four queries per pass (D is even)
+            for d in range(0, D, 2):
+                va = vT[b, g, d, lo : lo + n]
+                vb = vT[b, g, d + 1, lo : lo + n]
+                a0 = a1 = a2 = a3 = 0.0
+                c0 = c1 = c2 = c3 = 0.0
                 for t in range(n):
-                    x = vr[t]
-                    o0 += p0[t] * x
-                    o1 += p1[t] * x
-                    o2 += p2[t] * x
-                    o3 += p3[t] * x
-                out[b, i0, h, d] = o0
+                    x = va[t]
+                    y = vb[t]
+                    z0, z1, z2, z3 = p0[t], p1[t], p2[t], p3[t]
+                    a0 += z0 * x
+                    a1 += z1 * x
+                    a2 += z2 * x
+                    a3 += z3 * x
+                    c0 += z0 * y
+                    c1 += z1 * y
+                    c2 += z2 * y
+                    c3 += z3 * y
+                out[b, i0, h, d] = a0
+                out[b, i0, h, d + 1] = c0
                 if nq > 1:
-                    out[b, i0 + 1, h, d] = o1
+                    out[b, i0 + 1, h, d] = a1
+                    out[b, i0 + 1, h, d + 1] = c1
                 if nq > 2:
-                    out[b, i0 + 2, h, d] = o2
+                    out[b, i0 + 2, h, d] = a2
+                    out[b, i0 + 2, h, d + 1] = c2
                 if nq > 3:
-                    out[b, i0 + 3, h, d] = o3
+                    out[b, i0 + 3, h, d] = a3
+                    out[b, i0 + 3, h, d + 1] = c3
     return out
 
 
@@ -389,21 +424,32 @@ def readout_kernel(q, k_h, vTc, idx, cell, block):
                 first = cells[r] * cell
                 keys = k_h[b, g, first : first + cell]  # [cell, D]
                 pr = probs[r * cell : (r + 1) * cell]
-                for t in range(cell):
-                    kr = keys[t]
-                    s = 0.0
+                for t in range(0, cell, 2):  # two tokens per pass share the query loads
+                    ka = keys[t]
+                    kb = keys[min(t + 1, cell - 1)]
+                    sa = 0.0
+                    sb = 0.0
                     for d in range(D):
-                        s += qi[d] * kr[d]
-                    pr[t] = s
+                        z = qi[d]
+                        sa += z * ka[d]
+                        sb += z * kb[d]
+                    pr[t] = sa
+                    if t + 1 < cell:
+                        pr[t + 1] = sb
             _softmax_row(probs, 0, m * cell, m * cell, sqrt_d, bits)
-            for d in range(D):
-                acc = 0.0
+            for d in range(0, D, 2):  # two value dims per pass share the probability loads (D even)
+                acc_a = 0.0
+                acc_b = 0.0
                 for r in range(m):
-                    vr = vTc[b, g, cells[r], d]
+                    va = vTc[b, g, cells[r], d]
+                    vb = vTc[b, g, cells[r], d + 1]
                     pr = probs[r * cell : (r + 1) * cell]
                     for t in range(cell):
-                        acc += pr[t] * vr[t]
-                out[b, i, h, d] = acc
+                        z = pr[t]
+                        acc_a += z * va[t]
+                        acc_b += z * vb[t]
+                out[b, i, h, d] = acc_a
+                out[b, i, h, d + 1] = acc_b
     return out
 
 

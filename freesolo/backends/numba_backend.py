@@ -15,6 +15,7 @@ Public helpers (float64 NumPy arrays, validated by the caller or by `_prepare`):
 
 from __future__ import annotations
 
+import functools
 import importlib
 from typing import Optional
 
@@ -51,16 +52,22 @@ def _f64(x) -> np.ndarray:
     return np.ascontiguousarray(x, dtype=np.float64)
 
 
-def _rope_all(x: np.ndarray, theta: float) -> np.ndarray:
-    """Half-split RoPE at positions 0..T-1 of x [B, T, H, D] -> [B, T, H, D] (the oracle's arithmetic)."""
-    B, T, H, D = x.shape
+@functools.lru_cache(maxsize=4)
+def _rope_tables(T: int, D: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin [T, D/2] of the half-split RoPE at positions 0..T-1 (the oracle's arithmetic; cached, read-only)."""
     half = D // 2
     inv_freq = theta ** (-2.0 * np.arange(half, dtype=np.float64) / D)  # [D/2]
     angle = np.arange(T).astype(np.float64)[:, None] * inv_freq[None, :]  # [T, D/2]
-    cos = np.cos(angle)[None, :, None, :]  # [1, T, 1, D/2]
-    sin = np.sin(angle)[None, :, None, :]
-    x1, x2 = x[..., :half], x[..., half:]
-    return np.ascontiguousarray(np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1))
+    cos, sin = np.cos(angle), np.sin(angle)
+    cos.flags.writeable = False
+    sin.flags.writeable = False
+    return cos, sin
+
+
+def _rope_all(x: np.ndarray, theta: float, per_head: bool = False, tables=None) -> np.ndarray:
+    """Half-split RoPE at positions 0..T-1 of x [B, T, H, D] -> [B, T, H, D] ([B, H, T, D] if per_head)."""
+    cos, sin = tables if tables is not None else _rope_tables(x.shape[1], x.shape[3], theta)
+    return _kernels().rope_kernel(x, cos, sin, per_head)
 
 
 def _per_head(x: np.ndarray) -> np.ndarray:
@@ -144,8 +151,10 @@ def select_cells(q: np.ndarray, k: np.ndarray, cfg: FreeSoloConfig) -> np.ndarra
 
 def local_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, cfg: FreeSoloConfig) -> np.ndarray:
     """RoPE sliding-window attention (spec §2): q [B, T, Hq, D], k / v [B, T, Hkv, D] -> [B, T, Hq, D]."""
-    q_rot = _rope_all(_f64(q), cfg.rope_theta)  # [B, T, Hq, D]
-    k_rot = _per_head(_rope_all(_f64(k), cfg.rope_theta))  # [B, Hkv, T, D]
+    q, k = _f64(q), _f64(k)
+    tables = _rope_tables(q.shape[1], q.shape[3], cfg.rope_theta)  # cos, sin [T, D/2]
+    q_rot = _rope_all(q, cfg.rope_theta, tables=tables)  # [B, T, Hq, D]
+    k_rot = _rope_all(k, cfg.rope_theta, per_head=True, tables=tables)  # [B, Hkv, T, D]
     return _kernels().local_kernel(q_rot, k_rot, _transposed(_f64(v)), cfg.window, cfg.block)
 
 
