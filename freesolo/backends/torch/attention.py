@@ -1,8 +1,9 @@
 """FreeSolo readout of the torch backend with a chunked, recomputing autograd (spec §2, §7, §8).
 
 Per chunk of `nb` query blocks (queries [i0, i1)):
-- local branch: the keys [i0 - w + 1, i0 + nb*Bq) of the chunk, unfolded into one banded window
-  of Bq + w - 1 keys per block; logits [B, Hkv, G, nb, Bq, Bq + w - 1], never T x T;
+- local branch: each block reads the `nwin = ceil((w-1)/Bq) + 1` key blocks ending with its own
+  (nwin*Bq >= Bq + w - 1 keys, masked to i - w < t <= i); logits [B, Hkv, G, nb, Bq, nwin*Bq],
+  never T x T; windows are stacked block slices (their backward is a sum of slices);
 - long branch, two equivalent layouts (same token sets, same softmax):
   "union": per (block, kv head) the union of the cells its queries selected (U cells; FS-L:
   U <= P + W), gathered once as [B, Hkv, nb, U*s, D] and read by matmuls with a per-query mask;
@@ -45,7 +46,7 @@ def choose_long_path(U: int, cfg: FreeSoloConfig, D: int) -> str:
 
 def readout_bytes_per_query(B: int, Hq: int, D: int, cfg: FreeSoloConfig, itemsize: int, path: str, U: int) -> int:
     """Transient bytes per query position of one readout chunk, backward recomputation included."""
-    local = 6 * (cfg.block + cfg.window)  # logits, mask, probabilities and their gradients
+    local = 6 * window_blocks(cfg) * cfg.block  # logits, mask, probabilities and their gradients
     if path == "union":
         long = 6 * U * cfg.cell + U * cfg.top_k  # logits, probabilities, gradients, mask
     else:
@@ -53,23 +54,35 @@ def readout_bytes_per_query(B: int, Hq: int, D: int, cfg: FreeSoloConfig, itemsi
     return B * Hq * itemsize * (local + long)
 
 
+def window_blocks(cfg: FreeSoloConfig) -> int:
+    """Key blocks read by a query block's local window: ceil((w - 1) / Bq) + 1."""
+    return -(-(cfg.window - 1) // cfg.block) + 1
+
+
 def _local_mask(j0: int, nb: int, cfg: FreeSoloConfig, device) -> torch.Tensor:
-    """[nb, Bq, Bq + w - 1] bool: query row r of block j sees window key u (token j*Bq - w + 1 + u)."""
+    """[nb, Bq, nwin*Bq] bool: query row r of block j sees window key u (token (j-nwin+1)*Bq + u)."""
     Bq, w = cfg.block, cfg.window
+    nwin = window_blocks(cfg)
     r = torch.arange(Bq, device=device)[:, None]
-    u = torch.arange(Bq + w - 1, device=device)[None, :]
-    band = (u >= r) & (u <= r + w - 1)  # i - w < t <= i
-    first = (torch.arange(j0, j0 + nb, device=device) * Bq - w + 1)[:, None] + u  # (nb, Bq+w-1) token of key u
-    return band[None] & (first >= 0)[:, None, :]
+    u = torch.arange(nwin * Bq, device=device)[None, :]
+    off = (nwin - 1) * Bq  # u - off - r = t - i
+    band = (u <= off + r) & (u > off + r - w)  # i - w < t <= i
+    token = (torch.arange(j0, j0 + nb, device=device) - nwin + 1)[:, None] * Bq + u  # (nb, nwin*Bq)
+    return band[None] & (token >= 0)[:, None, :]
 
 
-def _masked_softmax_readout(lg, mask, values_eq: str, values):
-    """softmax over the masked entries of lg (rows with none give 0), then einsum with values."""
+def _masked_softmax_readout(lg, mask, values_eq, values):
+    """Unnormalized softmax over the masked entries of lg (rows with none give 0) and its
+    denominator; multiplied with `values` by einsum `values_eq` unless that is None.
+    With lg [..., U, s] the max / sum run over both last dims (the rows are [..., U*s])."""
     lg = lg.masked_fill(~mask, float("-inf"))
-    mx = lg.detach().amax(dim=-1, keepdim=True)
+    dims = (-1,) if values_eq is not None else (-2, -1)
+    mx = lg.detach().amax(dim=dims, keepdim=True)
     mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))  # rows with no cell: 0
     e = torch.exp(lg - mx)  # masked entries: exp(-inf) = 0
     den = e.sum(dim=-1, keepdim=True)
+    if values_eq is None:
+        return e, den
     return torch.einsum(values_eq, e, values), den
 
 
@@ -79,10 +92,10 @@ def chunk_forward(qr, q, kr_span, v_span, k_long, v_long, long_mask, beta, j0: i
 
     Args:
         qr, q: [B, Hkv, G, L, D] rotated / unrotated queries of positions [j0*Bq, j0*Bq + L).
-        kr_span, v_span: [B, Hkv, S, D] rotated keys / values of tokens [max(0, j0*Bq - w + 1), ...),
-            S <= L + w - 1 (missing tokens are padded with zeros and masked out).
+        kr_span, v_span: [B, Hkv, S, D] rotated keys / values of tokens [max(0, (j0-nwin+1)*Bq), ...),
+            S <= L + (nwin-1)*Bq (missing tokens are padded with zeros and masked out).
         k_long, v_long: "gather": [B, Hkv, G, L, K*s, D]; "union": [B, Hkv, nb, U*s, D] (unrotated).
-        long_mask: "gather": [B, Hkv, G, L, K*s]; "union": [B, Hkv, G, nb, Bq, U*s] bool.
+        long_mask: "gather": [B, Hkv, G, L, K*s]; "union": [B, Hkv, G, nb, Bq, U] bool (per cell).
         beta: [Hkv, G]. pad_front: zero keys before kr_span (the window starts before token 0).
     Returns:
         o [B, Hkv, G, L, D] in the compute dtype.
@@ -95,12 +108,15 @@ def chunk_forward(qr, q, kr_span, v_span, k_long, v_long, long_mask, beta, j0: i
     # ---- local branch: banded windows per block
     qb = torch.nn.functional.pad(qr, (0, 0, 0, pad_q)) if pad_q else qr
     qb = qb.reshape(B, Hkv, G, nb, Bq, D)  # (B, Hkv, G, nb, Bq, D)
-    pad_back = nb * Bq + w - 1 - pad_front - kr_span.shape[2]
-    kp = torch.nn.functional.pad(kr_span, (0, 0, pad_front, pad_back))  # (B, Hkv, nb*Bq + w - 1, D)
-    vp = torch.nn.functional.pad(v_span, (0, 0, pad_front, pad_back))
-    kw = kp.unfold(2, Bq + w - 1, Bq).transpose(-1, -2)  # (B, Hkv, nb, Bq+w-1, D)
-    vw = vp.unfold(2, Bq + w - 1, Bq).transpose(-1, -2)
-    logits = torch.einsum("bhgnqd,bhnkd->bhgnqk", qb, kw) * scale  # (B, Hkv, G, nb, Bq, Bq+w-1)
+    nwin = window_blocks(cfg)
+    pad_back = (nb + nwin - 1) * Bq - pad_front - kr_span.shape[2]
+
+    def windows(x):  # [B, Hkv, S, D] -> [B, Hkv, nb, nwin*Bq, D]
+        xb = torch.nn.functional.pad(x, (0, 0, pad_front, pad_back)).reshape(B, Hkv, nb + nwin - 1, Bq, D)
+        return torch.stack([xb[:, :, o : o + nb] for o in range(nwin)], dim=3).reshape(B, Hkv, nb, nwin * Bq, D)
+
+    kw, vw = windows(kr_span), windows(v_span)
+    logits = torch.einsum("bhgnqd,bhnkd->bhgnqk", qb, kw) * scale  # (B, Hkv, G, nb, Bq, nwin*Bq)
     logits = logits.masked_fill(~_local_mask(j0, nb, cfg, q.device), float("-inf"))
     o_loc = torch.einsum("bhgnqk,bhnkd->bhgnqd", torch.softmax(logits, dim=-1), vw)
     o_loc = o_loc.reshape(B, Hkv, G, nb * Bq, D)[:, :, :, :L]
@@ -109,7 +125,11 @@ def chunk_forward(qr, q, kr_span, v_span, k_long, v_long, long_mask, beta, j0: i
         qu = torch.nn.functional.pad(q, (0, 0, 0, pad_q)) if pad_q else q
         qu = qu.reshape(B, Hkv, G, nb, Bq, D)
         lg = torch.einsum("bhgnqd,bhnud->bhgnqu", qu, k_long) * scale  # (B, Hkv, G, nb, Bq, U*s)
-        num, den = _masked_softmax_readout(lg, long_mask, "bhgnqu,bhnud->bhgnqd", v_long)
+        U = long_mask.shape[-1]
+        lg = lg.reshape(B, Hkv, G, nb, Bq, U, cfg.cell)  # mask per cell, broadcast over its tokens
+        num, den = _masked_softmax_readout(lg, long_mask[..., None], None, None)
+        num = torch.einsum("bhgnqu,bhnud->bhgnqd", num.reshape(B, Hkv, G, nb, Bq, U * cfg.cell), v_long)
+        den = den.sum(dim=-2)
         num = num.reshape(B, Hkv, G, nb * Bq, D)[:, :, :, :L]
         den = den.reshape(B, Hkv, G, nb * Bq, 1)[:, :, :, :L]
     else:
@@ -124,11 +144,11 @@ class _Chunk:
     """Index bookkeeping of one chunk: query range, key span, long-branch token indices and mask."""
 
     def __init__(self, j0, j1, T, cfg, idx, unions, path):
-        Bq, w, s = cfg.block, cfg.window, cfg.cell
+        Bq, s = cfg.block, cfg.cell
         dev = idx.device
         self.j0 = j0
         self.i0, self.i1 = j0 * Bq, min(T, j1 * Bq)
-        start = self.i0 - w + 1
+        start = self.i0 - (window_blocks(cfg) - 1) * Bq
         self.lo, self.hi = max(0, start), min(T, j1 * Bq)
         self.pad_front = self.lo - start
         cells = idx[:, :, :, self.i0 : self.i1]  # (B, Hkv, G, L, K)
@@ -141,7 +161,7 @@ class _Chunk:
             self.tok = (uc.clamp(min=0)[..., None] * s + ar).clamp(max=T - 1).reshape(B, Hkv, nb, U * s)
             sel = torch.nn.functional.pad(cells, (0, 0, 0, nb * Bq - L), value=-1).reshape(B, Hkv, G, nb, Bq, K, 1)
             hit = ((sel == uc[:, :, None, :, None, None, :]) & (sel >= 0)).any(dim=-2)  # (B, Hkv, G, nb, Bq, U)
-            self.mask = hit[..., None].expand(*hit.shape, s).reshape(B, Hkv, G, nb, Bq, U * s)
+            self.mask = hit  # per cell; chunk_forward broadcasts it over the cell's tokens
             self.bi = torch.arange(B, device=dev).view(B, 1, 1, 1)
             self.hi_ = torch.arange(Hkv, device=dev).view(1, Hkv, 1, 1)
         else:
@@ -156,9 +176,10 @@ class _Chunk:
         return x[self.bi, self.hi_, self.tok]
 
     def scatter_add(self, dst, src):
-        """dst [B, Hkv, T, D] += src (layout of `gather`) at the same tokens."""
-        bi, hi, tok = torch.broadcast_tensors(self.bi, self.hi_, self.tok)
-        dst.index_put_((bi, hi, tok), src, accumulate=True)
+        """dst [B, Hkv, T, D] (contiguous) += src (layout of `gather`) at the same tokens."""
+        B, Hkv, T, D = dst.shape
+        rows = ((self.bi * Hkv + self.hi_) * T + self.tok).reshape(-1)  # flat (b, h, t) row of each token
+        dst.view(B * Hkv * T, D).index_add_(0, rows, src.reshape(-1, D))
 
     def leaves(self, qr, kr, q, k, v, beta):
         """The chunk's slices of every differentiable input, in chunk_forward's order."""
