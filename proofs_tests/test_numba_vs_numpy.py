@@ -159,6 +159,37 @@ def _check_tokens(costs, q, k, cfg: FreeSoloConfig) -> None:
     assert costs["tokens_read"].max() <= cfg.window + cfg.top_k * cfg.cell
 
 
+@given(shape=shapes(ts=(33, 129)), variant=st.sampled_from(["fs", "fsl"]), seed=st.integers(0, 2**16))
+def test_large_logits_match_oracle(shape, variant, seed):
+    """Inputs scaled by 30: softmax weights span far more than exp's range (underflow to 0),
+    the position prior is dwarfed by q . kbar; outputs still agree with the oracle."""
+    B, T, Hq, Hkv, D = shape
+    q, k, v = random_qkv(seed, B, T, Hq, Hkv, D, scale=30.0)
+    cfg = FreeSoloConfig(variant=variant, top_k=2, **SMALL)
+    _check_all(q, k, v, cfg, _beta(Hq, seed))
+
+
+def test_vectorised_exp_matches_libm():
+    """The kernels' exp: <= 2 ulp from math.exp down to -708, exactly 0 below, exactly 1 at 0."""
+    import math
+
+    from freesolo.backends._numba_kernels import _exp_nonpositive
+
+    rng = np.random.default_rng(0)
+    x = np.concatenate([-rng.uniform(0, 1, 5000) * rng.choice([1e-300, 1e-8, 1.0, 50.0, 700.0, 800.0], 5000),
+                        [0.0, -0.0, -708.0, -708.0001, -1e300]])
+    y = x.copy()
+    _exp_nonpositive(y, 0, len(y), np.empty(len(y), dtype=np.int64))
+    ref = np.array([math.exp(t) for t in x])
+    normal = x >= -708.0
+    assert np.all(np.abs(y[normal] - ref[normal]) <= 4.5e-16 * ref[normal])
+    assert np.all(y[~normal] == 0.0) and np.all(y[x == 0.0] == 1.0)
+    y = x.copy()
+    _exp_nonpositive(y, 7, 11, np.empty(len(y), dtype=np.int64))  # only [lo, hi) is touched
+    np.testing.assert_array_equal(y[:7], x[:7])
+    np.testing.assert_array_equal(y[11:], x[11:])
+
+
 def test_cost_arrays_shapes_and_types():
     q, k, _ = random_qkv(0, 2, 70, 4, 2, 6)
     costs = nbb.count_costs(q, k, FreeSoloConfig(variant="fsl", **SMALL))

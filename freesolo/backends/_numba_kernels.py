@@ -221,16 +221,17 @@ def select_kernel(q, kbar, a, cand, ncand, use_pool, sigma, lam, block, cell, to
 _LN2_HI = 6.93147180369123816490e-01  # ln 2, upper bits (k * _LN2_HI is exact for |k| < 2^20)
 _LN2_LO = 1.90821492927058770002e-10
 _INV_LN2 = 1.44269504088896338700e00
-_EXP_FLOOR = -708.0  # exp(-708) ~ 3e-308 is still normal; smaller x are clamped (weights ~0 vs >= 1)
+_EXP_FLOOR = -708.0  # exp(-708) ~ 3e-308 is still normal; smaller x give 0 (libm: < 3e-308; the sum is >= 1)
 
 
 @njit(cache=True)
 def _exp_nonpositive(x, lo, hi, bits):
-    """x[lo:hi] <- exp(x[lo:hi]) for x <= 0 (values below -708 give exp(-708)); bits int64 scratch."""
+    """x[lo:hi] <- exp(x[lo:hi]) for x <= 0 (values below -708 give 0); bits int64 scratch [>= hi]."""
     xs = x[lo:hi]  # slices: indices from 0 are provably >= 0, so no wraparound blocks vectorisation
     bs = bits[lo:hi]
     for t in range(hi - lo):
-        y = max(xs[t], _EXP_FLOOR)
+        raw = xs[t]
+        y = max(raw, _EXP_FLOOR)
         kf = math.floor(y * _INV_LN2 + 0.5)
         r = (y - kf * _LN2_HI) - kf * _LN2_LO
         p = 1.0 / 6227020800.0
@@ -247,7 +248,7 @@ def _exp_nonpositive(x, lo, hi, bits):
         p = p * r + 0.5
         p = p * r + 1.0
         p = p * r + 1.0
-        xs[t] = p
+        xs[t] = p if raw >= _EXP_FLOOR else 0.0  # below exp(-708): 0 (no subnormal weights)
         bs[t] = (np.int64(kf) + 1023) << 52  # the bits of 2^kf
     scale = bs.view(np.float64)
     for t in range(hi - lo):
