@@ -1,0 +1,352 @@
+"""GPU baseline of the torch backend: FS-L and FS-B against SDPA causal and FlexAttention SWA-512.
+
+One run times forward and forward+backward (median of `triton.testing.do_bench`; a provider slower
+than 50 ms per call is timed as the median of 3 calls) and the peak memory of each provider at
+T = 4k, 16k, 64k, 128k, for B = 1, bf16, shapes H16-D64 (Hq = Hkv = 16, D = 64) and GQA
+(Hq = 32, Hkv = 8, D = 128). A configuration that runs out of memory is recorded as "oom"; one
+that would not fit the time budget (default 330 s) is recorded as "skipped".
+
+Usage (on the GPU machine, from the repository root):
+    python benchmarks/gpu_attention.py                 # ~6 minutes on an H200
+    python benchmarks/gpu_attention.py --t131k-check   # FS-L fwd+bwd at T=131072 only, peak memory
+    python benchmarks/gpu_attention.py --dry-run       # tiny CPU smoke test (no timings worth reading)
+Writes benchmarks/results/gpu_attention.json and gpu_attention.png (gpu_t131k_check.json for the
+check; *_dryrun.* for the dry run) and prints a table and the crossover length where FS-L
+becomes faster than SDPA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import freesolo  # noqa: E402
+from freesolo.backends.torch import attention as fs_attention  # noqa: E402
+from freesolo.backends.torch._ops import cell_stats  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+SHAPES = {"H16-D64": dict(Hq=16, Hkv=16, D=64), "GQA-Hq32-Hkv8-D128": dict(Hq=32, Hkv=8, D=128)}
+LENGTHS = [4096, 16384, 65536, 131072]
+PROVIDERS = ["freesolo_fsl", "sdpa_causal", "flex_swa512", "freesolo_fsb"]
+MODES = ["fwd", "fwd+bwd"]
+WINDOW = 512
+
+
+# ---- providers ---------------------------------------------------------------------------------
+def _tau(k: torch.Tensor, cfg) -> tuple:
+    """FS-B threshold: per kv head the median of a_c over the sequence (torch, on the device)."""
+    _, a = cell_stats(k.detach().float().permute(0, 2, 1, 3), cfg.cell)  # (B, Hkv, C)
+    return tuple(float(x) for x in a.permute(1, 0, 2).reshape(a.shape[1], -1).median(dim=-1).values)
+
+
+_FLEX = {}
+
+
+def _flex(T: int, device: str, compiled: bool):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    key = (T, device)
+    if key not in _FLEX:
+        def swa(b, h, q_idx, kv_idx):
+            return (q_idx >= kv_idx) & (q_idx - kv_idx < WINDOW)
+
+        mask = create_block_mask(swa, B=None, H=None, Q_LEN=T, KV_LEN=T, device=device)
+        _FLEX[key] = mask
+    fn = _FLEX.setdefault("fn", torch.compile(flex_attention) if compiled else flex_attention)
+    return fn, _FLEX[key]
+
+
+def make_call(provider: str, q, k, v, compiled: bool):
+    """q [B, T, Hq, D], k / v [B, T, Hkv, D] -> a function returning the output (any layout)."""
+    Hq, Hkv = q.shape[2], k.shape[2]
+    gqa = Hq != Hkv
+    if provider.startswith("freesolo_"):
+        variant = provider.split("_")[1]
+        cfg = freesolo.FreeSoloConfig(variant=variant)
+        if variant == "fsb":
+            cfg = cfg.replace(tau=_tau(k, cfg))
+        return lambda: fs_attention(q, k, v, cfg)
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # (B, H, T, D) views: autograd reaches q, k, v
+    if provider == "sdpa_causal":
+        f = torch.nn.functional.scaled_dot_product_attention
+        return lambda: f(qt, kt, vt, is_causal=True, enable_gqa=gqa)
+    if provider == "flex_swa512":
+        fn, mask = _flex(q.shape[1], str(q.device), compiled)
+        return lambda: fn(qt, kt, vt, block_mask=mask, enable_gqa=gqa)
+    raise ValueError(f"unknown provider {provider!r}")
+
+
+# ---- timing ------------------------------------------------------------------------------------
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _once_ms(fn, device) -> float:
+    _sync(device)
+    t = time.perf_counter()
+    fn()
+    _sync(device)
+    return 1e3 * (time.perf_counter() - t)
+
+
+def bench_ms(fn, device, rep_ms: int) -> float:
+    """Median milliseconds of fn (already warmed up)."""
+    first = _once_ms(fn, device)
+    if device.type != "cuda" or first > 50:
+        return statistics.median([first, _once_ms(fn, device), _once_ms(fn, device)])
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=max(5, rep_ms // 4), rep=rep_ms, return_mode="median"))
+
+
+def run_case(provider, mode, T, shape, device, dtype, compiled, rep_ms):
+    """-> dict(ms, peak_gib, status)."""
+    B = 1
+    gen = torch.Generator(device=device).manual_seed(0)
+    need_grad = mode == "fwd+bwd"
+    q = torch.randn(B, T, shape["Hq"], shape["D"], device=device, dtype=dtype, generator=gen)
+    k = torch.randn(B, T, shape["Hkv"], shape["D"], device=device, dtype=dtype, generator=gen)
+    v = torch.randn(B, T, shape["Hkv"], shape["D"], device=device, dtype=dtype, generator=gen)
+    for x in (q, k, v):
+        x.requires_grad_(need_grad)
+    call = make_call(provider, q, k, v, compiled)
+    if need_grad:
+        grad = None
+
+        def fn():
+            nonlocal grad
+            out = call()
+            if grad is None:
+                grad = torch.randn_like(out)
+            for x in (q, k, v):
+                x.grad = None
+            out.backward(grad)
+    else:
+        def fn():
+            with torch.no_grad():
+                call()
+
+    fn()  # warm-up (compiles FlexAttention)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    else:
+        peak = float("nan")
+    ms = bench_ms(fn, device, rep_ms)
+    return {"ms": ms, "peak_gib": peak, "status": "ok"}
+
+
+# ---- main --------------------------------------------------------------------------------------
+def _versions(device) -> dict:
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
+    except OSError:
+        commit = None
+    return {
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (dry run)",
+        "torch": torch.__version__, "triton": triton_version, "python": sys.version.split()[0],
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "git_commit": commit,
+    }
+
+
+def crossover(results, shape_name, mode):
+    """Smallest measured T where FS-L is faster than SDPA, and a log-log interpolated estimate."""
+    def times(p):
+        return {r["T"]: r["ms"] for r in results
+                if r["shape"] == shape_name and r["mode"] == mode and r["provider"] == p and r["status"] == "ok"}
+
+    fsl, sdpa = times("freesolo_fsl"), times("sdpa_causal")
+    Ts = sorted(set(fsl) & set(sdpa))
+    prev = None
+    for T in Ts:
+        ratio = fsl[T] / sdpa[T]
+        if ratio < 1:
+            est = T
+            if prev is not None:  # interpolate log(ratio) linearly in log(T)
+                (T0, r0) = prev
+                f = math.log(r0) / (math.log(r0) - math.log(ratio))
+                est = int(round(math.exp(math.log(T0) + f * (math.log(T) - math.log(T0)))))
+            return {"first_measured_T": T, "estimated_T": est, "fsl_over_sdpa": {t: fsl[t] / sdpa[t] for t in Ts}}
+        prev = (T, ratio)
+    return {"first_measured_T": None, "estimated_T": None, "fsl_over_sdpa": {t: fsl[t] / sdpa[t] for t in Ts},
+            "note": f"FS-L not faster than SDPA up to T={max(Ts) if Ts else None}"}
+
+
+def plot(payload, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = list(dict.fromkeys(r["shape"] for r in payload["results"]))
+    fig, axes = plt.subplots(len(shapes), 3, figsize=(15, 4.2 * len(shapes)), squeeze=False)
+    for row, shape_name in enumerate(shapes):
+        for col, (mode, metric) in enumerate([("fwd", "ms"), ("fwd+bwd", "ms"), ("fwd+bwd", "peak_gib")]):
+            ax = axes[row][col]
+            plotted = False
+            for provider in PROVIDERS:
+                pts = sorted((r["T"], r[metric]) for r in payload["results"] if r["shape"] == shape_name
+                             and r["mode"] == mode and r["provider"] == provider and r["status"] == "ok"
+                             and r[metric] is not None and math.isfinite(r[metric]) and r[metric] > 0)
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=provider, color=f"C{PROVIDERS.index(provider)}")
+                    plotted = True
+            if not plotted:
+                ax.text(0.5, 0.5, "no data", ha="center", transform=ax.transAxes)
+                continue
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("T")
+            ax.set_ylabel("ms (median)" if metric == "ms" else "peak GiB above inputs")
+            ax.set_title(f"{shape_name} {mode} {'time' if metric == 'ms' else 'memory'}")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.suptitle(f"{payload['env']['gpu']}, torch {payload['env']['torch']}, B=1 {payload['dtype']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def t131k_check(device, dtype) -> dict:
+    """FS-L forward + backward at T = 131072 (H = 16, D = 64) through the public API; peak memory."""
+    T, H, D = (131072, 16, 64) if device.type == "cuda" else (2048, 2, 16)
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(1, T, H, D, device=device, dtype=dtype, generator=gen).requires_grad_(True)
+               for _ in range(3))
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+    t = time.perf_counter()
+    o = freesolo.freesolo_attention(q, k, v, freesolo.FreeSoloConfig(variant="fsl"), backend="torch")
+    o.backward(torch.ones_like(o))
+    _sync(device)
+    seconds = time.perf_counter() - t
+    finite = all(bool(torch.isfinite(x.grad).all()) for x in (q, k, v))
+    out = {"T": T, "H": H, "D": D, "dtype": str(dtype), "seconds_first_call": seconds, "grads_finite": finite}
+    if device.type == "cuda":
+        out["peak_gib_total"] = torch.cuda.max_memory_allocated() / 2**30
+        out["peak_gib_above_inputs"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+        out["inputs_gib"] = base / 2**30
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU (smoke test)")
+    ap.add_argument("--t131k-check", action="store_true", help="only FS-L fwd+bwd at T=131072, peak memory")
+    ap.add_argument("--lengths", type=int, nargs="*", default=None)
+    ap.add_argument("--providers", nargs="*", default=None, choices=PROVIDERS)
+    ap.add_argument("--shapes", nargs="*", default=None, choices=list(SHAPES))
+    ap.add_argument("--budget-s", type=float, default=330.0, help="stop starting new cases after this")
+    ap.add_argument("--rep-ms", type=int, default=60, help="do_bench rep (ms)")
+    args = ap.parse_args(argv)
+
+    device = torch.device("cpu" if args.dry_run or not torch.cuda.is_available() else "cuda")
+    if device.type == "cpu" and not args.dry_run and not args.t131k_check:
+        raise SystemExit("no CUDA device: use --dry-run for the CPU smoke test")
+    dtype = torch.bfloat16
+    suffix = "_dryrun" if args.dry_run else ""
+    os.makedirs(RESULTS, exist_ok=True)
+    env = _versions(device)
+    print(f"GPU: {env['gpu']} | torch {env['torch']} | triton {env['triton']} | commit {env['git_commit']}")
+
+    if args.t131k_check:
+        res = t131k_check(device, dtype)
+        res["env"] = env
+        path = os.path.join(RESULTS, f"gpu_t131k_check{suffix}.json")
+        with open(path, "w") as f:
+            json.dump(res, f, indent=2)
+        print(json.dumps(res, indent=2))
+        print(f"wrote {path}")
+        return
+
+    shapes = {n: SHAPES[n] for n in (args.shapes or SHAPES)}
+    lengths = args.lengths or LENGTHS
+    providers = args.providers or PROVIDERS
+    if args.dry_run:
+        shapes = {"H2-D16": dict(Hq=2, Hkv=2, D=16), "GQA-Hq4-Hkv2-D32": dict(Hq=4, Hkv=2, D=32)}
+        lengths = args.lengths or [256, 640]
+    start = time.time()
+    results, last_ms = [], {}
+    for shape_name, shape in shapes.items():
+        for T in lengths:
+            for provider in providers:
+                for mode in MODES:
+                    rec = {"shape": shape_name, **shape, "T": T, "provider": provider, "mode": mode}
+                    left = args.budget_s - (time.time() - start)
+                    prev = last_ms.get((shape_name, provider, mode))
+                    growth = (T / prev[0]) ** (2 if provider == "sdpa_causal" else 1) if prev else 1.0
+                    predicted_s = 8 * prev[1] * growth / 1e3 if prev else 0.0  # ~8 calls per case
+                    if left <= 0 or predicted_s > left:
+                        rec.update(ms=None, peak_gib=None, status="skipped (time budget)")
+                    else:
+                        try:
+                            rec.update(run_case(provider, mode, T, shape, device, dtype, not args.dry_run, args.rep_ms))
+                            last_ms[(shape_name, provider, mode)] = (T, rec["ms"])
+                        except torch.cuda.OutOfMemoryError:
+                            rec.update(ms=None, peak_gib=None, status="oom")
+                        except Exception as error:  # recorded, the run goes on
+                            rec.update(ms=None, peak_gib=None, status=f"error: {type(error).__name__}: {error}"[:300])
+                        if device.type == "cuda":
+                            torch.cuda.empty_cache()
+                    results.append(rec)
+                    ms = f"{rec['ms']:10.3f}" if rec["ms"] is not None else f"{'-':>10}"
+                    mem = f"{rec['peak_gib']:8.3f}" if rec.get("peak_gib") is not None else f"{'-':>8}"
+                    print(f"{shape_name:>20} T={T:>7} {provider:>13} {mode:>8} {ms} ms {mem} GiB  {rec['status']}",
+                          flush=True)
+
+    payload = {
+        "env": env, "dtype": "bfloat16", "B": 1, "window": WINDOW, "shapes": shapes, "lengths": lengths,
+        "freesolo_config": {k: getattr(freesolo.FreeSoloConfig(), k) for k in
+                            ("window", "cell", "top_k", "block", "pool", "recent", "beam")},
+        "timing": "median ms: triton.testing.do_bench, or median of 3 calls above 50 ms; peak_gib: "
+                  "torch.cuda.max_memory_allocated during one call minus the memory allocated before it",
+        "results": results,
+        "crossover_fsl_vs_sdpa": {s: {m: crossover(results, s, m) for m in MODES} for s in shapes},
+        "elapsed_s": time.time() - start,
+    }
+    if device.type == "cuda" and "H16-D64" in shapes and time.time() - start < args.budget_s + 60:
+        try:
+            payload["t131k_check"] = t131k_check(device, dtype)
+        except torch.cuda.OutOfMemoryError:
+            payload["t131k_check"] = {"status": "oom"}
+    path = os.path.join(RESULTS, f"gpu_attention{suffix}.json")
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2)
+    plot(payload, os.path.join(RESULTS, f"gpu_attention{suffix}.png"))
+    print("\ncrossover (FS-L faster than SDPA causal):")
+    for s, per_mode in payload["crossover_fsl_vs_sdpa"].items():
+        for m, c in per_mode.items():
+            ratios = ", ".join(f"{t}: {r:.2f}" for t, r in c["fsl_over_sdpa"].items())
+            print(f"  {s} {m}: first measured T = {c['first_measured_T']}, estimate ~{c['estimated_T']} "
+                  f"(FS-L / SDPA time: {ratios})")
+    if "t131k_check" in payload:
+        print(f"T=131072 FS-L fwd+bwd check: {payload['t131k_check']}")
+    print(f"wrote {path} and the .png ({payload['elapsed_s']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
