@@ -63,9 +63,11 @@ def main() -> None:
     parser.add_argument("--long-Hq", type=int, default=4)
     args = parser.parse_args()
 
-    print(f"python {platform.python_version()}, numpy {np.__version__}, numba {numba.__version__}, "
-          f"freesolo {getattr(freesolo, '__version__', '?')}, cpus {os.cpu_count()}, "
-          f"numba threads {numba.get_num_threads()}, {platform.processor() or platform.machine()}")
+    print(
+        f"python {platform.python_version()}, numpy {np.__version__}, numba {numba.__version__}, "
+        f"freesolo {getattr(freesolo, '__version__', '?')}, cpus {os.cpu_count()}, "
+        f"numba threads {numba.get_num_threads()}, {platform.processor() or platform.machine()}"
+    )
     cfg = FreeSoloConfig(variant=args.variant)
     q, k, v = _inputs(0, 1, args.T, args.Hq, args.Hkv, args.D)
     beta = np.ones(args.Hq)
@@ -81,14 +83,27 @@ def main() -> None:
     err = float(np.sqrt(np.mean((out_numba - out_numpy) ** 2) / np.mean(out_numpy**2)))
     ratio, cpu_ratio = t_numpy / t_numba, cpu_numpy / cpu_numba
     shape = f"B=1 T={args.T} Hq={args.Hq} Hkv={args.Hkv} D={args.D}"
-    print(f"{args.variant} {shape}: numpy {t_numpy:.2f} s (cpu {cpu_numpy:.2f} s), numba {t_numba:.3f} s "
-          f"(cpu {cpu_numba:.3f} s, warm-up {warmup:.1f} s): numba is {ratio:.0f}x faster in wall time, "
-          f"{cpu_ratio:.0f}x in CPU time; rms-rel diff {err:.1e}")
+    print(
+        f"{args.variant} {shape}: numpy {t_numpy:.2f} s (cpu {cpu_numpy:.2f} s), numba {t_numba:.3f} s "
+        f"(cpu {cpu_numba:.3f} s, warm-up {warmup:.1f} s): numba is {ratio:.0f}x faster in wall time, "
+        f"{cpu_ratio:.0f}x in CPU time; rms-rel diff {err:.1e}"
+    )
     result = {
-        "variant": args.variant, "B": 1, "T": args.T, "Hq": args.Hq, "Hkv": args.Hkv, "D": args.D,
-        "numpy_s": t_numpy, "numba_s": t_numba, "ratio": ratio, "rms_rel_diff": err,
-        "numpy_cpu_s": cpu_numpy, "numba_cpu_s": cpu_numba, "cpu_ratio": cpu_ratio,
-        "numba_threads": numba.get_num_threads(), "cpus": os.cpu_count(),
+        "variant": args.variant,
+        "B": 1,
+        "T": args.T,
+        "Hq": args.Hq,
+        "Hkv": args.Hkv,
+        "D": args.D,
+        "numpy_s": t_numpy,
+        "numba_s": t_numba,
+        "ratio": ratio,
+        "rms_rel_diff": err,
+        "numpy_cpu_s": cpu_numpy,
+        "numba_cpu_s": cpu_numba,
+        "cpu_ratio": cpu_ratio,
+        "numba_threads": numba.get_num_threads(),
+        "cpus": os.cpu_count(),
         "versions": {"numpy": np.__version__, "numba": numba.__version__, "python": platform.python_version()},
     }
 
@@ -106,11 +121,20 @@ def main() -> None:
         numba_backend.long_range_readout(q, k, v, idx, cfg)
         parts["readout"] = time.perf_counter() - start
         t_long, cpu_long = _best_of(lambda: numba_backend.attention(q, k, v, cfg, beta), 1)
-        print(f"{args.variant} B=1 T={args.long} Hq={args.long_Hq} Hkv={args.Hkv} D={args.D}: numba {t_long:.2f} s "
-              f"(cpu {cpu_long:.2f} s) "
-              f"({args.long * args.long_Hq / t_long:,.0f} query-heads/s; "
-              + ", ".join(f"{name} {sec:.2f} s" for name, sec in parts.items()) + ")")
-        result["long"] = {"T": args.long, "Hq": args.long_Hq, "numba_s": t_long, "numba_cpu_s": cpu_long, "parts_s": parts}
+        print(
+            f"{args.variant} B=1 T={args.long} Hq={args.long_Hq} Hkv={args.Hkv} D={args.D}: numba {t_long:.2f} s "
+            f"(cpu {cpu_long:.2f} s) "
+            f"({args.long * args.long_Hq / t_long:,.0f} query-heads/s; "
+            + ", ".join(f"{name} {sec:.2f} s" for name, sec in parts.items())
+            + ")"
+        )
+        result["long"] = {
+            "T": args.long,
+            "Hq": args.long_Hq,
+            "numba_s": t_long,
+            "numba_cpu_s": cpu_long,
+            "parts_s": parts,
+        }
 
     os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
     with open(RESULTS, "w") as f:

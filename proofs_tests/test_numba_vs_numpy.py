@@ -88,8 +88,11 @@ def test_default_config_matches_oracle(variant, T, group, seed):
     q, k, v = random_qkv(seed, 1, T, group, 1, 64)
     rng = np.random.default_rng(seed)
     cfg = FreeSoloConfig(
-        variant=variant, pool=4, recent=2,
-        sigma=tuple(rng.uniform(0.5, 8.0, group)), lam=tuple(rng.uniform(0.0, 3.0, group)),
+        variant=variant,
+        pool=4,
+        recent=2,
+        sigma=tuple(rng.uniform(0.5, 8.0, group)),
+        lam=tuple(rng.uniform(0.0, 3.0, group)),
     )
     _check_all(q, k, v, cfg, _beta(group, seed))
 
@@ -108,7 +111,9 @@ def test_exact_ties_identical_to_oracle(shape, variant, seed):
     np.testing.assert_array_equal(idx, idx_ref)
 
 
-@given(shape=shapes(ts=(1, 33, 129, 1000)), seed=st.integers(0, 2**16), pool=st.integers(1, 6), recent=st.integers(1, 4))
+@given(
+    shape=shapes(ts=(1, 33, 129, 1000)), seed=st.integers(0, 2**16), pool=st.integers(1, 6), recent=st.integers(1, 4)
+)
 def test_fsl_pool_and_counted_costs(shape, seed, pool, recent):
     """FS-L: each block's candidate set equals the oracle's parallel form; cells scored per query
     == |C_j| <= P+W (L9); tokens read == window tokens + s * selected cells <= w + K*s."""
@@ -149,7 +154,7 @@ def test_fs_counted_costs_exact(shape, seed):
 
 
 def _check_tokens(costs, q, k, cfg: FreeSoloConfig) -> None:
-    B, T, Hq, _ = q.shape
+    T = q.shape[1]
     idx = oracle.select_cells(q, k, cfg)
     window_tokens = np.minimum(np.arange(T) + 1, cfg.window)  # [T]
     expected = window_tokens[None, :, None] + cfg.cell * (idx >= 0).sum(axis=-1)  # [B, T, Hq]
@@ -176,8 +181,12 @@ def test_vectorised_exp_matches_libm():
     from freesolo.backends._numba_kernels import _exp_nonpositive
 
     rng = np.random.default_rng(0)
-    x = np.concatenate([-rng.uniform(0, 1, 5000) * rng.choice([1e-300, 1e-8, 1.0, 50.0, 700.0, 800.0], 5000),
-                        [0.0, -0.0, -708.0, -708.0001, -1e300]])
+    x = np.concatenate(
+        [
+            -rng.uniform(0, 1, 5000) * rng.choice([1e-300, 1e-8, 1.0, 50.0, 700.0, 800.0], 5000),
+            [0.0, -0.0, -708.0, -708.0001, -1e300],
+        ]
+    )
     y = x.copy()
     _exp_nonpositive(y, 0, len(y), np.empty(len(y), dtype=np.int64))
     ref = np.array([math.exp(t) for t in x])

@@ -23,12 +23,12 @@ import numpy as np
 from numba import njit, prange
 
 __all__ = [
-    "rope_kernel",
     "cell_stats_kernel",
     "fsl_pool_kernel",
-    "select_kernel",
     "local_kernel",
     "readout_kernel",
+    "rope_kernel",
+    "select_kernel",
     "tokens_read_kernel",
 ]
 
@@ -80,7 +80,7 @@ def cell_stats_kernel(k, cell):
                     kbar[b, g, c, d] += x
                     ss += x * x
                 norm = math.sqrt(ss)
-                if norm > best:
+                if norm > best:  # noqa: PLR1730 (explicit compare: no NaN branch in the loop)
                     best = norm
             a[b, g, c] = best
             for d in range(D):
@@ -97,7 +97,7 @@ def fsl_pool_kernel(a, n_blocks, block, cell, pool, recent):
     At each block boundary the cells leaving the recent window compete with the pool on (a_c, c);
     the losers are dropped for ever (equal to the parallel top-P of the older cells: lemma L3).
     """
-    B, Hkv, C = a.shape
+    B, Hkv, _ = a.shape
     M = pool + recent
     cand = np.full((B, Hkv, n_blocks, M), -1, dtype=np.int64)
     ncand = np.zeros((B, Hkv, n_blocks), dtype=np.int64)
@@ -261,17 +261,19 @@ def _softmax_row(row, lo, hi, n, sqrt_d, bits):
     inv = 1.0 / sqrt_d
     seg = row[lo:hi]  # indices from 0: provably >= 0, no wraparound in the vectorised loops
     m = hi - lo
-    m0 = m1 = m2 = m3 = seg[0]  # four running maxima: independent chains (max() does not vectorise)
+    # four running maxima: independent chains; `x if x > m else m` because numba's max() handles NaN
+    # with a branch that stops vectorisation
+    m0 = m1 = m2 = m3 = seg[0]
     t = 0
     while t + 4 <= m:
         a0, a1, a2, a3 = seg[t], seg[t + 1], seg[t + 2], seg[t + 3]
-        m0 = a0 if a0 > m0 else m0
-        m1 = a1 if a1 > m1 else m1
-        m2 = a2 if a2 > m2 else m2
-        m3 = a3 if a3 > m3 else m3
+        m0 = a0 if a0 > m0 else m0  # noqa: FURB136
+        m1 = a1 if a1 > m1 else m1  # noqa: FURB136
+        m2 = a2 if a2 > m2 else m2  # noqa: FURB136
+        m3 = a3 if a3 > m3 else m3  # noqa: FURB136
         t += 4
     while t < m:
-        m0 = seg[t] if seg[t] > m0 else m0
+        m0 = seg[t] if seg[t] > m0 else m0  # noqa: FURB136
         t += 1
     mx = max(max(m0, m1), max(m2, m3))
     for t in range(m):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-from typing import Optional
 
 import numpy as np
 
@@ -26,13 +25,13 @@ from .base import HostBackend
 
 __all__ = [
     "NumbaBackend",
-    "select_cells",
-    "local_attention",
-    "long_range_readout",
     "attention",
-    "count_costs",
     "block_candidates",
     "cell_stats",
+    "count_costs",
+    "local_attention",
+    "long_range_readout",
+    "select_cells",
 ]
 
 _FSB_ISSUE = "FS-B for numba: see issue 3"
@@ -107,7 +106,9 @@ def block_candidates(a: np.ndarray, T: int, cfg: FreeSoloConfig) -> tuple[np.nda
     if cfg.variant != "fsl":
         raise ValueError(f"block_candidates is the FS-L pool, not variant={cfg.variant!r}")
     nb = (T + cfg.block - 1) // cfg.block
-    return _kernels().fsl_pool_kernel(np.ascontiguousarray(a, dtype=np.float64), nb, cfg.block, cfg.cell, cfg.pool, cfg.recent)
+    return _kernels().fsl_pool_kernel(
+        np.ascontiguousarray(a, dtype=np.float64), nb, cfg.block, cfg.cell, cfg.pool, cfg.recent
+    )
 
 
 def _select(q: np.ndarray, k: np.ndarray, cfg: FreeSoloConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -115,7 +116,7 @@ def _select(q: np.ndarray, k: np.ndarray, cfg: FreeSoloConfig) -> tuple[np.ndarr
     _check_fs_fsl(cfg, "numba selection")
     kern = _kernels()
     q, k = _f64(q), _f64(k)
-    B, T, Hq, D = q.shape
+    B, T, Hq, _ = q.shape
     nb = (T + cfg.block - 1) // cfg.block
     kbar, a = kern.cell_stats_kernel(k, cfg.cell)  # [B, Hkv, C, D], [B, Hkv, C]
     if cfg.variant == "fsl":
@@ -186,7 +187,7 @@ def combine(o_loc: np.ndarray, o_long: np.ndarray, beta: np.ndarray, eps: float)
     return o_loc + np.asarray(beta, dtype=np.float64)[None, None, :, None] * (o_long / rms)
 
 
-def attention(q, k, v, cfg: FreeSoloConfig, beta: Optional[np.ndarray] = None) -> np.ndarray:
+def attention(q, k, v, cfg: FreeSoloConfig, beta: np.ndarray | None = None) -> np.ndarray:
     """FreeSolo attention (spec §7): q [B, T, Hq, D], k / v [B, T, Hkv, D], beta [Hq] -> [B, T, Hq, D]."""
     q, k, v = _f64(q), _f64(k), _f64(v)
     beta = np.ones(q.shape[2]) if beta is None else _f64(beta)
@@ -240,7 +241,7 @@ class NumbaBackend(HostBackend):
 
     name = "numba"
 
-    def unavailable_reason(self) -> Optional[str]:
+    def unavailable_reason(self) -> str | None:
         try:
             import numba  # noqa: F401
         except ImportError:
