@@ -1,11 +1,12 @@
 """`numba` backend: the oracle's algorithm (spec §2-§7) compiled with numba, float64 throughout.
 
-Host functions here validate, allocate, apply RoPE (vectorised NumPy, the oracle's arithmetic)
-and call the kernels of `_numba_kernels.py`. FS-L scores only the <= P+W cells of its block's
-candidate pool (computed once per block and kv head); the local branch keeps O(window) scratch
-per query, so memory is O(T * D) at any T.
+Host functions here convert to float64, lay the arrays out for the kernels of
+`_numba_kernels.py` (per-head keys, transposed values, cell-major values) and call them. RoPE
+tables come from NumPy with the oracle's arithmetic (cached per (T, D, theta)). FS-L scores only
+the <= P+W cells of its block's candidate pool (computed once per block and kv head); the local
+branch keeps O(window) scratch per task, so memory is O(T * D) at any T.
 
-Public helpers (float64 NumPy arrays, validated by the caller or by `_prepare`):
+Public helpers (NumPy or torch inputs, converted to float64; the public API validates first):
     select_cells(q, k, cfg)                -> int64 [B, T, Hq, K]
     local_attention(q, k, v, cfg)          -> [B, T, Hq, D]
     long_range_readout(q, k, v, idx, cfg)  -> [B, T, Hq, D]   (any selection, e.g. FS-B's)
