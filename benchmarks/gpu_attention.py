@@ -31,12 +31,12 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import freesolo  # noqa: E402
-from freesolo.backends.torch import attention as fs_attention  # noqa: E402
-from freesolo.backends.torch._ops import cell_stats  # noqa: E402
+import freesolo
+from freesolo.backends.torch import attention as fs_attention
+from freesolo.backends.torch._ops import cell_stats
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-SHAPES = {"H16-D64": dict(Hq=16, Hkv=16, D=64), "GQA-Hq32-Hkv8-D128": dict(Hq=32, Hkv=8, D=128)}
+SHAPES = {"H16-D64": {"Hq": 16, "Hkv": 16, "D": 64}, "GQA-Hq32-Hkv8-D128": {"Hq": 32, "Hkv": 8, "D": 128}}
 LENGTHS = [4096, 16384, 65536, 131072]
 PROVIDERS = ["freesolo_fsl", "sdpa_causal", "flex_swa512", "freesolo_fsb"]
 MODES = ["fwd", "fwd+bwd"]
@@ -58,6 +58,7 @@ def _flex(T: int, device: str, compiled: bool):
 
     key = (T, device)
     if key not in _FLEX:
+
         def swa(b, h, q_idx, kv_idx):
             return (q_idx >= kv_idx) & (q_idx - kv_idx < WINDOW)
 
@@ -134,6 +135,7 @@ def run_case(provider, mode, T, shape, device, dtype, compiled, rep_ms):
                 x.grad = None
             out.backward(grad)
     else:
+
         def fn():
             with torch.no_grad():
                 call()
@@ -161,22 +163,37 @@ def _versions(device) -> dict:
     except ImportError:
         triton_version = None
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"],
+                capture_output=True,
+                text=True,
+                check=False,
+                cwd=os.path.dirname(os.path.abspath(__file__)),
+            ).stdout.strip()
+            or None
+        )
     except OSError:
         commit = None
     return {
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (dry run)",
-        "torch": torch.__version__, "triton": triton_version, "python": sys.version.split()[0],
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "git_commit": commit,
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "python": sys.version.split()[0],
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": commit,
     }
 
 
 def crossover(results, shape_name, mode):
     """Smallest measured T where FS-L is faster than SDPA, and a log-log interpolated estimate."""
+
     def times(p):
-        return {r["T"]: r["ms"] for r in results
-                if r["shape"] == shape_name and r["mode"] == mode and r["provider"] == p and r["status"] == "ok"}
+        return {
+            r["T"]: r["ms"]
+            for r in results
+            if r["shape"] == shape_name and r["mode"] == mode and r["provider"] == p and r["status"] == "ok"
+        }
 
     fsl, sdpa = times("freesolo_fsl"), times("sdpa_causal")
     Ts = sorted(set(fsl) & set(sdpa))
@@ -188,11 +205,15 @@ def crossover(results, shape_name, mode):
             if prev is not None:  # interpolate log(ratio) linearly in log(T)
                 (T0, r0) = prev
                 f = math.log(r0) / (math.log(r0) - math.log(ratio))
-                est = int(round(math.exp(math.log(T0) + f * (math.log(T) - math.log(T0)))))
+                est = round(math.exp(math.log(T0) + f * (math.log(T) - math.log(T0))))
             return {"first_measured_T": T, "estimated_T": est, "fsl_over_sdpa": {t: fsl[t] / sdpa[t] for t in Ts}}
         prev = (T, ratio)
-    return {"first_measured_T": None, "estimated_T": None, "fsl_over_sdpa": {t: fsl[t] / sdpa[t] for t in Ts},
-            "note": f"FS-L not faster than SDPA up to T={max(Ts) if Ts else None}"}
+    return {
+        "first_measured_T": None,
+        "estimated_T": None,
+        "fsl_over_sdpa": {t: fsl[t] / sdpa[t] for t in Ts},
+        "note": f"FS-L not faster than SDPA up to T={max(Ts) if Ts else None}",
+    }
 
 
 def plot(payload, path):
@@ -208,9 +229,17 @@ def plot(payload, path):
             ax = axes[row][col]
             plotted = False
             for provider in PROVIDERS:
-                pts = sorted((r["T"], r[metric]) for r in payload["results"] if r["shape"] == shape_name
-                             and r["mode"] == mode and r["provider"] == provider and r["status"] == "ok"
-                             and r[metric] is not None and math.isfinite(r[metric]) and r[metric] > 0)
+                pts = sorted(
+                    (r["T"], r[metric])
+                    for r in payload["results"]
+                    if r["shape"] == shape_name
+                    and r["mode"] == mode
+                    and r["provider"] == provider
+                    and r["status"] == "ok"
+                    and r[metric] is not None
+                    and math.isfinite(r[metric])
+                    and r[metric] > 0
+                )
                 if pts:
                     ax.plot(*zip(*pts), marker="o", label=provider, color=f"C{PROVIDERS.index(provider)}")
                     plotted = True
@@ -233,8 +262,9 @@ def t131k_check(device, dtype) -> dict:
     """FS-L forward + backward at T = 131072 (H = 16, D = 64) through the public API; peak memory."""
     T, H, D = (131072, 16, 64) if device.type == "cuda" else (2048, 2, 16)
     gen = torch.Generator(device=device).manual_seed(0)
-    q, k, v = (torch.randn(1, T, H, D, device=device, dtype=dtype, generator=gen).requires_grad_(True)
-               for _ in range(3))
+    q, k, v = (
+        torch.randn(1, T, H, D, device=device, dtype=dtype, generator=gen).requires_grad_(True) for _ in range(3)
+    )
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -287,7 +317,7 @@ def main(argv=None):
     lengths = args.lengths or LENGTHS
     providers = args.providers or PROVIDERS
     if args.dry_run:
-        shapes = {"H2-D16": dict(Hq=2, Hkv=2, D=16), "GQA-Hq4-Hkv2-D32": dict(Hq=4, Hkv=2, D=32)}
+        shapes = {"H2-D16": {"Hq": 2, "Hkv": 2, "D": 16}, "GQA-Hq4-Hkv2-D32": {"Hq": 4, "Hkv": 2, "D": 32}}
         lengths = args.lengths or [256, 640]
     start = time.time()
     results, last_ms = [], {}
@@ -308,22 +338,31 @@ def main(argv=None):
                             last_ms[(shape_name, provider, mode)] = (T, rec["ms"])
                         except torch.cuda.OutOfMemoryError:
                             rec.update(ms=None, peak_gib=None, status="oom")
-                        except Exception as error:  # recorded, the run goes on
+                        except Exception as error:  # noqa: BLE001  (recorded, the run goes on)
                             rec.update(ms=None, peak_gib=None, status=f"error: {type(error).__name__}: {error}"[:300])
                         if device.type == "cuda":
                             torch.cuda.empty_cache()
                     results.append(rec)
                     ms = f"{rec['ms']:10.3f}" if rec["ms"] is not None else f"{'-':>10}"
                     mem = f"{rec['peak_gib']:8.3f}" if rec.get("peak_gib") is not None else f"{'-':>8}"
-                    print(f"{shape_name:>20} T={T:>7} {provider:>13} {mode:>8} {ms} ms {mem} GiB  {rec['status']}",
-                          flush=True)
+                    print(
+                        f"{shape_name:>20} T={T:>7} {provider:>13} {mode:>8} {ms} ms {mem} GiB  {rec['status']}",
+                        flush=True,
+                    )
 
     payload = {
-        "env": env, "dtype": "bfloat16", "B": 1, "window": WINDOW, "shapes": shapes, "lengths": lengths,
-        "freesolo_config": {k: getattr(freesolo.FreeSoloConfig(), k) for k in
-                            ("window", "cell", "top_k", "block", "pool", "recent", "beam")},
+        "env": env,
+        "dtype": "bfloat16",
+        "B": 1,
+        "window": WINDOW,
+        "shapes": shapes,
+        "lengths": lengths,
+        "freesolo_config": {
+            k: getattr(freesolo.FreeSoloConfig(), k)
+            for k in ("window", "cell", "top_k", "block", "pool", "recent", "beam")
+        },
         "timing": "median ms: triton.testing.do_bench, or median of 3 calls above 50 ms; peak_gib: "
-                  "torch.cuda.max_memory_allocated during one call minus the memory allocated before it",
+        "torch.cuda.max_memory_allocated during one call minus the memory allocated before it",
         "results": results,
         "crossover_fsl_vs_sdpa": {s: {m: crossover(results, s, m) for m in MODES} for s in shapes},
         "elapsed_s": time.time() - start,
@@ -341,8 +380,10 @@ def main(argv=None):
     for s, per_mode in payload["crossover_fsl_vs_sdpa"].items():
         for m, c in per_mode.items():
             ratios = ", ".join(f"{t}: {r:.2f}" for t, r in c["fsl_over_sdpa"].items())
-            print(f"  {s} {m}: first measured T = {c['first_measured_T']}, estimate ~{c['estimated_T']} "
-                  f"(FS-L / SDPA time: {ratios})")
+            print(
+                f"  {s} {m}: first measured T = {c['first_measured_T']}, estimate ~{c['estimated_T']} "
+                f"(FS-L / SDPA time: {ratios})"
+            )
     if "t131k_check" in payload:
         print(f"T=131072 FS-L fwd+bwd check: {payload['t131k_check']}")
     print(f"wrote {path} and the .png ({payload['elapsed_s']:.0f} s)")

@@ -89,7 +89,7 @@ def _t(x, dtype=torch.float64, grad=False):
 
 def dense_reference(q, k, v, idx, cfg: FreeSoloConfig, beta):
     """o [B, T, Hq, D] from T x T masks built from idx [B, T, Hq, K]; every op in q's dtype."""
-    B, T, Hq, D = q.shape
+    _, T, Hq, D = q.shape
     G = Hq // k.shape[2]
     dt = q.dtype
     half = D // 2
@@ -188,8 +188,18 @@ def test_fsb_tie_breaks_are_exact(beam, leaf_order):
     k[0, :, 0] = [1.0, 0.5, -0.25, 2.0]  # dyadic: every mean is exact, every radius 0
     k[0, 40:48, 0] *= 2.0  # two high-norm cells
     q = np.random.default_rng(0).standard_normal((1, T, 2, 4))
-    cfg = FreeSoloConfig(variant="fsb", window=8, cell=4, block=4, beam=beam, top_k=2, lam=0.0, tau=(3.0,),
-                         leaf_order=leaf_order, hash_bits=4)
+    cfg = FreeSoloConfig(
+        variant="fsb",
+        window=8,
+        cell=4,
+        block=4,
+        beam=beam,
+        top_k=2,
+        lam=0.0,
+        tau=(3.0,),
+        leaf_order=leaf_order,
+        hash_bits=4,
+    )
     np.testing.assert_array_equal(select_cells(_t(q), _t(k), cfg).numpy(), select_cells_fsb(q, k, cfg))
 
 
@@ -210,12 +220,18 @@ def test_output_matches_oracle(problem, chunk_blocks):
     ref32 = oracle.attention(*(x.astype(np.float64) for x in (q32, k32, v32)), cfg, beta)
     idx_ref = oracle.select_cells(q32.astype(np.float64), k32.astype(np.float64), cfg)
     idx_got = select_cells(_t(q32, torch.float32), _t(k32, torch.float32), cfg).numpy()
-    o32 = attention(_t(q32, torch.float32), _t(k32, torch.float32), _t(v32, torch.float32), cfg, _t(beta, torch.float32))
+    o32 = attention(
+        _t(q32, torch.float32), _t(k32, torch.float32), _t(v32, torch.float32), cfg, _t(beta, torch.float32)
+    )
     assert o32.dtype == torch.float32
     if np.array_equal(np.sort(idx_got, -1), np.sort(idx_ref, -1)):
         assert_close(o32.numpy(), ref32, 1e-5, "float32 output")
     o32_idx = attention(
-        _t(q32, torch.float32), _t(k32, torch.float32), _t(v32, torch.float32), cfg, _t(beta, torch.float32),
+        _t(q32, torch.float32),
+        _t(k32, torch.float32),
+        _t(v32, torch.float32),
+        cfg,
+        _t(beta, torch.float32),
         idx=torch.from_numpy(idx_ref),
     )
     assert_close(o32_idx.numpy(), ref32, 1e-5, "float32 readout with the oracle's indices")
@@ -240,8 +256,9 @@ def test_public_api_roundtrip():
     out = freesolo.freesolo_attention(q, k, v, cfg, backend="torch")
     assert isinstance(out, np.ndarray)
     assert_close(out, ref, 1e-9)
-    o16 = freesolo.freesolo_attention(_t(q, torch.bfloat16), _t(k, torch.bfloat16), _t(v, torch.bfloat16), cfg,
-                                      backend="torch")
+    o16 = freesolo.freesolo_attention(
+        _t(q, torch.bfloat16), _t(k, torch.bfloat16), _t(v, torch.bfloat16), cfg, backend="torch"
+    )
     assert o16.dtype == torch.bfloat16 and o16.shape == (1, 50, 4, 8)
     idx = freesolo.select_cells(_t(q), _t(k), cfg, backend="torch")
     assert idx.dtype == torch.int64
@@ -310,7 +327,7 @@ def test_gradcheck_tiny():
         beta = np.array([0.5, -1.0, 2.0, 1.5])
         xs = tuple(_t(x, grad=True) for x in (q, k, v, beta))
         idx = select_cells(xs[0].detach(), xs[1].detach(), cfg)
-        fn = lambda a, b, c, d: attention(a, b, c, cfg, d, idx=idx, chunk_tokens=4)  # noqa: E731
+        fn = lambda a, b, c, d, cfg=cfg, idx=idx: attention(a, b, c, cfg, d, idx=idx, chunk_tokens=4)
         assert torch.autograd.gradcheck(fn, xs, fast_mode=True)
     # full Jacobians, with the selection inside the op (fixed under gradcheck's tiny perturbations)
     cfg = FreeSoloConfig(variant="fsl", window=4, cell=2, block=2, pool=1, recent=1, top_k=1)
@@ -359,7 +376,9 @@ def test_chunk_size_changes_nothing(variant, long_path):
     for ct in (8, 24, 10_000):
         xs = [_t(x, grad=True) for x in (q, k, v, np.ones(4))]
         idx = select_cells(xs[0].detach(), xs[1].detach(), cfg, chunk_tokens=ct)
-        out, grads = _grads(lambda a, b, c, d: attention(a, b, c, cfg, d, chunk_tokens=ct, long_path=long_path), xs)
+        out, grads = _grads(
+            lambda a, b, c, d, ct=ct: attention(a, b, c, cfg, d, chunk_tokens=ct, long_path=long_path), xs
+        )
         results.append((idx, out, grads))
     for idx, out, grads in results[1:]:
         assert torch.equal(idx, results[0][0])

@@ -15,7 +15,7 @@ from freesolo.backends.torch import attention, select_cells
 from freesolo.reference import oracle
 
 from .helpers import assert_close, assert_selection_matches, random_qkv, rms_rel_error
-from .test_torch_backend import _grads, _with_tau, dense_reference, rho_scores
+from .test_torch_backend import _with_tau, dense_reference, rho_scores
 
 pytestmark = [
     pytest.mark.gpu,
@@ -28,8 +28,7 @@ LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 def _cfg(variant: str) -> FreeSoloConfig:
     """Scaled-down paper sizes: pruning bites at a few hundred tokens."""
-    return FreeSoloConfig(variant=variant, window=64, cell=8, block=32, pool=6, recent=3, top_k=3, beam=4,
-                          hash_bits=8)
+    return FreeSoloConfig(variant=variant, window=64, cell=8, block=32, pool=6, recent=3, top_k=3, beam=4, hash_bits=8)
 
 
 def _cuda(x, dtype, grad=False):
@@ -55,10 +54,15 @@ def test_cuda_float64_matches_oracle(variant):
     idx_ref, score_fn = _selection(variant, q, k, cfg)
     idx = select_cells(_cuda(q, torch.float64), _cuda(k, torch.float64), cfg).cpu().numpy()
     assert_selection_matches(idx, idx_ref, q, k, cfg, tol=1e-9, score_fn=score_fn)
-    ref = oracle.combine(oracle.local_attention(q, k, v, cfg), oracle.long_range_readout(q, k, v, idx_ref, cfg),
-                         beta, cfg.eps)
-    out = attention(*(_cuda(x, torch.float64) for x in (q, k, v)), cfg, _cuda(beta, torch.float64),
-                    idx=torch.from_numpy(idx_ref).to(DEV))
+    ref = oracle.combine(
+        oracle.local_attention(q, k, v, cfg), oracle.long_range_readout(q, k, v, idx_ref, cfg), beta, cfg.eps
+    )
+    out = attention(
+        *(_cuda(x, torch.float64) for x in (q, k, v)),
+        cfg,
+        _cuda(beta, torch.float64),
+        idx=torch.from_numpy(idx_ref).to(DEV),
+    )
     assert_close(out.cpu().numpy(), ref, 1e-9, "float64 readout (oracle indices)")
     if np.array_equal(idx, idx_ref):
         out = attention(*(_cuda(x, torch.float64) for x in (q, k, v)), cfg, _cuda(beta, torch.float64))
@@ -78,11 +82,17 @@ def test_cuda_float32_matches_oracle(variant):
     else:  # a node-key near-tie may change a beam; demand agreement on nearly every row
         same = (np.sort(idx, -1) == np.sort(idx_ref, -1)).all(-1).mean()
         assert same >= 0.99, f"only {same:.3f} of FS-B rows agree with the oracle in float32"
-    ref = oracle.combine(oracle.local_attention(q, k, v, cfg), oracle.long_range_readout(q, k, v, idx_ref, cfg),
-                         beta, cfg.eps)
+    ref = oracle.combine(
+        oracle.local_attention(q, k, v, cfg), oracle.long_range_readout(q, k, v, idx_ref, cfg), beta, cfg.eps
+    )
     for path in ("union", "gather"):
-        out = attention(*(_cuda(x, torch.float32) for x in (q, k, v)), cfg, _cuda(beta, torch.float32),
-                        idx=torch.from_numpy(idx_ref).to(DEV), long_path=path)
+        out = attention(
+            *(_cuda(x, torch.float32) for x in (q, k, v)),
+            cfg,
+            _cuda(beta, torch.float32),
+            idx=torch.from_numpy(idx_ref).to(DEV),
+            long_path=path,
+        )
         assert out.dtype == torch.float32 and out.device.type == torch.device(DEV).type
         assert_close(out.cpu().numpy(), ref, 1e-5, f"float32 readout ({path})")
 
@@ -103,7 +113,10 @@ def test_cuda_low_precision_within_2x_naive(variant, dtype):
     out, g = _grads_cuda(lambda a, b, c, d: attention(a, b, c, cfg, d, idx=idx), lo)
     naive_out, naive_g = _grads_cuda(lambda a, b, c, d: dense_reference(a, b, c, idx, cfg, d), lo)
     assert out.dtype == dt
-    err, naive = rms_rel_error(out.double().cpu(), ref_out.cpu()), rms_rel_error(naive_out.double().cpu(), ref_out.cpu())
+    err, naive = (
+        rms_rel_error(out.double().cpu(), ref_out.cpu()),
+        rms_rel_error(naive_out.double().cpu(), ref_out.cpu()),
+    )
     assert err <= 2 * naive, f"output error {err:.2e} > 2x naive {naive:.2e}"
     for name, a, n, r in zip(("dq", "dk", "dv", "dbeta"), g, naive_g, ref_g):
         e = rms_rel_error(a.double().cpu(), r.cpu())
@@ -133,7 +146,9 @@ def test_cuda_gradients_match_dense_float64(variant):
     xs = [_cuda(x, torch.float64, grad=True) for x in (q, k, v, np.array([0.3, -1.0, 1.5, 0.9]))]
     idx = select_cells(xs[0].detach(), xs[1].detach(), cfg)
     for path in ("union", "gather"):
-        out, g = _grads_cuda(lambda a, b, c, d: attention(a, b, c, cfg, d, chunk_tokens=64, long_path=path), xs)
+        out, g = _grads_cuda(
+            lambda a, b, c, d, path=path: attention(a, b, c, cfg, d, chunk_tokens=64, long_path=path), xs
+        )
         ref_out, ref_g = _grads_cuda(lambda a, b, c, d: dense_reference(a, b, c, idx, cfg, d), xs)
         assert_close(out.cpu().numpy(), ref_out.cpu().numpy(), 1e-9, "output")
         for name, a, r in zip(("dq", "dk", "dv", "dbeta"), g, ref_g):
@@ -160,8 +175,9 @@ def _peak_fwd_bwd(T: int, variant: str = "fsl", H: int = 16, D: int = 64) -> flo
     torch.cuda.reset_peak_memory_stats()
     cfg = FreeSoloConfig(variant=variant, tau=(8.0,) * H)
     gen = torch.Generator(device=DEV).manual_seed(0)
-    q, k, v = (torch.randn(1, T, H, D, device=DEV, dtype=torch.bfloat16, generator=gen).requires_grad_(True)
-               for _ in range(3))
+    q, k, v = (
+        torch.randn(1, T, H, D, device=DEV, dtype=torch.bfloat16, generator=gen).requires_grad_(True) for _ in range(3)
+    )
     base = torch.cuda.memory_allocated()
     o = attention(q, k, v, cfg)
     o.float().square().mean().backward()

@@ -11,12 +11,12 @@ import math
 import torch
 
 __all__ = [
-    "compute_dtype",
-    "rope_tables",
-    "rope",
+    "DEFAULT_CHUNK_BYTES",
     "cell_stats",
     "chunk_blocks",
-    "DEFAULT_CHUNK_BYTES",
+    "compute_dtype",
+    "rope",
+    "rope_tables",
 ]
 
 # Memory budget of one query chunk (the transient tensors of one chunk, backward included).
@@ -62,5 +62,7 @@ def chunk_blocks(bytes_per_query: int, block: int, device: torch.device, chunk_t
         if chunk_tokens <= 0:
             raise ValueError(f"chunk_tokens={chunk_tokens} must be positive")
         return max(1, math.ceil(chunk_tokens / block))
-    budget = chunk_bytes if chunk_bytes is not None else DEFAULT_CHUNK_BYTES.get(device.type, DEFAULT_CHUNK_BYTES["cpu"])
+    budget = (
+        chunk_bytes if chunk_bytes is not None else DEFAULT_CHUNK_BYTES.get(device.type, DEFAULT_CHUNK_BYTES["cpu"])
+    )
     return max(1, int(budget // max(1, bytes_per_query)) // block)

@@ -21,7 +21,7 @@ import torch
 
 from ...config import FreeSoloConfig
 
-__all__ = ["FreeSoloReadout", "chunk_forward", "readout_bytes_per_query", "block_unions", "choose_long_path"]
+__all__ = ["FreeSoloReadout", "block_unions", "choose_long_path", "chunk_forward", "readout_bytes_per_query"]
 
 
 def block_unions(idx: torch.Tensor, block: int) -> tuple[torch.Tensor, int]:
@@ -40,7 +40,7 @@ def block_unions(idx: torch.Tensor, block: int) -> tuple[torch.Tensor, int]:
 
 
 def choose_long_path(U: int, cfg: FreeSoloConfig, D: int) -> str:
-    """"union" when its per-query tensors (~5 U*s) are no larger than the gather's (~4 K*s*(D+2))."""
+    """ "union" when its per-query tensors (~5 U*s) are no larger than the gather's (~4 K*s*(D+2))."""
     return "union" if 5 * U <= 4 * cfg.top_k * (D + 2) else "gather"
 
 
@@ -86,8 +86,9 @@ def _masked_softmax_readout(lg, mask, values_eq, values):
     return torch.einsum(values_eq, e, values), den
 
 
-def chunk_forward(qr, q, kr_span, v_span, k_long, v_long, long_mask, beta, j0: int, pad_front: int,
-                  cfg: FreeSoloConfig, path: str):
+def chunk_forward(
+    qr, q, kr_span, v_span, k_long, v_long, long_mask, beta, j0: int, pad_front: int, cfg: FreeSoloConfig, path: str
+):
     """One chunk of the readout; differentiable in qr, q, kr_span, v_span, k_long, v_long, beta.
 
     Args:
@@ -101,7 +102,7 @@ def chunk_forward(qr, q, kr_span, v_span, k_long, v_long, long_mask, beta, j0: i
         o [B, Hkv, G, L, D] in the compute dtype.
     """
     B, Hkv, G, L, D = q.shape
-    Bq, w = cfg.block, cfg.window
+    Bq = cfg.block
     nb = -(-L // Bq)
     scale = D**-0.5
     pad_q = nb * Bq - L
@@ -184,9 +185,13 @@ class _Chunk:
     def leaves(self, qr, kr, q, k, v, beta):
         """The chunk's slices of every differentiable input, in chunk_forward's order."""
         return (
-            qr[:, :, :, self.i0 : self.i1], q[:, :, :, self.i0 : self.i1],
-            kr[:, :, self.lo : self.hi], v[:, :, self.lo : self.hi],
-            self.gather(k), self.gather(v), beta,
+            qr[:, :, :, self.i0 : self.i1],
+            q[:, :, :, self.i0 : self.i1],
+            kr[:, :, self.lo : self.hi],
+            v[:, :, self.lo : self.hi],
+            self.gather(k),
+            self.gather(v),
+            beta,
         )
 
 

@@ -8,8 +8,6 @@ memory budget (`DEFAULT_CHUNK_BYTES`: 2 GiB on CUDA, 64 MiB on CPU) or `chunk_to
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from ...config import FreeSoloConfig
@@ -33,7 +31,7 @@ def _per_head(cfg: FreeSoloConfig, name: str, Hq: int, Hkv: int, like: torch.Ten
     return torch.as_tensor(cfg.per_head(name, Hq), dtype=like.dtype, device=like.device).view(Hkv, Hq // Hkv)
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor], beta) -> None:
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, beta) -> None:
     for name, x in (("q", q), ("k", k), ("v", v), ("beta", beta)):
         if x is None:
             continue
@@ -52,8 +50,9 @@ def _select(q4, k4, cfg: FreeSoloConfig, chunk_tokens, chunk_bytes) -> torch.Ten
     if cfg.variant == "fsb":
         from .fsb import fsb_bytes_per_query, fsb_select
 
-        nbc = chunk_blocks(fsb_bytes_per_query(B, Hq, D, cfg, q4.element_size()), cfg.block, q4.device,
-                           chunk_tokens, chunk_bytes)
+        nbc = chunk_blocks(
+            fsb_bytes_per_query(B, Hq, D, cfg, q4.element_size()), cfg.block, q4.device, chunk_tokens, chunk_bytes
+        )
         return fsb_select(q4, k4, cfg, _per_head(cfg, "sigma", Hq, Hkv, q4), _per_head(cfg, "lam", Hq, Hkv, q4), nbc)
     n_cand = cfg.pool + cfg.recent if cfg.variant == "fsl" else max(1, T // cfg.cell)
     per_query = B * Hq * q4.element_size() * (6 * n_cand + 2 * D)
@@ -70,7 +69,7 @@ def select_cells(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig, chunk_to
         chunk_tokens / chunk_bytes: query chunk size, or its memory budget (default by device).
     """
     _check(q, k, None, None)
-    B, T, Hq, D = q.shape
+    B, T, Hq, _ = q.shape
     Hkv = k.shape[2]
     cdt = compute_dtype(q.dtype)
     with torch.no_grad():
@@ -79,8 +78,14 @@ def select_cells(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig, chunk_to
 
 
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: FreeSoloConfig, beta: Optional[torch.Tensor] = None,
-    idx: Optional[torch.Tensor] = None, chunk_tokens: Optional[int] = None, chunk_bytes: Optional[int] = None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cfg: FreeSoloConfig,
+    beta: torch.Tensor | None = None,
+    idx: torch.Tensor | None = None,
+    chunk_tokens: int | None = None,
+    chunk_bytes: int | None = None,
     long_path: str = "auto",
 ) -> torch.Tensor:
     """FreeSolo attention with autograd to q, k, v, beta (spec §7, §8).
@@ -107,7 +112,9 @@ def attention(
     else:
         if tuple(idx.shape) != (B, T, Hq, cfg.top_k):
             raise ValueError(f"idx shape {tuple(idx.shape)} must be [B={B}, T={T}, Hq={Hq}, K={cfg.top_k}]")
-        idx4 = idx.to(device=q.device, dtype=torch.int64).permute(0, 2, 1, 3).reshape(B, Hkv, G, T, cfg.top_k)
+        if idx.device != q.device:
+            raise ValueError(f"idx is on {idx.device} but q is on {q.device}: move it (the backend never moves data)")
+        idx4 = idx.to(torch.int64).permute(0, 2, 1, 3).reshape(B, Hkv, G, T, cfg.top_k)
     b = torch.ones(Hq, dtype=cdt, device=q.device) if beta is None else beta.to(cdt)
     cos, sin = rope_tables(T, D, cfg.rope_theta, q.device, cdt)
     qr, kr = rope(q4, cos, sin), rope(k4, cos, sin)
@@ -133,7 +140,7 @@ class TorchBackend(Backend):
     name = "torch"
     array_kind = "torch"
 
-    def __init__(self, chunk_tokens: Optional[int] = None, chunk_bytes: Optional[int] = None):
+    def __init__(self, chunk_tokens: int | None = None, chunk_bytes: int | None = None):
         self.chunk_tokens, self.chunk_bytes = chunk_tokens, chunk_bytes
 
     def unsupported_reasons(self, info, cfg: FreeSoloConfig) -> list[str]:

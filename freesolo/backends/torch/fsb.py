@@ -25,7 +25,7 @@ from ...reference.forest import QUANT_SCALE, hyperplanes
 from ._ops import cell_stats
 from .selection import topk_cells
 
-__all__ = ["content_codes", "NodeTable", "build_node_table", "fsb_select", "fsb_bytes_per_query"]
+__all__ = ["NodeTable", "build_node_table", "content_codes", "fsb_bytes_per_query", "fsb_select"]
 
 
 def fsb_bytes_per_query(B: int, Hq: int, D: int, cfg: FreeSoloConfig, itemsize: int) -> int:
@@ -98,9 +98,9 @@ def build_node_table(kbar, a, cells, codes, M: int, cfg: FreeSoloConfig, outward
             lv["A"].append(aa.reshape(B, Hkv, nseg, size // g, g).amax(dim=-1))
             lv["e"].append(cc.reshape(B, Hkv, nseg, size // g, g).amin(dim=-1) * cfg.cell)
             lv["cell"].append(cc.reshape(B, Hkv, nseg, size) if l == 0 else torch.full_like(lv["e"][-1], -1))
-        for key in parts:  # (B, Hkv, nseg, 2^(h+1) - 1[, D]) -> flat
+        for key, chunks in parts.items():  # (B, Hkv, nseg, 2^(h+1) - 1[, D]) -> flat
             t = torch.cat(lv[key], dim=3)
-            parts[key].append(t.reshape(B, Hkv, nseg * (2 * size - 1), *t.shape[4:]))
+            chunks.append(t.reshape(B, Hkv, nseg * (2 * size - 1), *t.shape[4:]))
         base.append(base[-1] + nseg * (2 * size - 1))
     if H < 0:
         z = kbar.new_zeros(B, Hkv, 0)
@@ -156,7 +156,11 @@ def _beam_search(table: NodeTable, n, q, qnorm, pos, sigma, lam, cfg: FreeSoloCo
         flat = torch.where(c_ok, c_tb + _level_offset(c_th, l) + c_ix, torch.zeros_like(c_tb))
         mu = table.mu[bi, hi, flat]  # (B, Hkv, G, nb, Bq, 2F+1, D)
         dot = torch.einsum("bhgnqd,bhgnqcd->bhgnqc", q, mu)
-        prior = lm * table.A[bi, hi, flat] * torch.erf(sig * (pos[..., None] - table.e[bi, hi, flat].to(q.dtype)) / (2.0 * cfg.cell))
+        prior = (
+            lm
+            * table.A[bi, hi, flat]
+            * torch.erf(sig * (pos[..., None] - table.e[bi, hi, flat].to(q.dtype)) / (2.0 * cfg.cell))
+        )
         key = scale * (dot + cfg.radius_weight * qnorm[..., None] * table.rad[bi, hi, flat]) + prior
         key = key.masked_fill(~c_ok, float("-inf"))
         gidx = torch.where(c_ok, (c_ts >> l) + c_ix, torch.full_like(c_ix, big))
@@ -199,8 +203,13 @@ def fsb_select(q, k, cfg: FreeSoloConfig, sigma, lam, nblocks_per_chunk: int) ->
     Mh = int(n_high.max()) if C else 0
     hc = order[:, :, :Mh]  # (B, Hkv, Mh) high cells (rows with fewer: padding never read)
     t_high = build_node_table(
-        torch.gather(kbar, 2, hc[..., None].expand(B, Hkv, Mh, D)), torch.gather(a, 2, hc), hc,
-        torch.gather(codes, 2, hc), Mh, cfg, outward,
+        torch.gather(kbar, 2, hc[..., None].expand(B, Hkv, Mh, D)),
+        torch.gather(a, 2, hc),
+        hc,
+        torch.gather(codes, 2, hc),
+        Mh,
+        cfg,
+        outward,
     )
     high_prefix = torch.cat([torch.zeros(B, Hkv, 1, dtype=torch.int64, device=dev), torch.cumsum(high, -1)], -1)
     scale = D**-0.5
@@ -222,10 +231,13 @@ def fsb_select(q, k, cfg: FreeSoloConfig, sigma, lam, nblocks_per_chunk: int) ->
         qc = qc.reshape(B, Hkv, G, nb, Bq, D)
         qn = torch.linalg.vector_norm(qc, dim=-1)
         pos = torch.arange(i0, i0 + nb * Bq, device=dev, dtype=q.dtype).view(nb, Bq)
-        found = torch.cat([
-            _beam_search(t_all, n_all, qc, qn, pos, sigma, lam, cfg),
-            _beam_search(t_high, n_hi, qc, qn, pos, sigma, lam, cfg),
-        ], dim=-1)  # (B, Hkv, G, nb, Bq, 2*beam)
+        found = torch.cat(
+            [
+                _beam_search(t_all, n_all, qc, qn, pos, sigma, lam, cfg),
+                _beam_search(t_high, n_hi, qc, qn, pos, sigma, lam, cfg),
+            ],
+            dim=-1,
+        )  # (B, Hkv, G, nb, Bq, 2*beam)
         found = torch.sort(found, dim=-1, descending=True).values  # larger c first, -1 last
         dup = torch.zeros_like(found, dtype=torch.bool)
         dup[..., 1:] = found[..., 1:] == found[..., :-1]

@@ -18,7 +18,7 @@ import torch
 from ...config import FreeSoloConfig
 from ._ops import cell_stats
 
-__all__ = ["rank_by_norm", "fs_fsl_select", "topk_cells"]
+__all__ = ["fs_fsl_select", "rank_by_norm", "topk_cells"]
 
 
 def rank_by_norm(a: torch.Tensor) -> torch.Tensor:
