@@ -162,6 +162,22 @@ def test_fsb_selection_exhaustive_beam_equals_top_rho():
         assert list(got[0, i, 1][: len(expect)]) == expect
 
 
+def test_fsb_beam_and_rerank_chunks_change_nothing():
+    """FS-B searches chunks of blocks and reranks sub-chunks of them: any split gives the oracle's selection."""
+    from freesolo.backends.torch.fsb import fsb_select
+    from freesolo.reference.fsb import select_cells_fsb
+
+    q, k, _ = random_qkv(1, 1, 200, 2, 1, 8)
+    cfg = _with_tau(FreeSoloConfig(variant="fsb", window=16, cell=4, block=8, beam=3, top_k=3, hash_bits=6), k)
+    ref = select_cells_fsb(q, k, cfg)
+    q4 = _t(q).permute(0, 2, 1, 3).reshape(1, 1, 2, 200, 8)  # (B, Hkv, G, T, D)
+    k4 = _t(k).permute(0, 2, 1, 3)  # (B, Hkv, T, D)
+    sigma, lam = torch.full((1, 2), 4.0, dtype=torch.float64), torch.ones(1, 2, dtype=torch.float64)
+    for beam_blocks, rerank_blocks in [(25, 1), (25, 3), (4, 4), (7, 2)]:
+        got = fsb_select(q4, k4, cfg, sigma, lam, beam_blocks, rerank_blocks)
+        np.testing.assert_array_equal(got.reshape(1, 2, 200, 3).permute(0, 2, 1, 3).numpy(), ref)
+
+
 def test_tie_breaks_are_exact():
     """Equal scores / norms: the larger cell wins (spec §5, §7), independent of sort internals."""
     cfg = FreeSoloConfig(variant="fsl", window=8, cell=2, block=4, pool=2, recent=1, top_k=2, lam=1.0)

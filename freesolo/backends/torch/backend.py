@@ -50,10 +50,11 @@ def _select(q4, k4, cfg: FreeSoloConfig, chunk_tokens, chunk_bytes) -> torch.Ten
     if cfg.variant == "fsb":
         from .fsb import fsb_bytes_per_query, fsb_select
 
-        nbc = chunk_blocks(
-            fsb_bytes_per_query(B, Hq, D, cfg, q4.element_size()), cfg.block, q4.device, chunk_tokens, chunk_bytes
-        )
-        return fsb_select(q4, k4, cfg, _per_head(cfg, "sigma", Hq, Hkv, q4), _per_head(cfg, "lam", Hq, Hkv, q4), nbc)
+        beam_bytes, rerank_bytes = fsb_bytes_per_query(B, Hq, D, cfg, q4.element_size())
+        nbc = chunk_blocks(beam_bytes, cfg.block, q4.device, chunk_tokens, chunk_bytes)
+        nbr = min(nbc, chunk_blocks(rerank_bytes, cfg.block, q4.device, chunk_tokens, chunk_bytes))
+        sigma, lam = _per_head(cfg, "sigma", Hq, Hkv, q4), _per_head(cfg, "lam", Hq, Hkv, q4)
+        return fsb_select(q4, k4, cfg, sigma, lam, nbc, nbr)
     n_cand = cfg.pool + cfg.recent if cfg.variant == "fsl" else max(1, T // cfg.cell)
     per_query = B * Hq * q4.element_size() * (6 * n_cand + 2 * D)
     nbc = chunk_blocks(per_query, cfg.block, q4.device, chunk_tokens, chunk_bytes)

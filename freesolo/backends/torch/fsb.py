@@ -28,11 +28,11 @@ from .selection import topk_cells
 __all__ = ["NodeTable", "build_node_table", "content_codes", "fsb_bytes_per_query", "fsb_select"]
 
 
-def fsb_bytes_per_query(B: int, Hq: int, D: int, cfg: FreeSoloConfig, itemsize: int) -> int:
-    """Transient bytes per query position of one FS-B selection chunk."""
-    rerank = 2 * cfg.beam * cfg.cell * (D + 2)
-    beam = 6 * (2 * cfg.beam + 1) * (D + 4)
-    return B * Hq * itemsize * (rerank + beam)
+def fsb_bytes_per_query(B: int, Hq: int, D: int, cfg: FreeSoloConfig, itemsize: int) -> tuple[int, int]:
+    """Transient bytes per query position of (the beam search, the rerank) of FS-B selection."""
+    beam = 6 * (2 * cfg.beam + 1) * (D + 8)  # keys, node statistics, integer node ids
+    rerank = 2 * cfg.beam * cfg.cell * (D + 2)  # gathered tokens of the <= 2*beam cells, logits
+    return B * Hq * itemsize * beam, B * Hq * itemsize * rerank
 
 
 def content_codes(kbar64: torch.Tensor, planes: torch.Tensor) -> torch.Tensor:
@@ -176,12 +176,13 @@ def _beam_search(table: NodeTable, n, q, qnorm, pos, sigma, lam, cfg: FreeSoloCo
 
 
 @torch.no_grad()
-def fsb_select(q, k, cfg: FreeSoloConfig, sigma, lam, nblocks_per_chunk: int) -> torch.Tensor:
+def fsb_select(q, k, cfg: FreeSoloConfig, sigma, lam, nblocks_per_chunk: int, rerank_blocks: int) -> torch.Tensor:
     """FS-B selection.
 
     Args:
         q: [B, Hkv, G, T, D] unrotated queries (compute dtype); k: [B, Hkv, T, D] unrotated keys.
-        sigma, lam: [Hkv, G]. nblocks_per_chunk: query blocks searched together.
+        sigma, lam: [Hkv, G]. nblocks_per_chunk: query blocks searched together;
+        rerank_blocks: query blocks reranked together (the rerank gathers 2*beam*s tokens per query).
     Returns:
         idx int64 [B, Hkv, G, T, top_k], by descending rho (ties larger c), -1 padded.
     """
@@ -243,10 +244,14 @@ def fsb_select(q, k, cfg: FreeSoloConfig, sigma, lam, nblocks_per_chunk: int) ->
         dup[..., 1:] = found[..., 1:] == found[..., :-1]
         ok = (found >= 0) & ~dup
         cells = torch.where(ok, found, torch.full_like(found, -1))
-        tok = (cells.clamp(min=0)[..., None] * s + torch.arange(s, device=dev)).clamp(max=T - 1)  # (..., 2*beam, s)
-        kt = k[bi[..., None], hi[..., None], tok]  # (B, Hkv, G, nb, Bq, 2*beam, s, D)
-        logits = torch.einsum("bhgnqd,bhgnqcsd->bhgnqcs", qc, kt) * scale
-        rho = torch.logsumexp(logits, dim=-1).masked_fill(~ok, float("-inf"))
-        sel = topk_cells(rho, cells, K)  # (B, Hkv, G, nb, Bq, K)
+        sel = torch.empty(B, Hkv, G, nb, Bq, K, dtype=torch.int64, device=dev)
+        for r0 in range(0, nb, rerank_blocks):  # rerank in sub-chunks: it gathers 2*beam*s tokens per query
+            r1 = min(nb, r0 + rerank_blocks)
+            cr = cells[:, :, :, r0:r1]  # (B, Hkv, G, nr, Bq, 2*beam)
+            tok = (cr.clamp(min=0)[..., None] * s + torch.arange(s, device=dev)).clamp(max=T - 1)  # (..., 2*beam, s)
+            kt = k[bi[..., None], hi[..., None], tok]  # (B, Hkv, G, nr, Bq, 2*beam, s, D)
+            logits = torch.einsum("bhgnqd,bhgnqcsd->bhgnqcs", qc[:, :, :, r0:r1], kt) * scale
+            rho = torch.logsumexp(logits, dim=-1).masked_fill(cr < 0, float("-inf"))
+            sel[:, :, :, r0:r1] = topk_cells(rho, cr, K)  # (B, Hkv, G, nr, Bq, K)
         idx[:, :, :, i0:i1] = sel.reshape(B, Hkv, G, nb * Bq, K)[:, :, :, : i1 - i0]
     return idx
