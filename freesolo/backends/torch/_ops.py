@@ -17,6 +17,7 @@ __all__ = [
     "compute_dtype",
     "rope",
     "rope_tables",
+    "take_rows",
 ]
 
 # Memory budget of one query chunk (the transient tensors of one chunk, backward included).
@@ -52,6 +53,16 @@ def cell_stats(k: torch.Tensor, cell: int) -> tuple[torch.Tensor, torch.Tensor]:
     kbar = cells.mean(dim=-2)  # (B, Hkv, C, D)
     a = torch.sqrt((cells * cells).sum(dim=-1)).amax(dim=-1) if C > 0 else kbar.new_zeros(B, Hkv, 0)  # (B, Hkv, C)
     return kbar, a
+
+
+def take_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Per (b, h) row gather: x [B, H, N, *rest], idx int64 [B, H, *shape] in [0, N)
+    -> [B, H, *shape, *rest] (one flat index_select: faster than multi-tensor indexing)."""
+    B, H, N = x.shape[:3]
+    rest = x.shape[3:]
+    base = (torch.arange(B * H, device=idx.device) * N).view(B, H, *([1] * (idx.dim() - 2)))
+    rows = (idx + base).reshape(-1)
+    return x.reshape(B * H * N, *rest).index_select(0, rows).view(*idx.shape, *rest)
 
 
 def chunk_blocks(bytes_per_query: int, block: int, device: torch.device, chunk_tokens=None, chunk_bytes=None) -> int:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from ...config import FreeSoloConfig
+from ._ops import take_rows
 
 __all__ = ["FreeSoloReadout", "block_unions", "choose_long_path", "chunk_forward", "readout_bytes_per_query"]
 
@@ -174,7 +175,7 @@ class _Chunk:
 
     def gather(self, x):
         """x [B, Hkv, T, D] -> the long branch's tokens (union or per-query layout)."""
-        return x[self.bi, self.hi_, self.tok]
+        return take_rows(x, self.tok)
 
     def scatter_add(self, dst, src):
         """dst [B, Hkv, T, D] (contiguous) += src (layout of `gather`) at the same tokens."""

@@ -22,7 +22,7 @@ import torch
 
 from ...config import FreeSoloConfig
 from ...reference.forest import QUANT_SCALE, hyperplanes
-from ._ops import cell_stats
+from ._ops import cell_stats, take_rows
 from .selection import topk_cells
 
 __all__ = ["NodeTable", "build_node_table", "content_codes", "fsb_bytes_per_query", "fsb_select"]
@@ -130,8 +130,6 @@ def _beam_search(table: NodeTable, n, q, qnorm, pos, sigma, lam, cfg: FreeSoloCo
     z = torch.zeros(shape, dtype=torch.int64, device=dev)
     tb, th, ts, ix = z, z, z, z  # tree base, tree height, tree start, index in level
     valid = torch.zeros(shape, dtype=torch.bool, device=dev)
-    bi = torch.arange(B, device=dev).view(B, 1, 1, 1, 1, 1)
-    hi = torch.arange(Hkv, device=dev).view(1, Hkv, 1, 1, 1, 1)
     sig = sigma.view(1, Hkv, G, 1, 1, 1)
     lm = lam.view(1, Hkv, G, 1, 1, 1)
     nq = n[:, :, None, :, None, None].expand(B, Hkv, G, nb, Bq, 1)  # (B, Hkv, G, nb, Bq, 1)
@@ -154,14 +152,14 @@ def _beam_search(table: NodeTable, n, q, qnorm, pos, sigma, lam, cfg: FreeSoloCo
         c_ix = torch.cat([c_ix, torch.zeros_like(r_ts)], dim=-1)
         c_ok = torch.cat([c_ok, has_root], dim=-1)  # (..., 2F+1)
         flat = torch.where(c_ok, c_tb + _level_offset(c_th, l) + c_ix, torch.zeros_like(c_tb))
-        mu = table.mu[bi, hi, flat]  # (B, Hkv, G, nb, Bq, 2F+1, D)
+        mu = take_rows(table.mu, flat)  # (B, Hkv, G, nb, Bq, 2F+1, D)
         dot = torch.einsum("bhgnqd,bhgnqcd->bhgnqc", q, mu)
         prior = (
             lm
-            * table.A[bi, hi, flat]
-            * torch.erf(sig * (pos[..., None] - table.e[bi, hi, flat].to(q.dtype)) / (2.0 * cfg.cell))
+            * take_rows(table.A, flat)
+            * torch.erf(sig * (pos[..., None] - take_rows(table.e, flat).to(q.dtype)) / (2.0 * cfg.cell))
         )
-        key = scale * (dot + cfg.radius_weight * qnorm[..., None] * table.rad[bi, hi, flat]) + prior
+        key = scale * (dot + cfg.radius_weight * qnorm[..., None] * take_rows(table.rad, flat)) + prior
         key = key.masked_fill(~c_ok, float("-inf"))
         gidx = torch.where(c_ok, (c_ts >> l) + c_ix, torch.full_like(c_ix, big))
         o1 = torch.sort(gidx, dim=-1).indices  # by (segment start, index in level)
@@ -171,7 +169,7 @@ def _beam_search(table: NodeTable, n, q, qnorm, pos, sigma, lam, cfg: FreeSoloCo
         tb, th, ts, ix = (torch.gather(x, -1, order) for x in (c_tb, c_th, c_ts, c_ix))
         valid = torch.gather(c_ok, -1, order)
     flat = torch.where(valid, tb + _level_offset(th, 0) + ix, torch.zeros_like(tb))
-    cells = table.cell[bi, hi, flat]
+    cells = take_rows(table.cell, flat)
     return torch.where(valid, cells, torch.full_like(cells, -1))
 
 
@@ -216,8 +214,6 @@ def fsb_select(q, k, cfg: FreeSoloConfig, sigma, lam, nblocks_per_chunk: int, re
     scale = D**-0.5
     idx = torch.full((B, Hkv, G, T, K), -1, dtype=torch.int64, device=dev)
     nblocks = -(-T // Bq)
-    bi = torch.arange(B, device=dev).view(B, 1, 1, 1, 1, 1)
-    hi = torch.arange(Hkv, device=dev).view(1, Hkv, 1, 1, 1, 1)
     for j0 in range(0, nblocks, nblocks_per_chunk):
         j1 = min(nblocks, j0 + nblocks_per_chunk)
         nb = j1 - j0
@@ -249,7 +245,7 @@ def fsb_select(q, k, cfg: FreeSoloConfig, sigma, lam, nblocks_per_chunk: int, re
             r1 = min(nb, r0 + rerank_blocks)
             cr = cells[:, :, :, r0:r1]  # (B, Hkv, G, nr, Bq, 2*beam)
             tok = (cr.clamp(min=0)[..., None] * s + torch.arange(s, device=dev)).clamp(max=T - 1)  # (..., 2*beam, s)
-            kt = k[bi[..., None], hi[..., None], tok]  # (B, Hkv, G, nr, Bq, 2*beam, s, D)
+            kt = take_rows(k, tok)  # (B, Hkv, G, nr, Bq, 2*beam, s, D)
             logits = torch.einsum("bhgnqd,bhgnqcsd->bhgnqcs", qc[:, :, :, r0:r1], kt) * scale
             rho = torch.logsumexp(logits, dim=-1).masked_fill(cr < 0, float("-inf"))
             sel[:, :, :, r0:r1] = topk_cells(rho, cr, K)  # (B, Hkv, G, nr, Bq, K)

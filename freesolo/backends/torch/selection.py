@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ...config import FreeSoloConfig
-from ._ops import cell_stats
+from ._ops import cell_stats, take_rows
 
 __all__ = ["fs_fsl_select", "rank_by_norm", "topk_cells"]
 
@@ -117,9 +117,7 @@ def fs_fsl_select(q, k, cfg: FreeSoloConfig, sigma, lam, nblocks_per_chunk: int)
             if n_last == 0:
                 continue
             cc = cand.clamp(min=0)
-            bi = torch.arange(B, device=dev)[:, None, None, None]
-            hi = torch.arange(Hkv, device=dev)[None, :, None, None]
-            kb = kbar[bi, hi, cc]  # (B, Hkv, nb, N, D)
+            kb = take_rows(kbar, cc)  # (B, Hkv, nb, N, D)
             ac = torch.gather(a[:, :, None, :].expand(-1, -1, nb, -1), -1, cc)  # (B, Hkv, nb, N)
             valid = (cand >= 0)[:, :, None, :, None, :]  # (B, Hkv, 1, nb, 1, N)
             cand_b = cand[:, :, None, :, None, :]
