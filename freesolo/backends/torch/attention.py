@@ -10,8 +10,10 @@ Per chunk of `nb` query blocks (queries [i0, i1)):
   "gather": the tokens of each query's own cells, [B, Hkv, G, L, K*s, D] (no sharing);
   "auto" picks union when U is small enough that it moves less memory (FS-L always);
 - o = o_loc + beta * rmsnorm(o_long).
-Forward keeps only the inputs; backward recomputes one chunk at a time under autograd and
-scatters the chunk's gradients into full-size buffers, so peak memory is O(T) plus one chunk.
+RoPE is applied per chunk (to the chunk's queries and key span), inputs stay in their own dtype
+and each chunk is cast to the compute dtype on entry. Forward keeps only the inputs; backward
+recomputes one chunk at a time under autograd and scatters the chunk's gradients into full-size
+buffers (dk, dv accumulate in the compute dtype), so peak memory is O(T) plus one chunk.
 Selection indices are constants (no gradient).
 """
 
@@ -20,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from ...config import FreeSoloConfig
-from ._ops import take_rows
+from ._ops import rope, take_rows
 
 __all__ = ["FreeSoloReadout", "block_unions", "choose_long_path", "chunk_forward", "readout_bytes_per_query"]
 
@@ -88,14 +90,27 @@ def _masked_softmax_readout(lg, mask, values_eq, values):
 
 
 def chunk_forward(
-    qr, q, kr_span, v_span, k_long, v_long, long_mask, beta, j0: int, pad_front: int, cfg: FreeSoloConfig, path: str
+    q,
+    k_span,
+    v_span,
+    k_long,
+    v_long,
+    long_mask,
+    beta,
+    rope_q,
+    rope_k,
+    j0: int,
+    pad_front: int,
+    cfg: FreeSoloConfig,
+    path: str,
 ):
-    """One chunk of the readout; differentiable in qr, q, kr_span, v_span, k_long, v_long, beta.
+    """One chunk of the readout; differentiable in q, k_span, v_span, k_long, v_long, beta.
 
     Args:
-        qr, q: [B, Hkv, G, L, D] rotated / unrotated queries of positions [j0*Bq, j0*Bq + L).
-        kr_span, v_span: [B, Hkv, S, D] rotated keys / values of tokens [max(0, (j0-nwin+1)*Bq), ...),
+        q: [B, Hkv, G, L, D] unrotated queries of positions [j0*Bq, j0*Bq + L) (any float dtype).
+        k_span, v_span: [B, Hkv, S, D] unrotated keys / values of tokens [max(0, (j0-nwin+1)*Bq), ...),
             S <= L + (nwin-1)*Bq (missing tokens are padded with zeros and masked out).
+        rope_q, rope_k: (cos, sin) [L, D/2] / [S, D/2] of those positions, in the compute dtype.
         k_long, v_long: "gather": [B, Hkv, G, L, K*s, D]; "union": [B, Hkv, nb, U*s, D] (unrotated).
         long_mask: "gather": [B, Hkv, G, L, K*s]; "union": [B, Hkv, G, nb, Bq, U] bool (per cell).
         beta: [Hkv, G]. pad_front: zero keys before kr_span (the window starts before token 0).
@@ -103,6 +118,9 @@ def chunk_forward(
         o [B, Hkv, G, L, D] in the compute dtype.
     """
     B, Hkv, G, L, D = q.shape
+    cdt = rope_q[0].dtype
+    q, k_span, v_span, k_long, v_long = (x.to(cdt) for x in (q, k_span, v_span, k_long, v_long))
+    qr, kr_span = rope(q, *rope_q), rope(k_span, *rope_k)
     Bq = cfg.block
     nb = -(-L // Bq)
     scale = D**-0.5
@@ -173,6 +191,14 @@ class _Chunk:
             self.bi = torch.arange(B, device=dev).view(B, 1, 1, 1, 1)
             self.hi_ = torch.arange(Hkv, device=dev).view(1, Hkv, 1, 1, 1)
 
+    def rope_q(self, cos, sin):
+        """cos / sin of the chunk's query positions [L, D/2]."""
+        return cos[self.i0 : self.i1], sin[self.i0 : self.i1]
+
+    def rope_k(self, cos, sin):
+        """cos / sin of the chunk's key span [S, D/2]."""
+        return cos[self.lo : self.hi], sin[self.lo : self.hi]
+
     def gather(self, x):
         """x [B, Hkv, T, D] -> the long branch's tokens (union or per-query layout)."""
         return take_rows(x, self.tok)
@@ -183,12 +209,11 @@ class _Chunk:
         rows = ((self.bi * Hkv + self.hi_) * T + self.tok).reshape(-1)  # flat (b, h, t) row of each token
         dst.view(B * Hkv * T, D).index_add_(0, rows, src.reshape(-1, D))
 
-    def leaves(self, qr, kr, q, k, v, beta):
+    def leaves(self, q, k, v, beta):
         """The chunk's slices of every differentiable input, in chunk_forward's order."""
         return (
-            qr[:, :, :, self.i0 : self.i1],
             q[:, :, :, self.i0 : self.i1],
-            kr[:, :, self.lo : self.hi],
+            k[:, :, self.lo : self.hi],
             v[:, :, self.lo : self.hi],
             self.gather(k),
             self.gather(v),
@@ -197,49 +222,53 @@ class _Chunk:
 
 
 class FreeSoloReadout(torch.autograd.Function):
-    """o = local(qr, kr, v) + beta * rmsnorm(long(q, k, v; idx)), chunked, recomputed in backward.
+    """o = local(rope(q), rope(k), v) + beta * rmsnorm(long(q, k, v; idx)), chunked, recomputed in backward.
 
-    forward(qr, kr, q, k, v, beta, idx, unions, cfg, nblocks_per_chunk, path):
-        qr, q: [B, Hkv, G, T, D] rotated / unrotated queries (compute dtype);
-        kr, k, v: [B, Hkv, T, D] rotated keys, keys, values; beta [Hkv, G];
+    forward(q, k, v, beta, idx, unions, cos, sin, cfg, nblocks_per_chunk, path):
+        q: [B, Hkv, G, T, D] unrotated queries; k, v: [B, Hkv, T, D] (the inputs' dtype);
+        beta [Hkv, G] and cos / sin [T, D/2] in the compute dtype;
         idx: int64 [B, Hkv, G, T, K] selected cells (-1 padded); unions: block_unions(idx)[0]
-        (only read when path == "union"). Returns o [B, Hkv, G, T, D].
+        (only read when path == "union"). Returns o [B, Hkv, G, T, D] in q's dtype.
     """
 
     @staticmethod
-    def forward(ctx, qr, kr, q, k, v, beta, idx, unions, cfg, nblocks_per_chunk, path):
+    def forward(ctx, q, k, v, beta, idx, unions, cos, sin, cfg, nblocks_per_chunk, path):
         B, Hkv, G, T, D = q.shape
         nblocks = -(-T // cfg.block)
         out = q.new_empty(B, Hkv, G, T, D)
         with torch.no_grad():
             for j0 in range(0, nblocks, nblocks_per_chunk):
                 c = _Chunk(j0, min(nblocks, j0 + nblocks_per_chunk), T, cfg, idx, unions, path)
-                x = c.leaves(qr, kr, q, k, v, beta)
-                out[:, :, :, c.i0 : c.i1] = chunk_forward(*x[:6], c.mask, x[6], j0, c.pad_front, cfg, path)
-        ctx.save_for_backward(qr, kr, q, k, v, beta, idx, unions)
+                x = c.leaves(q, k, v, beta)
+                out[:, :, :, c.i0 : c.i1] = chunk_forward(
+                    *x[:5], c.mask, x[5], c.rope_q(cos, sin), c.rope_k(cos, sin), j0, c.pad_front, cfg, path
+                )
+        ctx.save_for_backward(q, k, v, beta, idx, unions, cos, sin)
         ctx.cfg, ctx.nblocks_per_chunk, ctx.path = cfg, nblocks_per_chunk, path
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        qr, kr, q, k, v, beta, idx, unions = ctx.saved_tensors
+        q, k, v, beta, idx, unions, cos, sin = ctx.saved_tensors
         cfg, path = ctx.cfg, ctx.path
+        cdt = cos.dtype
         T = q.shape[3]
         nblocks = -(-T // cfg.block)
-        dqr, dq = torch.zeros_like(qr), torch.zeros_like(q)
-        dkr, dk, dv = torch.zeros_like(kr), torch.zeros_like(k), torch.zeros_like(v)
+        dq = torch.empty_like(q)  # every query belongs to exactly one chunk
+        dk, dv = torch.zeros_like(k, dtype=cdt), torch.zeros_like(v, dtype=cdt)  # accumulated over chunks
         dbeta = torch.zeros_like(beta)
         for j0 in range(0, nblocks, ctx.nblocks_per_chunk):
             c = _Chunk(j0, min(nblocks, j0 + ctx.nblocks_per_chunk), T, cfg, idx, unions, path)
-            x = [t.detach().requires_grad_(True) for t in c.leaves(qr, kr, q, k, v, beta)]
+            x = [t.detach().to(cdt).requires_grad_(True) for t in c.leaves(q, k, v, beta)]
             with torch.enable_grad():
-                o = chunk_forward(*x[:6], c.mask, x[6], j0, c.pad_front, cfg, path)
-                g = torch.autograd.grad(o, x, dout[:, :, :, c.i0 : c.i1])
-            dqr[:, :, :, c.i0 : c.i1] += g[0]
-            dq[:, :, :, c.i0 : c.i1] += g[1]
-            dkr[:, :, c.lo : c.hi] += g[2]
-            dv[:, :, c.lo : c.hi] += g[3]
-            c.scatter_add(dk, g[4])
-            c.scatter_add(dv, g[5])
-            dbeta += g[6]
-        return dqr, dkr, dq, dk, dv, dbeta, None, None, None, None, None
+                o = chunk_forward(
+                    *x[:5], c.mask, x[5], c.rope_q(cos, sin), c.rope_k(cos, sin), j0, c.pad_front, cfg, path
+                )
+                g = torch.autograd.grad(o, x, dout[:, :, :, c.i0 : c.i1].to(cdt))
+            dq[:, :, :, c.i0 : c.i1] = g[0]
+            dk[:, :, c.lo : c.hi] += g[1]
+            dv[:, :, c.lo : c.hi] += g[2]
+            c.scatter_add(dk, g[3])
+            c.scatter_add(dv, g[4])
+            dbeta += g[5]
+        return dq, dk.to(k.dtype), dv.to(v.dtype), dbeta, None, None, None, None, None, None, None

@@ -12,7 +12,7 @@ import torch
 
 from ...config import FreeSoloConfig
 from ..base import Backend
-from ._ops import chunk_blocks, compute_dtype, rope, rope_tables
+from ._ops import chunk_blocks, compute_dtype, rope_tables
 from .attention import FreeSoloReadout, block_unions, choose_long_path, readout_bytes_per_query
 from .selection import fs_fsl_select
 
@@ -104,12 +104,12 @@ def attention(
     Hkv = k.shape[2]
     G = Hq // Hkv
     cdt = compute_dtype(q.dtype)
-    q4 = _heads_first(q, Hkv, cdt)  # (B, Hkv, G, T, D)
-    k4 = _heads_first(k, Hkv, cdt)[:, :, 0]  # (B, Hkv, T, D)
-    v4 = _heads_first(v, Hkv, cdt)[:, :, 0]
+    q4 = _heads_first(q, Hkv, q.dtype)  # (B, Hkv, G, T, D), the input dtype: chunks are cast on entry
+    k4 = _heads_first(k, Hkv, q.dtype)[:, :, 0]  # (B, Hkv, T, D)
+    v4 = _heads_first(v, Hkv, q.dtype)[:, :, 0]
     if idx is None:
         with torch.no_grad():
-            idx4 = _select(q4.detach(), k4.detach(), cfg, chunk_tokens, chunk_bytes)
+            idx4 = _select(q4.detach().to(cdt), k4.detach().to(cdt), cfg, chunk_tokens, chunk_bytes)
     else:
         if tuple(idx.shape) != (B, T, Hq, cfg.top_k):
             raise ValueError(f"idx shape {tuple(idx.shape)} must be [B={B}, T={T}, Hq={Hq}, K={cfg.top_k}]")
@@ -118,7 +118,6 @@ def attention(
         idx4 = idx.to(torch.int64).permute(0, 2, 1, 3).reshape(B, Hkv, G, T, cfg.top_k)
     b = torch.ones(Hq, dtype=cdt, device=q.device) if beta is None else beta.to(cdt)
     cos, sin = rope_tables(T, D, cfg.rope_theta, q.device, cdt)
-    qr, kr = rope(q4, cos, sin), rope(k4, cos, sin)
     idx4 = idx4.contiguous()
     if long_path not in ("auto", "union", "gather"):
         raise ValueError(f"long_path={long_path!r} must be 'auto', 'union' or 'gather'")
@@ -126,8 +125,8 @@ def attention(
     path = choose_long_path(U, cfg, D) if long_path == "auto" else long_path
     per_query = readout_bytes_per_query(B, Hq, D, cfg, torch.finfo(cdt).bits // 8, path, U)
     nbc = chunk_blocks(per_query, cfg.block, q.device, chunk_tokens, chunk_bytes)
-    o = FreeSoloReadout.apply(qr, kr, q4, k4, v4, b.view(Hkv, G), idx4, unions, cfg, nbc, path)  # (B, Hkv, G, T, D)
-    return o.reshape(B, Hq, T, D).permute(0, 2, 1, 3).to(q.dtype).contiguous()  # (B, T, Hq, D)
+    o = FreeSoloReadout.apply(q4, k4, v4, b.view(Hkv, G), idx4, unions, cos, sin, cfg, nbc, path)  # (B, Hkv, G, T, D)
+    return o.reshape(B, Hq, T, D).permute(0, 2, 1, 3).contiguous()  # (B, T, Hq, D), q's dtype
 
 
 class TorchBackend(Backend):
