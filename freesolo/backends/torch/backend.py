@@ -1,9 +1,16 @@
 """`torch` backend: FS, FS-L, FS-B on CPU and CUDA with autograd (spec §2-§8).
 
 Inputs are tensors as the user passed them (q [B, T, Hq, D], k / v [B, T, Hkv, D], beta [Hq] or
-None); outputs have q's dtype and device. float64 computes in float64, float32 / bfloat16 /
-float16 compute in float32. Work proceeds in chunks of whole query blocks whose size follows a
-memory budget (`DEFAULT_CHUNK_BYTES`: 2 GiB on CUDA, 64 MiB on CPU) or `chunk_tokens`.
+None); outputs have q's dtype and device; nothing is moved between devices. float64 computes
+in float64, float32 / bfloat16 / float16 compute (and accumulate) in float32.
+
+Memory. Work proceeds in chunks of whole query blocks whose size follows a memory budget
+(`DEFAULT_CHUNK_BYTES`: 2 GiB on CUDA, 64 MiB on CPU) or `chunk_tokens`; nothing of size T x T
+is ever built. Beyond one chunk, the op keeps heads-first copies of q, k, v in their own dtype,
+the selection (int64 [B, Hq, T, K]) and, in backward, dk / dv accumulators in the compute dtype:
+O(T) for every variant (FS-B adds its tree tables, O((T/s) log(T/s) D) per kv head). FS scores
+all available cells per query (quadratic time, linear memory).
+On CUDA the scatter of key / value gradients uses atomics (index_add_): not bitwise reproducible.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _heads_first(x: torch.Tensor, Hkv: int, cdt: torch.dtype) -> torch.Tensor:
-    """[B, T, H, D] -> [B, Hkv, H // Hkv, T, D] contiguous, in the compute dtype (differentiable)."""
+    """[B, T, H, D] -> [B, Hkv, H // Hkv, T, D] contiguous, in dtype `cdt` (differentiable)."""
     B, T, H, D = x.shape
     return x.to(cdt).permute(0, 2, 1, 3).reshape(B, Hkv, H // Hkv, T, D).contiguous()
 
