@@ -25,7 +25,7 @@ from ...reference.forest import QUANT_SCALE, hyperplanes
 from ._ops import cell_stats, take_rows
 from .selection import topk_cells
 
-__all__ = ["NodeTable", "build_node_table", "content_codes", "fsb_bytes_per_query", "fsb_select"]
+__all__ = ["NodeTable", "beam_search", "build_node_table", "content_codes", "fsb_bytes_per_query", "fsb_select"]
 
 
 def fsb_bytes_per_query(B: int, Hq: int, D: int, cfg: FreeSoloConfig, itemsize: int) -> tuple[int, int]:
@@ -171,6 +171,9 @@ def _beam_search(table: NodeTable, n, q, qnorm, pos, sigma, lam, cfg: FreeSoloCo
     flat = torch.where(valid, tb + _level_offset(th, 0) + ix, torch.zeros_like(tb))
     cells = take_rows(table.cell, flat)
     return torch.where(valid, cells, torch.full_like(cells, -1))
+
+
+beam_search = _beam_search  # public name (the streaming cache searches its tables with it)
 
 
 @torch.no_grad()
