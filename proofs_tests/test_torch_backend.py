@@ -93,8 +93,9 @@ def dense_reference(q, k, v, idx, cfg: FreeSoloConfig, beta):
     G = Hq // k.shape[2]
     dt = q.dtype
     half = D // 2
-    inv = cfg.rope_theta ** (-2.0 * torch.arange(half, dtype=torch.float64) / D)
-    ang = torch.arange(T, dtype=torch.float64)[:, None] * inv[None, :]  # [T, D/2]
+    dev = q.device
+    inv = cfg.rope_theta ** (-2.0 * torch.arange(half, dtype=torch.float64, device=dev) / D)
+    ang = torch.arange(T, dtype=torch.float64, device=dev)[:, None] * inv[None, :]  # [T, D/2]
     cos, sin = torch.cos(ang).to(dt)[:, None, :], torch.sin(ang).to(dt)[:, None, :]
 
     def rot(x):  # [B, T, H, D]
@@ -102,8 +103,8 @@ def dense_reference(q, k, v, idx, cfg: FreeSoloConfig, beta):
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
     kk, vv = k.repeat_interleave(G, dim=2), v.repeat_interleave(G, dim=2)  # [B, T, Hq, D]
-    i = torch.arange(T)[:, None]
-    t = torch.arange(T)[None, :]
+    i = torch.arange(T, device=dev)[:, None]
+    t = torch.arange(T, device=dev)[None, :]
     local = (t <= i) & (t > i - cfg.window)  # [T, T]
     lg = torch.einsum("bihd,bthd->bhit", rot(q), rot(kk)) / math.sqrt(D)
     o_loc = torch.einsum("bhit,bthd->bihd", torch.softmax(lg.masked_fill(~local, -math.inf), -1), vv)
