@@ -9,8 +9,6 @@ must be identical, order included: that is what checks the tie-breaking (larger 
 
 from __future__ import annotations
 
-import importlib.util
-
 import numpy as np
 import pytest
 from hypothesis import given
@@ -30,7 +28,6 @@ AWKWARD_T = (1, 31, 33, 127, 129, 1000)
 HEAD_DIMS = (2, 6, 64)
 GROUPS = (1, 2, 4)
 
-HAS_FSB_NUMBA = importlib.util.find_spec("freesolo.backends._numba_fsb") is not None
 
 
 @st.composite
@@ -231,17 +228,6 @@ def test_no_selected_cell_gives_local_only():
     assert np.abs(out[:, cfg.block :] - loc[:, cfg.block :]).max() > 0.1
 
 
-@pytest.mark.skipif(HAS_FSB_NUMBA, reason="FS-B for numba exists: tested by test_fsb_uses_shared_readout")
-def test_fsb_not_implemented_names_issue():
-    q, k, v = random_qkv(0, 1, 40, 2, 1, 4)
-    cfg = FreeSoloConfig(variant="fsb", tau=(1.0,), **SMALL)
-    with pytest.raises(NotImplementedError, match="issue 3"):
-        nbb.select_cells(q, k, cfg)
-    with pytest.raises(NotImplementedError, match="issue 3"):
-        nbb.attention(q, k, v, cfg, np.ones(2))
-
-
-@pytest.mark.skipif(not HAS_FSB_NUMBA, reason="freesolo.backends._numba_fsb (issue 3) not written yet")
 def test_fsb_uses_shared_readout():
     """FS-B on numba = its selection, then the same local branch / readout / combine as FS-L."""
     from freesolo.backends._numba_fsb import select_cells_fsb_numba

@@ -35,7 +35,6 @@ __all__ = [
     "select_cells",
 ]
 
-_FSB_ISSUE = "FS-B for numba: see issue 3"
 
 
 def _kernels():
@@ -135,13 +134,8 @@ def _select(q: np.ndarray, k: np.ndarray, cfg: FreeSoloConfig) -> tuple[np.ndarr
 
 
 def _fsb_module():
-    """`_numba_fsb` (issue 3), or NotImplementedError while it does not exist."""
-    try:
-        return importlib.import_module("freesolo.backends._numba_fsb")
-    except ModuleNotFoundError as error:
-        if error.name and error.name.endswith("_numba_fsb"):
-            raise NotImplementedError(_FSB_ISSUE) from error
-        raise
+    """`_numba_fsb`, imported on first FS-B use (its kernels compile then)."""
+    return importlib.import_module("freesolo.backends._numba_fsb")
 
 
 def select_cells(q: np.ndarray, k: np.ndarray, cfg: FreeSoloConfig) -> np.ndarray:
