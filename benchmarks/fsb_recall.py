@@ -122,7 +122,7 @@ def exhaustive_top4_rho(qs: np.ndarray, k: np.ndarray, n: int, cell: int) -> tup
     """Top-4 by rho among cells [0, n) for queries qs [P, D] -> top [P, 4] (ties: larger c first), rho [P, n]."""
     logits = (qs @ k[: n * cell].T / math.sqrt(D)).reshape(len(qs), n, cell)  # [P, n, cell]
     top = logits.max(axis=2, keepdims=True)
-    rho = (top[..., 0] + np.log(np.exp(logits - top).sum(axis=2)))  # [P, n]
+    rho = top[..., 0] + np.log(np.exp(logits - top).sum(axis=2))  # [P, n]
     cells = np.arange(n)
     return np.array([np.lexsort((-cells, -r))[:4] for r in rho]), rho
 
@@ -167,8 +167,16 @@ def run_length(T: int, n_queries: int, seeds: list[int], base: FreeSoloConfig) -
                 for x, p in enumerate(rows_n):
                     rho[p, h] = rho_n[x]
                 fs[rows_n, h] = exhaustive_top4_score(q[rows_n, h], positions[rows_n], kbar, a, int(n), base)
-        _accumulate(rows, ("FS (exhaustive score)", "-", "-", "-"), fs, ref, rho, kinds,
-                    node_keys=np.repeat(n_of[:, None], HQ, 1), reranked=np.zeros((P, HQ)))
+        _accumulate(
+            rows,
+            ("FS (exhaustive score)", "-", "-", "-"),
+            fs,
+            ref,
+            rho,
+            kinds,
+            node_keys=np.repeat(n_of[:, None], HQ, 1),
+            reranked=np.zeros((P, HQ)),
+        )
         planes = hyperplanes(base.hash_seed, 1, base.hash_bits, D)[0]
         for leaf_order in LEAF_ORDERS:
             t0 = time.perf_counter()
@@ -180,34 +188,54 @@ def run_length(T: int, n_queries: int, seeds: list[int], base: FreeSoloConfig) -
                     cfg = cfg0.replace(beam=beam, radius_weight=rw)
                     t0 = time.perf_counter()
                     idx, node_keys, reranked = query_head_numba(
-                        forests, q, positions, seq.k, cfg.per_head("sigma", HQ), cfg.per_head("lam", HQ), cfg)
+                        forests, q, positions, seq.k, cfg.per_head("sigma", HQ), cfg.per_head("lam", HQ), cfg
+                    )
                     query_s = time.perf_counter() - t0
                     row = _accumulate(rows, ("FS-B", leaf_order, rw, beam), idx, ref, rho, kinds, node_keys, reranked)
                     row["build_s"] = row.get("build_s", 0.0) + build_s
                     row["query_s"] = row.get("query_s", 0.0) + query_s
-        print(f"T={T} seed={seed}: {P} positions x {HQ} heads, tau={tau[0]:.3f}, "
-              f"{len(seq.needle_cells)} needle cells, {int((a > tau[0]).sum())}/{len(a)} high-norm cells", flush=True)
+        print(
+            f"T={T} seed={seed}: {P} positions x {HQ} heads, tau={tau[0]:.3f}, "
+            f"{len(seq.needle_cells)} needle cells, {int((a > tau[0]).sum())}/{len(a)} high-norm cells",
+            flush=True,
+        )
     out = []
     for (method, leaf_order, rw, beam), row in rows.items():
         hits, count = row.pop("hits"), row.pop("count")
-        out.append({
-            "T": T, "method": method, "leaf_order": leaf_order, "radius_weight": rw, "beam": beam,
-            "recall@4": hits["all"] / (4 * count["all"]),
-            **{f"recall@4 {kind}": hits[kind] / max(1, 4 * count[kind]) for kind in QUERY_TYPES},
-            "top-1 hit": row["top1"] / count["all"], "rho-mass ratio": row["mass"] / count["all"],
-            "queries": count["all"], **{f"n {kind}": count[kind] for kind in QUERY_TYPES},
-            "node_keys/query": row["node_keys"] / count["all"],
-            "cells_reranked/query": row["reranked"] / count["all"],
-            **({"build_s": row["build_s"], "query_s": row["query_s"]} if "build_s" in row else {}),
-        })
+        out.append(
+            {
+                "T": T,
+                "method": method,
+                "leaf_order": leaf_order,
+                "radius_weight": rw,
+                "beam": beam,
+                "recall@4": hits["all"] / (4 * count["all"]),
+                **{f"recall@4 {kind}": hits[kind] / max(1, 4 * count[kind]) for kind in QUERY_TYPES},
+                "top-1 hit": row["top1"] / count["all"],
+                "rho-mass ratio": row["mass"] / count["all"],
+                "queries": count["all"],
+                **{f"n {kind}": count[kind] for kind in QUERY_TYPES},
+                "node_keys/query": row["node_keys"] / count["all"],
+                "cells_reranked/query": row["reranked"] / count["all"],
+                **({"build_s": row["build_s"], "query_s": row["query_s"]} if "build_s" in row else {}),
+            }
+        )
     return out
 
 
 def _accumulate(rows, key, idx, ref, rho, kinds, node_keys, reranked) -> dict:
     """Add one batch of selections idx [P, H, 4] against the exhaustive ref [P, H, 4] to a row."""
-    row = rows.setdefault(key, {"hits": {t: 0 for t in ("all",) + QUERY_TYPES},
-                                "count": {t: 0 for t in ("all",) + QUERY_TYPES}, "node_keys": 0, "reranked": 0,
-                                "top1": 0, "mass": 0.0})
+    row = rows.setdefault(
+        key,
+        {
+            "hits": {t: 0 for t in ("all",) + QUERY_TYPES},
+            "count": {t: 0 for t in ("all",) + QUERY_TYPES},
+            "node_keys": 0,
+            "reranked": 0,
+            "top1": 0,
+            "mass": 0.0,
+        },
+    )
     P, H = kinds.shape
     for p in range(P):
         for h in range(H):
@@ -259,8 +287,10 @@ def to_markdown(results: list[dict], meta: dict) -> str:
     lines = [
         "# FS-B recall study",
         "",
-        (f"Generated by `python benchmarks/fsb_recall.py` ({meta['date']}, {meta['machine']}, numpy "
-         f"{meta['numpy']}, numba {meta['numba']}, {meta['seconds']:.0f} s)."),
+        (
+            f"Generated by `python benchmarks/fsb_recall.py` ({meta['date']}, {meta['machine']}, numpy "
+            f"{meta['numpy']}, numba {meta['numba']}, {meta['seconds']:.0f} s)."
+        ),
         "",
         "recall@4 = |FS-B's 4 cells ∩ exhaustive top-4 by rho among ALL available cells| / 4, averaged over",
         f"queries: {meta['queries_per_T']} random query positions in the last 8 blocks of each sequence",
@@ -273,9 +303,12 @@ def to_markdown(results: list[dict], meta: dict) -> str:
         "",
     ]
     for T in sorted({r["T"] for r in results}):
-        lines += [f"## T = {T}", "",
-                  "| method | leaf order | radius_weight | beam | recall@4 | needle | topic | local | top-1 hit | rho-mass | node keys/query | cells reranked/query |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"## T = {T}",
+            "",
+            "| method | leaf order | radius_weight | beam | recall@4 | needle | topic | local | top-1 hit | rho-mass | node keys/query | cells reranked/query |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in results:
             if r["T"] != T:
                 continue
@@ -283,7 +316,8 @@ def to_markdown(results: list[dict], meta: dict) -> str:
                 f"| {r['method']} | {r['leaf_order']} | {r['radius_weight']} | {r['beam']} | {r['recall@4']:.3f} | "
                 f"{r['recall@4 needle']:.3f} | {r['recall@4 topic']:.3f} | {r['recall@4 local']:.3f} | "
                 f"{r['top-1 hit']:.3f} | {r['rho-mass ratio']:.3f} | "
-                f"{r['node_keys/query']:.0f} | {r['cells_reranked/query']:.1f} |")
+                f"{r['node_keys/query']:.0f} | {r['cells_reranked/query']:.1f} |"
+            )
         lines.append("")
     return "\n".join(lines) + "\n" + NOTES
 
@@ -293,7 +327,9 @@ def main(argv=None):
     parser.add_argument("--lengths", type=int, nargs="+", default=[16384, 65536])
     parser.add_argument("--queries", type=int, default=512, help="query positions per length (split over seeds)")
     parser.add_argument("--seeds", type=int, default=4, help="independent sequences per length")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "fsb_recall"))
+    parser.add_argument(
+        "--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "fsb_recall")
+    )
     args = parser.parse_args(argv)
     start = time.perf_counter()
     base = FreeSoloConfig(variant="fsb")
@@ -301,10 +337,17 @@ def main(argv=None):
     for T in args.lengths:
         results += run_length(T, args.queries, list(range(args.seeds)), base)
     meta = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.processor() or platform.machine(),
-        "python": platform.python_version(), "numpy": np.__version__, "numba": numba.__version__,
-        "seconds": time.perf_counter() - start, "queries_per_T": args.queries, "seeds": args.seeds,
-        "heads": HQ, "head_dim": D, "config": {k: v for k, v in base.__dict__.items() if k != "tau"},
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "numba": numba.__version__,
+        "seconds": time.perf_counter() - start,
+        "queries_per_T": args.queries,
+        "seeds": args.seeds,
+        "heads": HQ,
+        "head_dim": D,
+        "config": {k: v for k, v in base.__dict__.items() if k != "tau"},
     }
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out + ".json", "w") as f:

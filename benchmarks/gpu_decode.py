@@ -116,7 +116,9 @@ def fsl_run(cfg, B, H, D, T, dtype, device, steps, chunk, timer) -> dict:
             base = 2 + steps
 
             def replay(i):
-                return graph(q[:, base + i : base + i + 1], k[:, base + i : base + i + 1], v[:, base + i : base + i + 1])
+                return graph(
+                    q[:, base + i : base + i + 1], k[:, base + i : base + i + 1], v[:, base + i : base + i + 1]
+                )
 
             replay(0)
             out["fsl_graph_us"] = timer(lambda i: replay(1 + i), steps - 1) * 1e6
@@ -124,8 +126,12 @@ def fsl_run(cfg, B, H, D, T, dtype, device, steps, chunk, timer) -> dict:
             out["fsl_graph_us"] = None
             out["fsl_graph_error"] = f"{type(error).__name__}: {error}"
             print(f"  CUDA graph capture failed: {out['fsl_graph_error']}")
-    out.update(fsl_memory_bytes=memory, fsl_memory_after_decode=cache.memory_bytes(), prefill_s=prefill_s,
-               fsl_T_end=cache.length)
+    out.update(
+        fsl_memory_bytes=memory,
+        fsl_memory_after_decode=cache.memory_bytes(),
+        prefill_s=prefill_s,
+        fsl_T_end=cache.length,
+    )
     return out
 
 
@@ -136,8 +142,11 @@ def sdpa_run(B, H, D, T, dtype, device, steps, timer) -> dict:
     if device.startswith("cuda"):
         free, _ = torch.cuda.mem_get_info()
         if need > 0.9 * free:
-            return {"sdpa_us": None, "sdpa_memory_bytes": need,
-                    "sdpa_skipped": f"full KV cache needs {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"}
+            return {
+                "sdpa_us": None,
+                "sdpa_memory_bytes": need,
+                "sdpa_skipped": f"full KV cache needs {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free",
+            }
     Kc = torch.randn(B, H, T, D, device=device, dtype=dtype)  # (B, H, T, D)
     Vc = torch.randn(B, H, T, D, device=device, dtype=dtype)
     q = torch.randn(B, H, 1, D, device=device, dtype=dtype)
@@ -161,13 +170,20 @@ def plot(rows, path, title: str):
     for B, style in zip(sorted({r["B"] for r in rows}), ("-", "--")):
         sub = [r for r in rows if r["B"] == B]
         Ts = [r["T"] for r in sub]
-        for key, label, color in (("fsl_graph_us", "FS-L (CUDA graph)", "C0"), ("fsl_eager_us", "FS-L (eager)", "C2"),
-                                  ("sdpa_us", "SDPA full KV", "C3")):
+        for key, label, color in (
+            ("fsl_graph_us", "FS-L (CUDA graph)", "C0"),
+            ("fsl_eager_us", "FS-L (eager)", "C2"),
+            ("sdpa_us", "SDPA full KV", "C3"),
+        ):
             pts = [(r["T"], r[key]) for r in sub if r.get(key)]
             if pts:
                 ax_t.plot(*zip(*pts), style, marker="o", color=color, label=f"{label}, B={B}")
-        ax_m.plot(Ts, [r["fsl_memory_bytes"] / 2**20 for r in sub], style, marker="o", color="C0", label=f"FS-L cache, B={B}")
-        ax_m.plot(Ts, [r["sdpa_memory_bytes"] / 2**20 for r in sub], style, marker="o", color="C3", label=f"full KV, B={B}")
+        ax_m.plot(
+            Ts, [r["fsl_memory_bytes"] / 2**20 for r in sub], style, marker="o", color="C0", label=f"FS-L cache, B={B}"
+        )
+        ax_m.plot(
+            Ts, [r["sdpa_memory_bytes"] / 2**20 for r in sub], style, marker="o", color="C3", label=f"full KV, B={B}"
+        )
     for ax, ylabel in ((ax_t, "decode latency per token (us)"), (ax_m, "cache memory (MiB)")):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -222,25 +238,39 @@ def main(argv=None) -> int:
             def fmt(x, spec):
                 return "-" if x is None else format(x, spec)
 
-            print(f"{B:>3} {T:>8} | {fmt(row.get('fsl_graph_us'), '13.1f')} {row['fsl_eager_us']:>13.1f} "
-                  f"{fmt(row['sdpa_us'], '9.1f')} | {row['fsl_memory_bytes'] / 2**20:>9.2f} "
-                  f"{row['sdpa_memory_bytes'] / 2**20:>12.1f} | {row['prefill_s']:.2f}"
-                  + f"  sync-free: {row.get('fsl_sync_free', 'n/a')}"
-                  + (f"  (SDPA skipped: {row['sdpa_skipped']})" if row.get("sdpa_skipped") else ""), flush=True)
+            print(
+                f"{B:>3} {T:>8} | {fmt(row.get('fsl_graph_us'), '13.1f')} {row['fsl_eager_us']:>13.1f} "
+                f"{fmt(row['sdpa_us'], '9.1f')} | {row['fsl_memory_bytes'] / 2**20:>9.2f} "
+                f"{row['sdpa_memory_bytes'] / 2**20:>12.1f} | {row['prefill_s']:.2f}"
+                + f"  sync-free: {row.get('fsl_sync_free', 'n/a')}"
+                + (f"  (SDPA skipped: {row['sdpa_skipped']})" if row.get("sdpa_skipped") else ""),
+                flush=True,
+            )
     for B in args.batches:
         mems = {r["fsl_memory_bytes"] for r in rows if r["B"] == B}
-        print(f"FS-L memory at B={B} over contexts {args.contexts}: {sorted(mems)} bytes "
-              f"({'constant' if len(mems) == 1 else 'NOT constant'})")
+        print(
+            f"FS-L memory at B={B} over contexts {args.contexts}: {sorted(mems)} bytes "
+            f"({'constant' if len(mems) == 1 else 'NOT constant'})"
+        )
     os.makedirs(args.out, exist_ok=True)
     name = "gpu_decode_quick" if args.quick else "gpu_decode"
-    result = {"env": info, "config": {k: v for k, v in vars(cfg).items()}, "device": args.device,
-              "steps": args.steps, "rows": rows, "wall_s": time.perf_counter() - t_start,
-              "notes": "latency = mean per token over back-to-back steps (CUDA events); FS-L state reached by "
-                       "chunked prefill of random bf16 keys/values; SDPA = 1 query vs T cached keys"}
+    result = {
+        "env": info,
+        "config": {k: v for k, v in vars(cfg).items()},
+        "device": args.device,
+        "steps": args.steps,
+        "rows": rows,
+        "wall_s": time.perf_counter() - t_start,
+        "notes": "latency = mean per token over back-to-back steps (CUDA events); FS-L state reached by "
+        "chunked prefill of random bf16 keys/values; SDPA = 1 query vs T cached keys",
+    }
     with open(os.path.join(args.out, f"{name}.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)
-    plot(rows, os.path.join(args.out, f"{name}.png"),
-         f"H={args.heads}, D={args.dim}, {str(dtype).replace('torch.', '')}, {info.get('gpu', args.device)}")
+    plot(
+        rows,
+        os.path.join(args.out, f"{name}.png"),
+        f"H={args.heads}, D={args.dim}, {str(dtype).replace('torch.', '')}, {info.get('gpu', args.device)}",
+    )
     print(f"wrote {os.path.join(args.out, name)}.json/.png in {result['wall_s']:.0f} s")
     return 0 if all(math.isfinite(r["fsl_eager_us"]) for r in rows) else 1
 

@@ -52,8 +52,16 @@ class FreeSoloCache:
     """
 
     def __init__(
-        self, cfg: FreeSoloConfig, batch: int, num_heads: int, num_kv_heads: int, head_dim: int,
-        backend: Optional[str] = None, dtype=None, device=None, check_finite: bool = True,
+        self,
+        cfg: FreeSoloConfig,
+        batch: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        backend: Optional[str] = None,
+        dtype=None,
+        device=None,
+        check_finite: bool = True,
     ):
         if not isinstance(cfg, FreeSoloConfig):
             raise TypeError(f"cfg must be a freesolo.FreeSoloConfig, got {type(cfg).__name__}")
@@ -217,8 +225,10 @@ class FreeSoloCache:
             "format": _FORMAT,
             "config": asdict(self.cfg),
             "backend": self.backend,
-            "batch": self.batch, "num_heads": self.num_heads,
-            "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
+            "batch": self.batch,
+            "num_heads": self.num_heads,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
             "input": self._input,
             "state": self._state.state_dict(),
         }
@@ -235,7 +245,9 @@ class FreeSoloCache:
             raise ValueError(f"state dict sizes (B, Hq, Hkv, D)={theirs} differ from the cache's {mine}")
         kind_of = {"numpy": "numpy", "numba": "numpy", "torch": "torch"}
         if kind_of.get(state_dict["backend"]) != self._state.kind:
-            raise ValueError(f"state dict of backend {state_dict['backend']!r} cannot load into backend {self.backend!r}")
+            raise ValueError(
+                f"state dict of backend {state_dict['backend']!r} cannot load into backend {self.backend!r}"
+            )
         self._state.load_state_dict(state_dict["state"])
         self._input = None if state_dict["input"] is None else tuple(state_dict["input"])
 

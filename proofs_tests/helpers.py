@@ -46,8 +46,14 @@ def fs_scores(q, k, cfg: FreeSoloConfig, b: int, i: int, h: int, cells) -> np.nd
     g = h // (Hq // Hkv)
     kbar, a = cell_stats(np.asarray(k[b, :, g], np.float64), cfg.cell)
     return cell_scores(
-        np.asarray(q[b, i, h], np.float64), i, np.asarray(cells, np.int64), kbar, a,
-        cfg.per_head("sigma", Hq)[h], cfg.per_head("lam", Hq)[h], cfg.cell,
+        np.asarray(q[b, i, h], np.float64),
+        i,
+        np.asarray(cells, np.int64),
+        kbar,
+        a,
+        cfg.per_head("sigma", Hq)[h],
+        cfg.per_head("lam", Hq)[h],
+        cfg.cell,
     )
 
 

@@ -186,11 +186,15 @@ def test_available_backends_has_the_oracle():
 def test_torch_inputs_on_numpy_backend_round_trip():
     torch = pytest.importorskip("torch", reason="torch is an optional dependency")
     q, k, v = _qkv()
-    out = freesolo.freesolo_attention(torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v), CFG, backend="numpy")
+    out = freesolo.freesolo_attention(
+        torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v), CFG, backend="numpy"
+    )
     assert isinstance(out, torch.Tensor) and out.dtype == torch.float64
     np.testing.assert_array_equal(out.numpy(), freesolo.freesolo_attention(q, k, v, CFG, backend="numpy"))
     with pytest.raises(BackendUnavailableError, match="no autograd"):
-        freesolo.freesolo_attention(torch.from_numpy(q).requires_grad_(), torch.from_numpy(k), torch.from_numpy(v), CFG, backend="numpy")
+        freesolo.freesolo_attention(
+            torch.from_numpy(q).requires_grad_(), torch.from_numpy(k), torch.from_numpy(v), CFG, backend="numpy"
+        )
 
 
 def test_import_freesolo_needs_neither_torch_nor_triton():

@@ -71,9 +71,14 @@ chunk_sizes = st.lists(st.integers(1, 13), min_size=1, max_size=6)
 
 # ---- L6: streaming == parallel ------------------------------------------------------------
 @given(
-    variant=st.sampled_from(VARIANTS), backend=st.sampled_from(("numpy", "numba")),
-    heads=st.sampled_from(HEADS), B=st.integers(1, 2), T=st.integers(1, 44), D=st.sampled_from((4, 6)),
-    sizes=chunk_sizes, seed=st.integers(0, 2**16),
+    variant=st.sampled_from(VARIANTS),
+    backend=st.sampled_from(("numpy", "numba")),
+    heads=st.sampled_from(HEADS),
+    B=st.integers(1, 2),
+    T=st.integers(1, 44),
+    D=st.sampled_from((4, 6)),
+    sizes=chunk_sizes,
+    seed=st.integers(0, 2**16),
 )
 def test_l6_host_streaming_equals_parallel(variant, backend, heads, B, T, D, sizes, seed):
     Hq, Hkv = heads
@@ -88,8 +93,12 @@ def test_l6_host_streaming_equals_parallel(variant, backend, heads, B, T, D, siz
 
 
 @given(
-    variant=st.sampled_from(VARIANTS), heads=st.sampled_from(HEADS), B=st.integers(1, 2),
-    T=st.integers(1, 60), sizes=chunk_sizes, seed=st.integers(0, 2**16),
+    variant=st.sampled_from(VARIANTS),
+    heads=st.sampled_from(HEADS),
+    B=st.integers(1, 2),
+    T=st.integers(1, 60),
+    sizes=chunk_sizes,
+    seed=st.integers(0, 2**16),
 )
 def test_l6_torch_float64_streaming_equals_parallel(variant, heads, B, T, sizes, seed):
     Hq, Hkv = heads
@@ -103,7 +112,9 @@ def test_l6_torch_float64_streaming_equals_parallel(variant, heads, B, T, sizes,
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-10)
 
 
-@pytest.mark.parametrize("sizes", [(1,), (3, 5), (8,), (7, 1, 9), (64,)], ids=lambda s: "chunks" + "-".join(map(str, s)))
+@pytest.mark.parametrize(
+    "sizes", [(1,), (3, 5), (8,), (7, 1, 9), (64,)], ids=lambda s: "chunks" + "-".join(map(str, s))
+)
 @pytest.mark.parametrize("variant", ["fs", "fsl"])
 def test_l6_torch_float32(variant, sizes):
     B, T, Hq, Hkv, D = 2, 57, 4, 2, 16
@@ -138,8 +149,12 @@ def test_l6_default_sizes_long_stream():
 
 # ---- prefill (state only) -----------------------------------------------------------------
 @given(
-    variant=st.sampled_from(VARIANTS), backend=st.sampled_from(("numpy", "torch")),
-    T=st.integers(2, 60), cut=st.integers(1, 59), pre_sizes=chunk_sizes, seed=st.integers(0, 2**16),
+    variant=st.sampled_from(VARIANTS),
+    backend=st.sampled_from(("numpy", "torch")),
+    T=st.integers(2, 60),
+    cut=st.integers(1, 59),
+    pre_sizes=chunk_sizes,
+    seed=st.integers(0, 2**16),
 )
 def test_prefill_then_extend_equals_parallel(variant, backend, T, cut, pre_sizes, seed):
     cut = min(cut, T - 1)
@@ -193,8 +208,15 @@ def test_torch_fsb_forests_equal_batch_construction(leaf_order):
             M = len(high)
             counts.add(M)
             assert torch.equal(state.high_cells[b, g, :M], high)
-            row = build_node_table(kbar[b : b + 1, g : g + 1, high], a[b : b + 1, g : g + 1, high],
-                                   high.view(1, 1, M), codes[b : b + 1, g : g + 1, high], M, cfg, outward=False)
+            row = build_node_table(
+                kbar[b : b + 1, g : g + 1, high],
+                a[b : b + 1, g : g + 1, high],
+                high.view(1, 1, M),
+                codes[b : b + 1, g : g + 1, high],
+                M,
+                cfg,
+                outward=False,
+            )
             for h in range(M.bit_length()):
                 size = (M >> h) * ((2 << h) - 1)
                 src, dst = int(row.base[h]), state.forest_high.base(h)
@@ -297,8 +319,12 @@ def test_fs_keeps_the_archive(backend, variant):
 
 # ---- state round trip ---------------------------------------------------------------------
 @given(
-    variant=st.sampled_from(VARIANTS), backend=st.sampled_from(("numpy", "torch")),
-    T=st.integers(2, 50), cut=st.integers(1, 49), sizes=chunk_sizes, seed=st.integers(0, 2**16),
+    variant=st.sampled_from(VARIANTS),
+    backend=st.sampled_from(("numpy", "torch")),
+    T=st.integers(2, 50),
+    cut=st.integers(1, 49),
+    sizes=chunk_sizes,
+    seed=st.integers(0, 2**16),
 )
 def test_state_round_trip_bit_identical(variant, backend, T, cut, sizes, seed):
     cut = min(cut, T - 1)
@@ -346,17 +372,23 @@ def test_errors_mid_stream(backend):
     with pytest.raises(ValueError, match="num_heads|\\(B, Hq, Hkv, D\\)"):  # wrong query heads
         cache.extend(conv(np.concatenate([q[:, 4:5]] * 2, 2)), conv(k[:, 4:5]), conv(v[:, 4:5]))
     with pytest.raises(ValueError, match="\\(B, Hq, Hkv, D\\)"):  # wrong kv heads (still divides Hq)
-        cache.extend(conv(q[:, 4:5]), conv(np.concatenate([k[:, 4:5]] * 2, 2)), conv(np.concatenate([v[:, 4:5]] * 2, 2)))
+        cache.extend(
+            conv(q[:, 4:5]), conv(np.concatenate([k[:, 4:5]] * 2, 2)), conv(np.concatenate([v[:, 4:5]] * 2, 2))
+        )
     with pytest.raises(ValueError, match="\\(B, Hq, Hkv, D\\)"):  # batch changed
-        cache.extend(conv(np.concatenate([q[:, 4:5]] * 2)), conv(np.concatenate([k[:, 4:5]] * 2)),
-                     conv(np.concatenate([v[:, 4:5]] * 2)))
+        cache.extend(
+            conv(np.concatenate([q[:, 4:5]] * 2)),
+            conv(np.concatenate([k[:, 4:5]] * 2)),
+            conv(np.concatenate([v[:, 4:5]] * 2)),
+        )
     bad = k[:, 4:5].copy()
     bad[0, 0, 0, 1] = np.nan
     with pytest.raises(ValueError, match="non-finite"):
         cache.extend(conv(q[:, 4:5]), conv(bad), conv(v[:, 4:5]))
     with pytest.raises(TypeError, match="mid-stream"):  # dtype changed
-        cache.extend(conv(q[:, 4:5].astype(np.float32)), conv(k[:, 4:5].astype(np.float32)),
-                     conv(v[:, 4:5].astype(np.float32)))
+        cache.extend(
+            conv(q[:, 4:5].astype(np.float32)), conv(k[:, 4:5].astype(np.float32)), conv(v[:, 4:5].astype(np.float32))
+        )
     with pytest.raises(ValueError, match="beta"):
         cache.extend(conv(q[:, 4:5]), conv(k[:, 4:5]), conv(v[:, 4:5]), beta=conv(np.ones(3)))
     assert cache.length == 4, "a refused chunk must not change the state"
@@ -488,11 +520,40 @@ def test_decode_cli_smoke(backend, capsys):
 
     parser = argparse.ArgumentParser()
     add_decode_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args([
-        "decode", "--context", "100", "--steps", "3", "--heads", "2", "--kv-heads", "1", "--dim", "8",
-        "--backend", backend, "--dtype", "float32", "--device", "cpu", "--window", "16", "--cell", "4",
-        "--block", "8", "--pool", "3", "--recent", "2", "--chunk", "37", "--quiet",
-    ])
+    args = parser.parse_args(
+        [
+            "decode",
+            "--context",
+            "100",
+            "--steps",
+            "3",
+            "--heads",
+            "2",
+            "--kv-heads",
+            "1",
+            "--dim",
+            "8",
+            "--backend",
+            backend,
+            "--dtype",
+            "float32",
+            "--device",
+            "cpu",
+            "--window",
+            "16",
+            "--cell",
+            "4",
+            "--block",
+            "8",
+            "--pool",
+            "3",
+            "--recent",
+            "2",
+            "--chunk",
+            "37",
+            "--quiet",
+        ]
+    )
     assert args.func(args) == 0
     out = capsys.readouterr().out
     assert "decode latency" in out and "cache memory" in out
@@ -524,10 +585,23 @@ def test_decode_ops_never_read_tensor_values_on_host(variant):
     with recorder:
         for t in range(T):
             cache.extend(q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], beta=beta, check_finite=False)
-    forbidden = {"aten._local_scalar_dense", "aten.item", "aten.is_nonzero", "aten.nonzero", "aten.nonzero_static",
-                 "aten.masked_select", "aten.unique", "aten._unique2", "aten.masked_scatter", "aten.argwhere"}
+    forbidden = {
+        "aten._local_scalar_dense",
+        "aten.item",
+        "aten.is_nonzero",
+        "aten.nonzero",
+        "aten.nonzero_static",
+        "aten.masked_select",
+        "aten.unique",
+        "aten._unique2",
+        "aten.masked_scatter",
+        "aten.argwhere",
+    }
     assert recorder.ops, "nothing recorded"
     assert not recorder.ops & forbidden, f"host reads in decode: {recorder.ops & forbidden}"
-    bool_index = [op for op in recorder.ops if op.startswith("aten.index") and op not in
-                  ("aten.index_copy", "aten.index_copy_", "aten.index_select")]
+    bool_index = [
+        op
+        for op in recorder.ops
+        if op.startswith("aten.index") and op not in ("aten.index_copy", "aten.index_copy_", "aten.index_select")
+    ]
     assert not bool_index, f"advanced indexing in decode: {bool_index}"

@@ -108,8 +108,10 @@ def test_cuda_fsl_memory_constant_at_large_T():
         cache = FreeSoloCache(cfg, 1, 8, 2, 64, backend="torch", dtype=torch.bfloat16, device="cuda")
         for start in range(0, T, 8192):
             n = min(8192, T - start)
-            cache.prefill(torch.randn(1, n, 2, 64, device="cuda", dtype=torch.bfloat16),
-                          torch.randn(1, n, 2, 64, device="cuda", dtype=torch.bfloat16))
+            cache.prefill(
+                torch.randn(1, n, 2, 64, device="cuda", dtype=torch.bfloat16),
+                torch.randn(1, n, 2, 64, device="cuda", dtype=torch.bfloat16),
+            )
         sizes.append(cache.memory_bytes())
         held = (cache.state.cell_ids >= 0).sum(-1)
         assert int(held.max()) <= cfg.pool + cfg.recent

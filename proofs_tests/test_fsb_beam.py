@@ -62,8 +62,11 @@ def fsb_config(k, tau_shift=0.0, **fields) -> FreeSoloConfig:
 
 
 shapes = {
-    "seed": st.integers(0, 2**31), "T": st.integers(1, 200), "Hkv": st.sampled_from([1, 2]),
-    "group": st.sampled_from([1, 2]), "D": st.sampled_from([2, 4, 8, 16]),
+    "seed": st.integers(0, 2**31),
+    "T": st.integers(1, 200),
+    "Hkv": st.sampled_from([1, 2]),
+    "group": st.sampled_from([1, 2]),
+    "D": st.sampled_from([2, 4, 8, 16]),
     "leaf_order": st.sampled_from(["content", "position"]),
 }
 
@@ -102,7 +105,9 @@ def test_L5_each_forest_returns_its_top_beam_cells(seed, T, Hkv, group, D, leaf_
                 q_norm = math.sqrt(float(q_i @ q_i))
 
                 def key(tree, level, m, q_i=q_i, q_norm=q_norm, i=i, h=h):
-                    return node_key(q_i, q_norm, i, tree, tree.node(level, m), scale, sigma[h], lam[h], 4, radius_weight)
+                    return node_key(
+                        q_i, q_norm, i, tree, tree.node(level, m), scale, sigma[h], lam[h], 4, radius_weight
+                    )
 
                 for trees, cells in zip(hf.forests(n), (np.arange(n), hf.high_cells[hf.high_cells < n])):
                     assert cfg.beam >= len(cells) // 2
@@ -148,7 +153,8 @@ def test_L9_counted_node_keys_match_the_data_independent_count(seed, T, Hkv, gro
                     assert costs["node_keys"][0, i, h] == expected
                     for n_ in (n, n_high):
                         assert fsb_node_keys_count(n_, beam) <= (
-                            2 * beam * (math.floor(math.log2(n_)) + 1) + n_.bit_count() if n_ else 0)
+                            2 * beam * (math.floor(math.log2(n_)) + 1) + n_.bit_count() if n_ else 0
+                        )
                     reranked = costs["cells_reranked"][0, i, h]
                     assert min(beam, n) <= reranked <= min(2 * beam, n)
         assert np.array_equal(costs["node_keys"], numba_costs["node_keys"])
@@ -202,17 +208,31 @@ def test_L2_fsb_causality(seed, T, Hkv, group, D, leaf_order, cut, beam):
 
 
 @given(
-    **shapes, B=st.integers(1, 2), beam=st.integers(1, 4), top_k=st.integers(1, 5), quantized=st.booleans(),
-    radius_weight=st.sampled_from([0.0, 0.5, 1.0]), hash_bits=st.sampled_from([1, 3, 16]),
+    **shapes,
+    B=st.integers(1, 2),
+    beam=st.integers(1, 4),
+    top_k=st.integers(1, 5),
+    quantized=st.booleans(),
+    radius_weight=st.sampled_from([0.0, 0.5, 1.0]),
+    hash_bits=st.sampled_from([1, 3, 16]),
     tau_shift=st.sampled_from([0.0, -0.3, 0.3]),
 )
-def test_numba_equals_oracle(seed, T, Hkv, group, D, leaf_order, B, beam, top_k, quantized, radius_weight,
-                             hash_bits, tau_shift):
+def test_numba_equals_oracle(
+    seed, T, Hkv, group, D, leaf_order, B, beam, top_k, quantized, radius_weight, hash_bits, tau_shift
+):
     """L8 for FS-B selection: numba == the float64 oracle (tie-aware on rho), costs equal;
     quantized inputs exercise exact ties; a subset of positions gives the same rows."""
     q, k = inputs(seed, B, T, Hkv, group, D, quantized)
-    cfg = fsb_config(k, tau_shift, leaf_order=leaf_order, beam=beam, top_k=top_k, radius_weight=radius_weight,
-                     hash_bits=hash_bits, hash_seed=seed % 5)
+    cfg = fsb_config(
+        k,
+        tau_shift,
+        leaf_order=leaf_order,
+        beam=beam,
+        top_k=top_k,
+        radius_weight=radius_weight,
+        hash_bits=hash_bits,
+        hash_seed=seed % 5,
+    )
     ref = select_cells_fsb(q, k, cfg)
     got, costs = select_cells_fsb_numba(q, k, cfg, return_costs=True)
     assert got.dtype == np.int64 and got.shape == (B, T, Hkv * group, top_k)

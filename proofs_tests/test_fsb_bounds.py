@@ -49,8 +49,10 @@ def bound_violations(q, k, cfg: FreeSoloConfig, radius=exact_radius) -> list:
             for j in range(1, (T + cfg.block - 1) // cfg.block):
                 n_avail = j * cfg.block // cfg.cell
                 queries = range(j * cfg.block, min(T, (j + 1) * cfg.block))
-                scores = {i: cell_scores(q[b, i, h], i, np.arange(n_avail), hf.kbar, hf.a, sigma[h], lam[h], cfg.cell)
-                          for i in queries}  # [n_avail] per query
+                scores = {
+                    i: cell_scores(q[b, i, h], i, np.arange(n_avail), hf.kbar, hf.a, sigma[h], lam[h], cfg.cell)
+                    for i in queries
+                }  # [n_avail] per query
                 for trees in hf.forests(n_avail):
                     for tree in trees:
                         for level in range(tree.height + 1):
@@ -62,23 +64,31 @@ def bound_violations(q, k, cfg: FreeSoloConfig, radius=exact_radius) -> list:
                                 for i in queries:
                                     q_i = q[b, i, h]
                                     q_norm = math.sqrt(float(q_i @ q_i))
-                                    ub = (scale * (float(tree.mu[node] @ q_i) + q_norm * rad)
-                                          + lam[h] * tree.A[node] * math.erf(sigma[h] * (i - tree.e[node]) / (2.0 * cfg.cell)))
+                                    ub = scale * (float(tree.mu[node] @ q_i) + q_norm * rad) + lam[h] * tree.A[
+                                        node
+                                    ] * math.erf(sigma[h] * (i - tree.e[node]) / (2.0 * cfg.cell))
                                     for c in under:
                                         s = scores[i][c]
                                         if ub < s - TOL * (1 + abs(s)):
                                             violations.append((b, i, h, node, int(c), ub, s))
                                     if level == 0:  # a leaf's key is its score (to rounding)
-                                        key = node_key(q_i, q_norm, i, tree, node, scale, sigma[h], lam[h],
-                                                       cfg.cell, 1.0)
+                                        key = node_key(
+                                            q_i, q_norm, i, tree, node, scale, sigma[h], lam[h], cfg.cell, 1.0
+                                        )
                                         assert abs(key - scores[i][under[0]]) <= 1e-12 * (1 + abs(key))
     return violations
 
 
 @given(
-    seed=st.integers(0, 2**31), T=st.integers(1, 140), Hkv=st.sampled_from([1, 2]), group=st.sampled_from([1, 2]),
-    D=st.sampled_from([2, 4, 8]), leaf_order=st.sampled_from(["content", "position"]),
-    sigma=st.floats(0.5, 8.0), lam=st.sampled_from([0.0, 0.3, 1.0, 3.0]), offset=st.floats(0.0, 2.0),
+    seed=st.integers(0, 2**31),
+    T=st.integers(1, 140),
+    Hkv=st.sampled_from([1, 2]),
+    group=st.sampled_from([1, 2]),
+    D=st.sampled_from([2, 4, 8]),
+    leaf_order=st.sampled_from(["content", "position"]),
+    sigma=st.floats(0.5, 8.0),
+    lam=st.sampled_from([0.0, 0.3, 1.0, 3.0]),
+    offset=st.floats(0.0, 2.0),
 )
 def test_L4_upper_bound_on_every_node_of_every_block(seed, T, Hkv, group, D, leaf_order, sigma, lam, offset):
     q, k, _ = random_qkv(seed, 1, T, Hkv * group, Hkv, D)

@@ -83,8 +83,10 @@ def test_content_code_definition():
     assert np.array_equal(U, np.random.default_rng(3).choice([-1, 1], size=(2, 10, 6)))
     codes = content_codes(kbar, U[1])
     for c in range(40):
-        bits = "".join("1" if int(sum(int(U[1, b, d]) * int(np.rint(kbar[c, d] * 4096)) for d in range(6))) > 0
-                       else "0" for b in range(10))
+        bits = "".join(
+            "1" if int(sum(int(U[1, b, d]) * int(np.rint(kbar[c, d] * 4096)) for d in range(6))) > 0 else "0"
+            for b in range(10)
+        )
         assert codes[c] == int(bits, 2)
     assert np.array_equal(quantize(np.array([0.5 / 4096, -1.5 / 4096])), [0, -2])  # rint: half to even
 
@@ -134,8 +136,11 @@ def _check_tree_definition(tree, elems: ForestElements, leaf_order: str, cell: i
 
 
 @given(
-    M=st.integers(0, 70), D=st.sampled_from([2, 3, 8]), code_bits=st.integers(1, 20),
-    leaf_order=st.sampled_from(["content", "position"]), seed=st.integers(0, 2**31),
+    M=st.integers(0, 70),
+    D=st.sampled_from([2, 3, 8]),
+    code_bits=st.integers(1, 20),
+    leaf_order=st.sampled_from(["content", "position"]),
+    seed=st.integers(0, 2**31),
 )
 def test_streaming_forest_equals_batch_forest(M, D, code_bits, leaf_order, seed):
     """L10: the forest grown by the binary counter (carries merge sorted halves) is the batch
@@ -174,7 +179,9 @@ def test_streaming_forest_equals_batch_forest(M, D, code_bits, leaf_order, seed)
 
 
 @given(
-    M=st.integers(1, 60), n=st.integers(0, 60), leaf_order=st.sampled_from(["content", "position"]),
+    M=st.integers(1, 60),
+    n=st.integers(0, 60),
+    leaf_order=st.sampled_from(["content", "position"]),
     seed=st.integers(0, 2**31),
 )
 def test_node_statistics_use_prefix_cells_only(M, n, leaf_order, seed):
@@ -218,8 +225,11 @@ def test_causal_forests_pair(C, leaf_order, seed):
 
 
 @given(
-    M=st.integers(0, 45), D=st.sampled_from([2, 5, 8]), code_bits=st.integers(1, 16),
-    leaf_order=st.sampled_from(["content", "position"]), seed=st.integers(0, 2**31),
+    M=st.integers(0, 45),
+    D=st.sampled_from([2, 5, 8]),
+    code_bits=st.integers(1, 16),
+    leaf_order=st.sampled_from(["content", "position"]),
+    seed=st.integers(0, 2**31),
 )
 def test_numba_forest_equals_oracle_forest(M, D, code_bits, leaf_order, seed):
     """Every aligned dyadic tree built by numba == the oracle's tree (leaf order exact, A and e

@@ -154,7 +154,9 @@ def _dense_reference(q, k, v, cfg, beta):
     for b in range(B):
         for h in range(Hq):
             g = h // group
-            loc = attend(rope(q[b, :, h], pos, cfg.rope_theta), rope(k[b, :, g], pos, cfg.rope_theta), v[b, :, g], causal)
+            loc = attend(
+                rope(q[b, :, h], pos, cfg.rope_theta), rope(k[b, :, g], pos, cfg.rope_theta), v[b, :, g], causal
+            )
             lng = attend(q[b, :, h], k[b, :, g], v[b, :, g], available)
             out[b, :, h] = loc + beta[h] * lng / np.sqrt(np.mean(lng**2, axis=1, keepdims=True) + cfg.eps)
     return out
@@ -188,7 +190,9 @@ def test_defaults_oracle_equals_dense(variant, T):
     idx = oracle.select_cells(q, k, cfg)
     assert (idx[:, : cfg.block] == -1).all(), "block 0 reads nothing"
     assert (idx[:, cfg.block :] >= 0).all(), "later blocks read top_k cells"
-    assert_close(oracle.attention(q, k, v, cfg, np.ones(2)), dense.dense_attention(q, k, v, idx, cfg, np.ones(2)), 1e-12)
+    assert_close(
+        oracle.attention(q, k, v, cfg, np.ones(2)), dense.dense_attention(q, k, v, idx, cfg, np.ones(2)), 1e-12
+    )
 
 
 def test_small_config_prunes():

@@ -29,7 +29,6 @@ HEAD_DIMS = (2, 6, 64)
 GROUPS = (1, 2, 4)
 
 
-
 @st.composite
 def shapes(draw, ts=AWKWARD_T):
     """(B, T, Hq, Hkv, D) with awkward T and D and GQA groups 1, 2, 4; big T keeps B*Hq small."""

@@ -35,7 +35,9 @@ def test_every_module_defines_all():
     missing = []
     for path in (ROOT / "freesolo").rglob("*.py"):
         tree = ast.parse(path.read_text())
-        names = {t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets if isinstance(t, ast.Name)}
+        names = {
+            t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets if isinstance(t, ast.Name)
+        }
         if "__all__" not in names:
             missing.append(str(path.relative_to(ROOT)))
     assert not missing, f"modules without __all__: {missing}"

@@ -256,9 +256,29 @@ def _beam(qv, q_norm, i, scale, sigma, lam, rw, cell, beam, n, height_base, mu, 
 
 @njit(cache=True, parallel=True)
 def _query_head(
-    q_g, positions, k_g, sigma, lam, rw, cell, block, beam, top_k,
-    hb_all, mu_all, rad_all, A_all, e_all, leaf_all,
-    hb_high, mu_high, rad_high, A_high, e_high, leaf_high, high_prefix,
+    q_g,
+    positions,
+    k_g,
+    sigma,
+    lam,
+    rw,
+    cell,
+    block,
+    beam,
+    top_k,
+    hb_all,
+    mu_all,
+    rad_all,
+    A_all,
+    e_all,
+    leaf_all,
+    hb_high,
+    mu_high,
+    rad_high,
+    A_high,
+    e_high,
+    leaf_high,
+    high_prefix,
 ):
     """q_g [P, G, D] (queries of the G query heads of one kv head), positions [P], k_g [T, D].
 
@@ -290,11 +310,45 @@ def _query_head(
             total_keys = 0
             for forest in range(2):
                 if forest == 0:
-                    nfound, nk = _beam(qv, q_norm, i, scale, sigma[h], lam[h], rw, cell, beam, n_avail,
-                                       hb_all, mu_all, rad_all, A_all, e_all, leaf_all, found)
+                    nfound, nk = _beam(
+                        qv,
+                        q_norm,
+                        i,
+                        scale,
+                        sigma[h],
+                        lam[h],
+                        rw,
+                        cell,
+                        beam,
+                        n_avail,
+                        hb_all,
+                        mu_all,
+                        rad_all,
+                        A_all,
+                        e_all,
+                        leaf_all,
+                        found,
+                    )
                 else:
-                    nfound, nk = _beam(qv, q_norm, i, scale, sigma[h], lam[h], rw, cell, beam, n_high,
-                                       hb_high, mu_high, rad_high, A_high, e_high, leaf_high, found)
+                    nfound, nk = _beam(
+                        qv,
+                        q_norm,
+                        i,
+                        scale,
+                        sigma[h],
+                        lam[h],
+                        rw,
+                        cell,
+                        beam,
+                        n_high,
+                        hb_high,
+                        mu_high,
+                        rad_high,
+                        A_high,
+                        e_high,
+                        leaf_high,
+                        found,
+                    )
                 total_keys += nk
                 for x in range(nfound):
                     c = found[x]
@@ -335,8 +389,13 @@ def _query_head(
 
 
 def query_head_numba(
-    forests: HeadForestsNumba, q_g: np.ndarray, positions: np.ndarray, k_g: np.ndarray,
-    sigma: np.ndarray, lam: np.ndarray, cfg: FreeSoloConfig,
+    forests: HeadForestsNumba,
+    q_g: np.ndarray,
+    positions: np.ndarray,
+    k_g: np.ndarray,
+    sigma: np.ndarray,
+    lam: np.ndarray,
+    cfg: FreeSoloConfig,
 ):
     """FS-B for the G query heads of one kv head at the given query positions.
 
@@ -345,17 +404,37 @@ def query_head_numba(
     """
     fa, fh = forests.all, forests.high
     return _query_head(
-        np.ascontiguousarray(q_g, dtype=np.float64), np.ascontiguousarray(positions, dtype=np.int64),
+        np.ascontiguousarray(q_g, dtype=np.float64),
+        np.ascontiguousarray(positions, dtype=np.int64),
         np.ascontiguousarray(k_g, dtype=np.float64),
-        np.ascontiguousarray(sigma, dtype=np.float64), np.ascontiguousarray(lam, dtype=np.float64),
-        float(cfg.radius_weight), int(cfg.cell), int(cfg.block), int(cfg.beam), int(cfg.top_k),
-        fa.height_base, fa.mu, fa.rad, fa.A, fa.e, fa.leaf_cell,
-        fh.height_base, fh.mu, fh.rad, fh.A, fh.e, fh.leaf_cell, forests.high_prefix,
+        np.ascontiguousarray(sigma, dtype=np.float64),
+        np.ascontiguousarray(lam, dtype=np.float64),
+        float(cfg.radius_weight),
+        int(cfg.cell),
+        int(cfg.block),
+        int(cfg.beam),
+        int(cfg.top_k),
+        fa.height_base,
+        fa.mu,
+        fa.rad,
+        fa.A,
+        fa.e,
+        fa.leaf_cell,
+        fh.height_base,
+        fh.mu,
+        fh.rad,
+        fh.A,
+        fh.e,
+        fh.leaf_cell,
+        forests.high_prefix,
     )
 
 
 def select_cells_fsb_numba(
-    q: np.ndarray, k: np.ndarray, cfg: FreeSoloConfig, positions: np.ndarray | None = None,
+    q: np.ndarray,
+    k: np.ndarray,
+    cfg: FreeSoloConfig,
+    positions: np.ndarray | None = None,
     return_costs: bool = False,
 ):
     """FS-B selection (spec §6), equal to the float64 oracle's.
@@ -388,8 +467,9 @@ def select_cells_fsb_numba(
         for g in range(Hkv):
             heads = slice(g * G, (g + 1) * G)
             forests = build_head_forests_numba(k[b, :, g], cfg, tau[g], planes[g])
-            out = query_head_numba(forests, q[b][positions][:, heads], positions, k[b, :, g],
-                                   sigma[heads], lam[heads], cfg)
+            out = query_head_numba(
+                forests, q[b][positions][:, heads], positions, k[b, :, g], sigma[heads], lam[heads], cfg
+            )
             idx[b, :, heads], node_keys[b, :, heads], reranked[b, :, heads] = out
     if return_costs:
         return idx, {"node_keys": node_keys, "cells_reranked": reranked}

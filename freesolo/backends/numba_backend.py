@@ -36,7 +36,6 @@ __all__ = [
 ]
 
 
-
 def _kernels():
     """The compiled kernels (imported lazily: `import freesolo` never imports numba)."""
     from . import _numba_kernels

@@ -46,7 +46,9 @@ class BackendUnavailableError(RuntimeError):
 
 def _check_name(name: str) -> str:
     if name not in BACKENDS:
-        raise BackendUnavailableError(f"unknown backend {name!r}; backends are {list(BACKENDS)}.\n{_report(None, None)}")
+        raise BackendUnavailableError(
+            f"unknown backend {name!r}; backends are {list(BACKENDS)}.\n{_report(None, None)}"
+        )
     return name
 
 
@@ -71,7 +73,9 @@ def _why_not(name: str, info: Optional[InputInfo], cfg: Optional[FreeSoloConfig]
     """Reasons backend `name` cannot serve (machine, then inputs)."""
     module_name, class_name = BACKENDS[name]
     try:
-        backend = _loaded.get(name) or getattr(importlib.import_module(f"freesolo.backends.{module_name}"), class_name)()
+        backend = (
+            _loaded.get(name) or getattr(importlib.import_module(f"freesolo.backends.{module_name}"), class_name)()
+        )
     except ImportError as error:
         return [f"cannot import: {error}"]
     reason = backend.unavailable_reason()

@@ -50,10 +50,14 @@ def dense_attention(q, k, v, idx, cfg: FreeSoloConfig, beta) -> np.ndarray:
         for h in range(Hq):
             g = h // group
             o_loc = _masked_softmax_attention(
-                rope(q[b, :, h], positions, cfg.rope_theta), rope(k[b, :, g], positions, cfg.rope_theta),
-                v[b, :, g], local,
+                rope(q[b, :, h], positions, cfg.rope_theta),
+                rope(k[b, :, g], positions, cfg.rope_theta),
+                v[b, :, g],
+                local,
             )
-            o_long = _masked_softmax_attention(q[b, :, h], k[b, :, g], v[b, :, g], selection_mask(idx[b, :, h], T, cfg.cell))
+            o_long = _masked_softmax_attention(
+                q[b, :, h], k[b, :, g], v[b, :, g], selection_mask(idx[b, :, h], T, cfg.cell)
+            )
             rms = np.sqrt(np.mean(o_long**2, axis=1, keepdims=True) + cfg.eps)
             out[b, :, h] = o_loc + beta[h] * o_long / rms
     return out

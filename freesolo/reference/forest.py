@@ -225,9 +225,7 @@ def _make_tree(start: int, leaves: np.ndarray, elems: ForestElements, cell: int)
     return Tree(start, len(leaves).bit_length() - 1, leaves, elems.cell[leaves].copy(), mu, rad, A, e)
 
 
-def build_tree(
-    start: int, height: int, elems: ForestElements, leaf_order: str, code_bits: int, cell: int
-) -> Tree:
+def build_tree(start: int, height: int, elems: ForestElements, leaf_order: str, code_bits: int, cell: int) -> Tree:
     """Batch construction of the tree of segment [start, start + 2^height) (radix-sorted leaves)."""
     ranks = np.arange(start, start + (1 << height), dtype=np.int64)
     if leaf_order == "content":
@@ -285,8 +283,12 @@ class StreamingForest:
     """
 
     def __init__(
-        self, head_dim: int, cell: int, leaf_order: str = "content",
-        planes: np.ndarray | None = None, keep_history: bool = False,
+        self,
+        head_dim: int,
+        cell: int,
+        leaf_order: str = "content",
+        planes: np.ndarray | None = None,
+        keep_history: bool = False,
     ):
         if leaf_order not in ("content", "position"):
             raise ValueError(f"leaf_order={leaf_order!r} must be 'content' or 'position'")
@@ -316,7 +318,9 @@ class StreamingForest:
         if kbar_c.shape != (self.head_dim,):
             raise ValueError(f"kbar_c shape {kbar_c.shape} must be [D={self.head_dim}]")
         if self.count and c <= self._cell[self.count - 1]:
-            raise ValueError(f"cells must be appended in increasing order, got c={c} after {self._cell[self.count - 1]}")
+            raise ValueError(
+                f"cells must be appended in increasing order, got c={c} after {self._cell[self.count - 1]}"
+            )
         if self.count == len(self._a):  # grow the buffers
             for name in ("_kbar", "_a", "_cell", "_code"):
                 old = getattr(self, name)
@@ -358,12 +362,15 @@ class StreamingForest:
         """
         trees = list(self.history.values()) if self.keep_history else self.trees
         return {
-            "head_dim": np.int64(self.head_dim), "cell": np.int64(self.cell),
+            "head_dim": np.int64(self.head_dim),
+            "cell": np.int64(self.cell),
             "leaf_order": np.array(self.leaf_order),
             "planes": np.zeros((0, self.head_dim), np.int64) if self.planes is None else self.planes.copy(),
             "keep_history": np.bool_(self.keep_history),
-            "kbar": self._kbar[: self.count].copy(), "a": self._a[: self.count].copy(),
-            "cells": self._cell[: self.count].copy(), "codes": self._code[: self.count].copy(),
+            "kbar": self._kbar[: self.count].copy(),
+            "a": self._a[: self.count].copy(),
+            "cells": self._cell[: self.count].copy(),
+            "codes": self._code[: self.count].copy(),
             "tree_start": np.array([t.start for t in trees], np.int64),
             "tree_height": np.array([t.height for t in trees], np.int64),
             "stack_start": np.array([t.start for t in self.trees], np.int64),
@@ -374,8 +381,13 @@ class StreamingForest:
     def from_state_dict(cls, state: dict) -> StreamingForest:
         planes = np.asarray(state["planes"], np.int64)
         leaf_order = str(state["leaf_order"])
-        forest = cls(int(state["head_dim"]), int(state["cell"]), leaf_order,
-                     planes if planes.shape[0] else None, bool(state["keep_history"]))
+        forest = cls(
+            int(state["head_dim"]),
+            int(state["cell"]),
+            leaf_order,
+            planes if planes.shape[0] else None,
+            bool(state["keep_history"]),
+        )
         n = len(state["a"])
         size = max(16, 1 << max(n, 1).bit_length())
         forest._kbar = np.zeros((size, forest.head_dim))
@@ -406,8 +418,13 @@ class CausalForests:
     """
 
     def __init__(
-        self, head_dim: int, cell: int, tau: float, leaf_order: str = "content",
-        planes: np.ndarray | None = None, keep_history: bool = False,
+        self,
+        head_dim: int,
+        cell: int,
+        tau: float,
+        leaf_order: str = "content",
+        planes: np.ndarray | None = None,
+        keep_history: bool = False,
     ):
         self.tau = float(tau)
         self.all = StreamingForest(head_dim, cell, leaf_order, planes, keep_history)

@@ -35,8 +35,16 @@ __all__ = [
 
 
 def node_key(
-    q_i: np.ndarray, q_norm: float, i: int, tree: Tree, node: int, scale: float,
-    sigma: float, lam: float, cell: int, radius_weight: float,
+    q_i: np.ndarray,
+    q_norm: float,
+    i: int,
+    tree: Tree,
+    node: int,
+    scale: float,
+    sigma: float,
+    lam: float,
+    cell: int,
+    radius_weight: float,
 ) -> float:
     """The beam key of a node (= UB_h(i, n) when radius_weight = 1; = score for a leaf)."""
     prior = lam * tree.A[node] * math.erf(sigma * (i - int(tree.e[node])) / (2.0 * cell))
@@ -157,8 +165,18 @@ def _run(q: np.ndarray, k: np.ndarray, cfg: FreeSoloConfig):
                     q_norm = math.sqrt(float(q_i @ q_i))
 
                     def key(tree, level, m, q_i=q_i, q_norm=q_norm, i=i, h=h):
-                        return node_key(q_i, q_norm, i, tree, tree.node(level, m), scale,
-                                        sigma[h], lam[h], cfg.cell, cfg.radius_weight)
+                        return node_key(
+                            q_i,
+                            q_norm,
+                            i,
+                            tree,
+                            tree.node(level, m),
+                            scale,
+                            sigma[h],
+                            lam[h],
+                            cfg.cell,
+                            cfg.radius_weight,
+                        )
 
                     found_all, n_all = beam_search(trees_all, key, cfg.beam)
                     found_high, n_high = beam_search(trees_high, key, cfg.beam)

@@ -78,9 +78,7 @@ def local_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, cfg: FreeSoloCo
     return out
 
 
-def long_range_readout(
-    q: np.ndarray, k: np.ndarray, v: np.ndarray, idx: np.ndarray, cfg: FreeSoloConfig
-) -> np.ndarray:
+def long_range_readout(q: np.ndarray, k: np.ndarray, v: np.ndarray, idx: np.ndarray, cfg: FreeSoloConfig) -> np.ndarray:
     """NoPE attention over the tokens of the selected cells idx [B, T, Hq, K] -> [B, T, Hq, D].
 
     A query with no selected cell gets 0.
@@ -111,9 +109,7 @@ def combine(o_loc: np.ndarray, o_long: np.ndarray, beta: np.ndarray, eps: float)
     return out
 
 
-def attention(
-    q: np.ndarray, k: np.ndarray, v: np.ndarray, cfg: FreeSoloConfig, beta: np.ndarray
-) -> np.ndarray:
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, cfg: FreeSoloConfig, beta: np.ndarray) -> np.ndarray:
     """FreeSolo attention output [B, T, Hq, D] (spec §7)."""
     idx = select_cells(q, k, cfg)
     return combine(local_attention(q, k, v, cfg), long_range_readout(q, k, v, idx, cfg), beta, cfg.eps)

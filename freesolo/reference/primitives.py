@@ -53,8 +53,14 @@ def position_prior(i: int, cells: np.ndarray, sigma: float, cell: int) -> np.nda
 
 
 def cell_scores(
-    q_i: np.ndarray, i: int, cells: np.ndarray, kbar: np.ndarray, a: np.ndarray,
-    sigma: float, lam: float, cell: int,
+    q_i: np.ndarray,
+    i: int,
+    cells: np.ndarray,
+    kbar: np.ndarray,
+    a: np.ndarray,
+    sigma: float,
+    lam: float,
+    cell: int,
 ) -> np.ndarray:
     """score(i, c) = scale * q_i . kbar_c + lam * a_c * g(i, c) for c in cells [n] -> [n]."""
     scale = 1.0 / math.sqrt(q_i.shape[0])

@@ -53,8 +53,14 @@ def run_decode(args) -> int:
 
     B, Hq, D = args.batch, args.heads, args.dim
     Hkv = args.kv_heads or Hq
-    sizes = {"window": args.window, "cell": args.cell, "top_k": args.top_k, "block": args.block,
-             "pool": args.pool, "recent": args.recent}
+    sizes = {
+        "window": args.window,
+        "cell": args.cell,
+        "top_k": args.top_k,
+        "block": args.block,
+        "pool": args.pool,
+        "recent": args.recent,
+    }
     rng = np.random.default_rng(args.seed)
     tau = None
     if args.variant == "fsb":
@@ -85,9 +91,11 @@ def run_decode(args) -> int:
             if device.startswith("cuda"):
                 torch.cuda.synchronize()
 
-    print(f"freesolo decode: variant={cfg.variant} backend={args.backend} device={device} B={B} Hq={Hq} Hkv={Hkv} "
-          f"D={D} context={args.context} (window={cfg.window} cell={cfg.cell} block={cfg.block} pool={cfg.pool} "
-          f"recent={cfg.recent} top_k={cfg.top_k})")
+    print(
+        f"freesolo decode: variant={cfg.variant} backend={args.backend} device={device} B={B} Hq={Hq} Hkv={Hkv} "
+        f"D={D} context={args.context} (window={cfg.window} cell={cfg.cell} block={cfg.block} pool={cfg.pool} "
+        f"recent={cfg.recent} top_k={cfg.top_k})"
+    )
     start = time.perf_counter()
     chunks = range(0, args.context, args.chunk)
     for s in tqdm(chunks, desc="prefill", unit="chunk", disable=args.quiet):
@@ -99,8 +107,10 @@ def run_decode(args) -> int:
             cache.prefill(k, v, check_finite=False)
     sync()
     prefill_s = time.perf_counter() - start
-    print(f"  prefill           {prefill_s:.3f} s ({args.context / max(prefill_s, 1e-9):,.0f} tok/s, "
-          f"{'extend' if args.outputs else 'state only'})")
+    print(
+        f"  prefill           {prefill_s:.3f} s ({args.context / max(prefill_s, 1e-9):,.0f} tok/s, "
+        f"{'extend' if args.outputs else 'state only'})"
+    )
 
     step = None
     if args.graph:
@@ -121,9 +131,11 @@ def run_decode(args) -> int:
         sync()
         latencies.append(time.perf_counter() - t0)
     lat_us = sorted(x * 1e6 for x in latencies)
-    print(f"  decode latency    mean {statistics.fmean(lat_us):,.1f} us  median {statistics.median(lat_us):,.1f} us  "
-          f"p90 {lat_us[int(0.9 * (len(lat_us) - 1))]:,.1f} us per token ({args.steps} steps, "
-          f"{'CUDA graph' if step is not None else 'eager'}, synchronised per step)")
+    print(
+        f"  decode latency    mean {statistics.fmean(lat_us):,.1f} us  median {statistics.median(lat_us):,.1f} us  "
+        f"p90 {lat_us[int(0.9 * (len(lat_us) - 1))]:,.1f} us per token ({args.steps} steps, "
+        f"{'CUDA graph' if step is not None else 'eager'}, synchronised per step)"
+    )
     print(f"  cache memory      {_mib(cache.memory_bytes())} at T={cache.length}")
     if not host:
         itemsize = cache.state.ring_k.element_size() if hasattr(cache.state, "ring_k") else 8

@@ -73,7 +73,9 @@ class HostCacheState:
             planes = hyperplanes(cfg.hash_seed, Hkv, cfg.hash_bits, D)  # [Hkv, r, D]
             self.forests = [
                 [
-                    CausalForests(D, s, float(tau[g]), cfg.leaf_order, planes[g].copy() if cfg.leaf_order == "content" else None)
+                    CausalForests(
+                        D, s, float(tau[g]), cfg.leaf_order, planes[g].copy() if cfg.leaf_order == "content" else None
+                    )
                     for g in range(Hkv)
                 ]
                 for _ in range(B)
@@ -100,7 +102,7 @@ class HostCacheState:
                         total += cf.all.planes.nbytes
                     for forest in (cf.all, cf.high):
                         total += sum(x.nbytes for x in (forest._kbar, forest._a, forest._cell, forest._code))
-                        for tree in (forest.history.values() if forest.keep_history else forest.trees):
+                        for tree in forest.history.values() if forest.keep_history else forest.trees:
                             total += sum(getattr(tree, f).nbytes for f in ("leaves", "cells", "mu", "rad", "A", "e"))
         return int(total)
 
@@ -160,7 +162,12 @@ class HostCacheState:
         m = len(rows)
         self.cell_ids[b, g] = -1
         self.cell_ids[b, g, :m] = keep
-        for name, source in (("cell_k", source_k), ("cell_v", source_v), ("cell_kbar", source_kbar), ("cell_a", source_a)):
+        for name, source in (
+            ("cell_k", source_k),
+            ("cell_v", source_v),
+            ("cell_kbar", source_kbar),
+            ("cell_a", source_a),
+        ):
             array = getattr(self, name)
             array[b, g] = 0
             array[b, g, :m] = source[rows]
@@ -209,8 +216,18 @@ class HostCacheState:
         q_norm = math.sqrt(float(q_i @ q_i))
 
         def key(tree, level, m):
-            return node_key(q_i, q_norm, i, tree, tree.node(level, m), scale,
-                            self.sigma[h], self.lam[h], cfg.cell, cfg.radius_weight)
+            return node_key(
+                q_i,
+                q_norm,
+                i,
+                tree,
+                tree.node(level, m),
+                scale,
+                self.sigma[h],
+                self.lam[h],
+                cfg.cell,
+                cfg.radius_weight,
+            )
 
         found_all, _ = beam_search(trees_all, key, cfg.beam)
         found_high, _ = beam_search(trees_high, key, cfg.beam)
@@ -276,5 +293,5 @@ class HostCacheState:
             for b in range(self.B):
                 for g in range(self.Hkv):
                     prefix = f"forest.{b}.{g}."
-                    sub = {key[len(prefix):]: value for key, value in state.items() if key.startswith(prefix)}
+                    sub = {key[len(prefix) :]: value for key, value in state.items() if key.startswith(prefix)}
                     self.forests[b][g] = CausalForests.from_state_dict(sub)

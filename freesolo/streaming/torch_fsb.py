@@ -177,8 +177,9 @@ class TorchFsbDeviceState(TorchCacheState):
     def buffers(self) -> dict:
         out = super().buffers()
         if self.allocated:
-            out.update(tau=self.tau, planes=self.planes, codes=self.codes, high_cells=self.high_cells,
-                       n_high=self.n_high)
+            out.update(
+                tau=self.tau, planes=self.planes, codes=self.codes, high_cells=self.high_cells, n_high=self.n_high
+            )
             out.update(self.forest_all.tensors("forest_all"))
             out.update(self.forest_high.tensors("forest_high"))
         return out
@@ -215,14 +216,19 @@ class TorchFsbDeviceState(TorchCacheState):
         n_min, n_max = int(self.n_high.min()), int(self.n_high.max())  # host sync (FS-B only)
         self.n_high_range = (n_min, n_max)
         outward = self.acc != torch.float64
-        all_elems = {"kbar": self.cell_kbar[:, :, :n_avail], "a": self.cell_a[:, :, :n_avail],
-                     "cells": self.cell_ids[:, :, :n_avail], "codes": self.codes[:, :, :n_avail]}
+        all_elems = {
+            "kbar": self.cell_kbar[:, :, :n_avail],
+            "a": self.cell_a[:, :, :n_avail],
+            "cells": self.cell_ids[:, :, :n_avail],
+            "codes": self.codes[:, :, :n_avail],
+        }
         self.forest_all.update(all_elems, n_avail, n_avail, cfg, outward)
         if n_max:
             hc = self.high_cells[:, :, :n_max].clamp(min=0)  # (B, Hkv, n_max); rows with fewer: padding
             high_elems = {
                 "kbar": torch.gather(self.cell_kbar, 2, hc[..., None].expand(B, Hkv, n_max, self.D)),
-                "a": torch.gather(self.cell_a, 2, hc), "cells": torch.gather(self.cell_ids, 2, hc),
+                "a": torch.gather(self.cell_a, 2, hc),
+                "cells": torch.gather(self.cell_ids, 2, hc),
                 "codes": torch.gather(self.codes, 2, hc),
             }
             self.forest_high.update(high_elems, n_min, n_max, cfg, outward)
@@ -281,7 +287,10 @@ class TorchFsbDeviceState(TorchCacheState):
         for name in ("codes", "high_cells", "n_high", "tau", "planes"):
             setattr(self, name, state[name].clone().to(self.device))
         for forest, prefix, cap, valid in zip(
-            (self.forest_all, self.forest_high), ("forest_all", "forest_high"), state["forest_caps"], state["forest_valid"]
+            (self.forest_all, self.forest_high),
+            ("forest_all", "forest_high"),
+            state["forest_caps"],
+            state["forest_valid"],
         ):
             forest.cap, forest.valid = int(cap), list(valid)
             for name in _FIELDS:

@@ -35,9 +35,20 @@ from ..config import FreeSoloConfig
 __all__ = ["DecodeGraph", "TorchCacheState", "fsl_candidate_count"]
 
 _BUFFERS = (
-    "pos", "inv_freq", "sigma", "lam", "ones_beta",
-    "ring_k", "ring_v", "block_k", "block_v",
-    "cell_ids", "cell_k", "cell_v", "cell_kbar", "cell_a",
+    "pos",
+    "inv_freq",
+    "sigma",
+    "lam",
+    "ones_beta",
+    "ring_k",
+    "ring_v",
+    "block_k",
+    "block_v",
+    "cell_ids",
+    "cell_k",
+    "cell_v",
+    "cell_kbar",
+    "cell_a",
 )
 
 
@@ -80,8 +91,14 @@ class TorchCacheState:
     variants = ("fs", "fsl")
 
     def __init__(
-        self, cfg: FreeSoloConfig, batch: int, num_heads: int, num_kv_heads: int, head_dim: int,
-        dtype: Optional[torch.dtype] = None, device=None,
+        self,
+        cfg: FreeSoloConfig,
+        batch: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: Optional[torch.dtype] = None,
+        device=None,
     ):
         if cfg.variant not in self.variants:
             raise ValueError(f"{type(self).__name__} implements variants {self.variants}, not {cfg.variant!r}")
@@ -205,8 +222,10 @@ class TorchCacheState:
             return torch.where(mask, _gather_cells(store, in_store), _gather_cells(new.contiguous(), in_new))
 
         new_store = {
-            "cell_k": pick(self.cell_k, k_cells), "cell_v": pick(self.cell_v, v_cells),
-            "cell_kbar": pick(self.cell_kbar, kbar), "cell_a": pick(self.cell_a, a),
+            "cell_k": pick(self.cell_k, k_cells),
+            "cell_v": pick(self.cell_v, v_cells),
+            "cell_kbar": pick(self.cell_kbar, kbar),
+            "cell_a": pick(self.cell_a, a),
         }
         self.cell_ids.copy_(torch.where(valid, ids.gather(2, keep), torch.full_like(keep, -1)))
         for name, value in new_store.items():
@@ -374,7 +393,9 @@ class TorchCacheState:
                 raise ValueError(f"state {name} shape {tuple(state[name].shape)} != {tuple(getattr(self, name).shape)}")
         if tuple(state["cell_ids"].shape) != tuple(self.cell_ids.shape):
             if self.cfg.variant == "fsl":
-                raise ValueError(f"state cell_ids shape {tuple(state['cell_ids'].shape)} != {tuple(self.cell_ids.shape)}")
+                raise ValueError(
+                    f"state cell_ids shape {tuple(state['cell_ids'].shape)} != {tuple(self.cell_ids.shape)}"
+                )
             self._alloc_store(state["cell_ids"].shape[2])
         for name in _BUFFERS:
             getattr(self, name).copy_(state[name])
@@ -439,7 +460,9 @@ class DecodeGraph:
         if not state.allocated or state.device.type != "cuda":
             raise ValueError("decode_graph needs an allocated cache on a CUDA device")
         if state.cfg.variant != "fsl":
-            raise ValueError(f"decode_graph captures the FS-L step, not variant={state.cfg.variant!r} (its store grows)")
+            raise ValueError(
+                f"decode_graph captures the FS-L step, not variant={state.cfg.variant!r} (its store grows)"
+            )
 
     def _warmup(self, fns) -> None:
         """Run each step once on a side stream (allocator, kernel selection); the caller restores the state."""
