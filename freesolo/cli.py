@@ -67,6 +67,19 @@ def cmd_run(args) -> int:
     group = Hq // Hkv
     print(f"freesolo run: variant={cfg.variant} backend={args.backend} B={B} T={T} Hq={Hq} Hkv={Hkv} D={D}")
     out = np.empty_like(q)
+    # Warm-up on a short prefix so that JIT compilation (or loading numba's cache) is not timed.
+    warm_T = min(T, 2 * cfg.block)
+    start = time.perf_counter()
+    freesolo.freesolo_attention(
+        q[:1, :warm_T, :group],
+        k[:1, :warm_T, :1],
+        v[:1, :warm_T, :1],
+        cfg if tau is None else cfg.replace(tau=(float(tau[0]),)),
+        backend=args.backend,
+    )
+    print(
+        f"  warm-up           {time.perf_counter() - start:.3f} s (compile / cache load, T={warm_T}; not timed below)"
+    )
     # One call per kv head (its query heads together): heads are independent, and the bar moves.
     bar = tqdm(range(Hkv), desc="kv heads", unit="head", disable=args.quiet or Hkv == 1)
     start = time.perf_counter()
