@@ -25,65 +25,15 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..backends.torch.fsb import NodeTable, _beam_search, content_codes
+from ..backends.torch.fsb import TREE_FIELDS as _FIELDS
+from ..backends.torch.fsb import NodeTable, _beam_search, build_segments, content_codes
+from ..backends.torch.fsb import tree_nodes as _nodes
 from ..backends.torch.selection import topk_cells
 from ..config import FreeSoloConfig
 from ..reference.forest import hyperplanes
 from .torch_state import TorchCacheState, _gather_cells
 
-__all__ = ["ForestTable", "TorchFsbDeviceState", "build_segments"]
-
-_FIELDS = ("mu", "rad", "A", "e", "cell")
-
-
-def _nodes(h: int) -> int:
-    """Nodes of a perfect tree of height h."""
-    return (2 << h) - 1
-
-
-def build_segments(elems: dict, h: int, cfg: FreeSoloConfig, outward: bool) -> dict:
-    """The trees of height h over consecutive aligned segments of 2^h elements (spec §6.2-§6.3).
-
-    elems: kbar [B, Hkv, n, D], a [B, Hkv, n], cells / codes int64 [B, Hkv, n], n = nseg * 2^h,
-    in position order. Leaves: stable sort by code (= the stable merge of the two children's
-    sorted leaves, a carry) or position order. Returns mu [B, Hkv, nseg * nodes(h), D] and rad,
-    A, e, cell [B, Hkv, nseg * nodes(h)], levels 0..h inside each tree (the NodeTable layout).
-    """
-    kbar, a, cells, codes = elems["kbar"], elems["a"], elems["cells"], elems["codes"]
-    B, Hkv, n, D = kbar.shape
-    size = 1 << h
-    nseg = n // size
-    dev = kbar.device
-    if cfg.leaf_order == "content":
-        perm = torch.sort(codes.reshape(B, Hkv, nseg, size), dim=-1, stable=True).indices
-    else:
-        perm = torch.arange(size, device=dev).expand(B, Hkv, nseg, size)
-    ranks = (torch.arange(nseg, device=dev)[:, None] * size + perm).reshape(B, Hkv, n)  # leaf order
-    kb = torch.gather(kbar, 2, ranks[..., None].expand(B, Hkv, n, D))  # (B, Hkv, n, D)
-    aa = torch.gather(a, 2, ranks)
-    cc = torch.gather(cells, 2, ranks)
-    levels = {name: [] for name in _FIELDS}
-    for level in range(h + 1):
-        g = 1 << level
-        grp = kb.reshape(B, Hkv, nseg, size // g, g, D)  # (B, Hkv, nseg, nodes at level, 2^level, D)
-        mu = grp.mean(dim=-2) if g > 1 else grp[..., 0, :]
-        if g > 1:  # exact covering radius over the leaves, rounded outward below float64
-            rad = torch.linalg.vector_norm(grp - mu[..., None, :], dim=-1).amax(dim=-1)
-            if outward:
-                rad = rad * (1.0 + 8 * torch.finfo(rad.dtype).eps)
-        else:
-            rad = torch.zeros(mu.shape[:-1], dtype=kb.dtype, device=dev)
-        e = cc.reshape(B, Hkv, nseg, size // g, g).amin(dim=-1) * cfg.cell
-        levels["mu"].append(mu)
-        levels["rad"].append(rad)
-        levels["A"].append(aa.reshape(B, Hkv, nseg, size // g, g).amax(dim=-1))
-        levels["e"].append(e)
-        levels["cell"].append(cc.reshape(B, Hkv, nseg, size) if level == 0 else torch.full_like(e, -1))
-    out = {}
-    for name, parts in levels.items():
-        t = torch.cat(parts, dim=3)  # (B, Hkv, nseg, nodes(h)[, D])
-        out[name] = t.reshape(B, Hkv, nseg * _nodes(h), *t.shape[4:])
-    return out
+__all__ = ["ForestTable", "TorchFsbDeviceState"]
 
 
 class ForestTable:

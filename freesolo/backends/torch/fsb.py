@@ -25,7 +25,17 @@ from ...reference.forest import QUANT_SCALE, hyperplanes
 from ._ops import cell_stats, take_rows
 from .selection import topk_cells
 
-__all__ = ["NodeTable", "beam_search", "build_node_table", "content_codes", "fsb_bytes_per_query", "fsb_select"]
+__all__ = [
+    "TREE_FIELDS",
+    "NodeTable",
+    "beam_search",
+    "build_node_table",
+    "build_segments",
+    "content_codes",
+    "fsb_bytes_per_query",
+    "fsb_select",
+    "tree_nodes",
+]
 
 
 def fsb_bytes_per_query(B: int, Hq: int, D: int, cfg: FreeSoloConfig, itemsize: int) -> tuple[int, int]:
@@ -61,52 +71,80 @@ class NodeTable:
         self.max_height = max_height
 
 
+TREE_FIELDS = ("mu", "rad", "A", "e", "cell")
+
+
+def tree_nodes(h: int) -> int:
+    """Nodes of a perfect tree of height h."""
+    return (2 << h) - 1
+
+
+def build_segments(elems: dict, h: int, cfg: FreeSoloConfig, outward: bool) -> dict:
+    """The trees of height h over consecutive aligned segments of 2^h elements (spec §6.2-§6.3).
+
+    elems: kbar [B, Hkv, n, D], a [B, Hkv, n], cells / codes int64 [B, Hkv, n], n = nseg * 2^h,
+    in position order. Leaves: stable sort by code (= the stable merge of the two children's
+    sorted leaves, a carry) or position order. Returns mu [B, Hkv, nseg * nodes(h), D] and rad,
+    A, e, cell [B, Hkv, nseg * nodes(h)], levels 0..h inside each tree (the NodeTable layout).
+    """
+    kbar, a, cells, codes = elems["kbar"], elems["a"], elems["cells"], elems["codes"]
+    B, Hkv, n, D = kbar.shape
+    size = 1 << h
+    nseg = n // size
+    dev = kbar.device
+    if cfg.leaf_order == "content":
+        perm = torch.sort(codes.reshape(B, Hkv, nseg, size), dim=-1, stable=True).indices
+    else:
+        perm = torch.arange(size, device=dev).expand(B, Hkv, nseg, size)
+    ranks = (torch.arange(nseg, device=dev)[:, None] * size + perm).reshape(B, Hkv, n)  # leaf order
+    kb = torch.gather(kbar, 2, ranks[..., None].expand(B, Hkv, n, D))  # (B, Hkv, n, D)
+    aa = torch.gather(a, 2, ranks)
+    cc = torch.gather(cells, 2, ranks)
+    levels = {name: [] for name in TREE_FIELDS}
+    for level in range(h + 1):
+        g = 1 << level
+        grp = kb.reshape(B, Hkv, nseg, size // g, g, D)  # (B, Hkv, nseg, nodes at level, 2^level, D)
+        mu = grp.mean(dim=-2) if g > 1 else grp[..., 0, :]
+        if g > 1:  # exact covering radius over the leaves, rounded outward below float64
+            rad = torch.linalg.vector_norm(grp - mu[..., None, :], dim=-1).amax(dim=-1)
+            if outward:
+                rad = rad * (1.0 + 8 * torch.finfo(rad.dtype).eps)
+        else:
+            rad = torch.zeros(mu.shape[:-1], dtype=kb.dtype, device=dev)
+        e = cc.reshape(B, Hkv, nseg, size // g, g).amin(dim=-1) * cfg.cell
+        levels["mu"].append(mu)
+        levels["rad"].append(rad)
+        levels["A"].append(aa.reshape(B, Hkv, nseg, size // g, g).amax(dim=-1))
+        levels["e"].append(e)
+        levels["cell"].append(cc.reshape(B, Hkv, nseg, size) if level == 0 else torch.full_like(e, -1))
+    out = {}
+    for name, parts in levels.items():
+        t = torch.cat(parts, dim=3)  # (B, Hkv, nseg, nodes(h)[, D])
+        out[name] = t.reshape(B, Hkv, nseg * tree_nodes(h), *t.shape[4:])
+    return out
+
+
 def build_node_table(kbar, a, cells, codes, M: int, cfg: FreeSoloConfig, outward: bool) -> NodeTable:
     """Trees over the element sequences kbar [B, Hkv, M, D], a [B, Hkv, M], cells / codes int64
     [B, Hkv, M] (position order; elements past a row's own count are never read).
     `outward`: round the radius up (float32 computation)."""
     B, Hkv, _, D = kbar.shape
     dev = kbar.device
-    parts = {"mu": [], "rad": [], "A": [], "e": [], "cell": []}
+    parts = {name: [] for name in TREE_FIELDS}
     base = [0]
-    H = max(M, 1).bit_length() - 1 if M > 0 else -1
+    H = M.bit_length() - 1 if M > 0 else -1
     for h in range(H + 1):
-        size = 1 << h
-        nseg = M >> h
-        n = nseg * size
-        if cfg.leaf_order == "content":
-            perm = torch.sort(codes[:, :, :n].reshape(B, Hkv, nseg, size), dim=-1, stable=True).indices
-        else:
-            perm = torch.arange(size, device=dev).expand(B, Hkv, nseg, size)
-        ranks = (torch.arange(nseg, device=dev)[:, None] * size + perm).reshape(B, Hkv, n)  # leaf order
-        kb = torch.gather(kbar, 2, ranks[..., None].expand(B, Hkv, n, D))  # (B, Hkv, n, D)
-        aa = torch.gather(a, 2, ranks)
-        cc = torch.gather(cells, 2, ranks)
-        lv = {"mu": [], "rad": [], "A": [], "e": [], "cell": []}
-        for l in range(h + 1):
-            g = 1 << l
-            grp = kb.reshape(B, Hkv, nseg, size // g, g, D)  # (B, Hkv, nseg, nodes, 2^l, D)
-            mu = grp.mean(dim=-2) if g > 1 else grp[..., 0, :]
-            if g > 1:
-                rad = torch.linalg.vector_norm(grp - mu[..., None, :], dim=-1).amax(dim=-1)
-                if outward:
-                    rad = rad * (1.0 + 8 * torch.finfo(rad.dtype).eps)
-            else:
-                rad = torch.zeros(mu.shape[:-1], dtype=kb.dtype, device=dev)
-            lv["mu"].append(mu)
-            lv["rad"].append(rad)
-            lv["A"].append(aa.reshape(B, Hkv, nseg, size // g, g).amax(dim=-1))
-            lv["e"].append(cc.reshape(B, Hkv, nseg, size // g, g).amin(dim=-1) * cfg.cell)
-            lv["cell"].append(cc.reshape(B, Hkv, nseg, size) if l == 0 else torch.full_like(lv["e"][-1], -1))
-        for key, chunks in parts.items():  # (B, Hkv, nseg, 2^(h+1) - 1[, D]) -> flat
-            t = torch.cat(lv[key], dim=3)
-            chunks.append(t.reshape(B, Hkv, nseg * (2 * size - 1), *t.shape[4:]))
-        base.append(base[-1] + nseg * (2 * size - 1))
+        n = (M >> h) << h  # elements covered by the complete segments of height h
+        elems = {"kbar": kbar[:, :, :n], "a": a[:, :, :n], "cells": cells[:, :, :n], "codes": codes[:, :, :n]}
+        trees = build_segments(elems, h, cfg, outward)
+        for name in TREE_FIELDS:
+            parts[name].append(trees[name])
+        base.append(base[-1] + (M >> h) * tree_nodes(h))
     if H < 0:
         z = kbar.new_zeros(B, Hkv, 0)
         zi = torch.zeros(B, Hkv, 0, dtype=torch.int64, device=dev)
         return NodeTable(kbar.new_zeros(B, Hkv, 0, D), z, z, zi, zi, torch.tensor(base, device=dev), H)
-    cat = {key: torch.cat(v, dim=2) for key, v in parts.items()}
+    cat = {name: torch.cat(v, dim=2) for name, v in parts.items()}
     return NodeTable(cat["mu"], cat["rad"], cat["A"], cat["e"], cat["cell"], torch.tensor(base, device=dev), H)
 
 
