@@ -8,7 +8,6 @@ import math
 import numpy as np
 
 from freesolo import FreeSoloConfig
-from freesolo.reference.primitives import cell_scores, cell_stats
 
 # Sizes small enough that pruning bites: window 16, cell 4, block 8, pool 3, recent 2.
 SMALL = dict(window=16, cell=4, block=8, pool=3, recent=2, beam=2)
@@ -41,20 +40,52 @@ def assert_close(actual, expected, rtol: float, name: str = "output") -> None:
 
 
 def fs_scores(q, k, cfg: FreeSoloConfig, b: int, i: int, h: int, cells) -> np.ndarray:
-    """The oracle's float64 cell scores score_h(i, c) for the given cells."""
-    Hq, Hkv = q.shape[2], k.shape[2]
+    """float64 cell scores score_h(i, c) for the given cells, written from spec §3-§4 with no
+    call into freesolo.reference (so tests that use it check the oracle, not restate it):
+    kbar_c = mean of the cell's keys, a_c = max key norm, p_c = c*s,
+    score = q_i . kbar_c / sqrt(D) + lam_h * a_c * erf(sigma_h * (i - p_c) / (2 s))."""
+    Hq, Hkv, D = q.shape[2], k.shape[2], q.shape[3]
     g = h // (Hq // Hkv)
-    kbar, a = cell_stats(np.asarray(k[b, :, g], np.float64), cfg.cell)
-    return cell_scores(
-        np.asarray(q[b, i, h], np.float64),
-        i,
-        np.asarray(cells, np.int64),
-        kbar,
-        a,
-        cfg.per_head("sigma", Hq)[h],
-        cfg.per_head("lam", Hq)[h],
-        cfg.cell,
-    )
+    s = cfg.cell
+    sigma, lam = cfg.per_head("sigma", Hq)[h], cfg.per_head("lam", Hq)[h]
+    q_i = np.asarray(q[b, i, h], np.float64)
+    out = []
+    for c in cells:
+        keys = np.asarray(k[b, int(c) * s : (int(c) + 1) * s, g], np.float64)  # [s, D]
+        assert keys.shape[0] == s, f"cell {c} is not complete"
+        kbar = keys.sum(axis=0) / s
+        a = max(math.sqrt(sum(float(x) * float(x) for x in row)) for row in keys)
+        prior = math.erf(sigma * (i - int(c) * s) / (2.0 * s))
+        out.append(float(q_i @ kbar) / math.sqrt(D) + lam * a * prior)
+    return np.array(out, dtype=np.float64)
+
+
+def independent_selection(q, k, cfg: FreeSoloConfig) -> np.ndarray:
+    """FS / FS-L selection [B, T, Hq, K] written from spec §3, §5, §7 alone (no freesolo.reference):
+    n_j = j*Bq/s; FS-L keeps the W most recent available cells [max(0, n_j-W), n_j) plus the P
+    older cells of largest (a_c, c); top-K by (score, c) descending, -1 padded."""
+    B, T, Hq, D = q.shape
+    Hkv, s = k.shape[2], cfg.cell
+    idx = np.full((B, T, Hq, cfg.top_k), -1, dtype=np.int64)
+    for b in range(B):
+        for h in range(Hq):
+            g = h // (Hq // Hkv)
+            norms = np.sqrt((np.asarray(k[b, : (T // s) * s, g], np.float64) ** 2).sum(-1)).reshape(-1, s)
+            a = norms.max(axis=1) if norms.size else np.zeros(0)
+            for i in range(T):
+                n_j = (i // cfg.block) * cfg.block // s
+                if cfg.variant == "fs":
+                    cand = list(range(n_j))
+                else:
+                    lo = max(0, n_j - cfg.recent)
+                    older = sorted(range(lo), key=lambda c: (a[c], c), reverse=True)[: cfg.pool]
+                    cand = older + list(range(lo, n_j))
+                if not cand:
+                    continue
+                sc = fs_scores(q, k, cfg, b, i, h, cand)
+                best = sorted(zip(sc.tolist(), cand), reverse=True)[: cfg.top_k]
+                idx[b, i, h, : len(best)] = [c for _, c in best]
+    return idx
 
 
 def assert_selection_matches(idx_test, idx_ref, q, k, cfg: FreeSoloConfig, tol: float, score_fn=fs_scores) -> int:
