@@ -104,6 +104,13 @@ def check_inputs(q, k, v: Optional[Any], cfg: FreeSoloConfig, beta=None, check_f
             raise TypeError(f"beta must be a numpy array or torch tensor of shape [Hq={Hq}], got {type(beta).__name__}")
         if tuple(beta.shape) != (Hq,):
             raise ValueError(f"beta shape {tuple(beta.shape)} must be [Hq={Hq}]")
+        if kind == "torch" and is_torch_tensor(beta):
+            if str(beta.device) != device:
+                raise ValueError(f"beta is on {beta.device} but q, k, v are on {device}: move it (nothing is moved)")
+            if beta.requires_grad:
+                import torch
+
+                requires_grad = requires_grad or torch.is_grad_enabled()  # beta is learnable (spec §1, §8)
         if check_finite and not _all_finite(beta):
             raise ValueError("beta contains non-finite values")
     cfg.per_head("sigma", Hq)

@@ -211,3 +211,73 @@ def test_import_freesolo_needs_neither_torch_nor_triton():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "(1, 9, 1, 4)" in result.stdout
+
+
+# ---- torch inputs through the public API (spec §12) ------------------------------------------------
+def _torch_qkv(dtype=None, **shape):
+    torch = pytest.importorskip("torch", reason="torch is an optional dependency")
+    q, k, v = (torch.from_numpy(x) for x in _qkv(**shape))
+    return (q, k, v) if dtype is None else tuple(x.to(dtype) for x in (q, k, v))
+
+
+@pytest.mark.parametrize("backend", ["numpy", "numba", "torch"])
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16", "float32", "float64"])
+def test_torch_dtype_and_device_are_preserved(backend, dtype_name):
+    torch = pytest.importorskip("torch", reason="torch is an optional dependency")
+    dtype = getattr(torch, dtype_name)
+    q, k, v = _torch_qkv(dtype, T=30)
+    out = freesolo.freesolo_attention(q, k, v, CFG, backend=backend)
+    assert isinstance(out, torch.Tensor) and out.dtype == dtype and out.device == q.device
+    assert out.shape == q.shape
+    idx = freesolo.select_cells(q, k, CFG, backend=backend)
+    assert isinstance(idx, torch.Tensor) and idx.dtype == torch.int64 and idx.device == q.device
+    assert idx.shape == (1, 30, 2, CFG.top_k)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "numba", "torch"])
+@pytest.mark.parametrize("dtype_name", ["int32", "int64", "bool"])
+def test_torch_integer_inputs_raise(backend, dtype_name):
+    torch = pytest.importorskip("torch", reason="torch is an optional dependency")
+    dtype = getattr(torch, dtype_name)
+    q, k, v = _torch_qkv()
+    for name, args in (("q", (q.to(dtype), k, v)), ("k", (q, k.to(dtype), v)), ("v", (q, k, v.to(dtype)))):
+        with pytest.raises(TypeError, match=f"{name} must be a floating dtype"):
+            freesolo.freesolo_attention(*args, CFG, backend=backend)
+    with pytest.raises(TypeError, match="floating dtype"):
+        freesolo.select_cells(q.to(dtype), k.to(dtype), CFG, backend=backend)
+    with pytest.raises(TypeError, match="floating dtype"):
+        freesolo.calibrate_tau(k.to(dtype), CFG)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "numba", "torch"])
+def test_torch_device_mismatch_raises(backend):
+    """q, k, v on different devices, or beta on another device than q: a ValueError naming the
+    devices, before anything is computed ("meta" stands in for a second device on CPU-only machines)."""
+    pytest.importorskip("torch", reason="torch is an optional dependency")
+    import torch
+
+    q, k, v = _torch_qkv()
+    with pytest.raises(ValueError, match="must be on one device"):
+        freesolo.freesolo_attention(q, k.to("meta"), v, CFG, backend=backend)
+    with pytest.raises(ValueError, match="must be on one device"):
+        freesolo.select_cells(q.to("meta"), k, CFG, backend=backend)
+    with pytest.raises(ValueError, match="beta is on meta"):
+        freesolo.freesolo_attention(q, k, v, CFG, beta=torch.ones(2, device="meta"), backend=backend)
+
+
+def test_beta_requiring_grad_is_not_dropped():
+    """beta is learnable (spec §1, §8): a host backend (no autograd) refuses it instead of silently
+    detaching it; the torch backend gives it a gradient; under no_grad the host backends run."""
+    torch = pytest.importorskip("torch", reason="torch is an optional dependency")
+    q, k, v = _torch_qkv(T=30)
+    beta = torch.tensor([0.5, 1.5], dtype=torch.float64, requires_grad=True)
+    for backend in ("numpy", "numba"):
+        with pytest.raises(BackendUnavailableError, match="no autograd"):
+            freesolo.freesolo_attention(q, k, v, CFG, beta=beta, backend=backend)
+        with torch.no_grad():
+            out = freesolo.freesolo_attention(q, k, v, CFG, beta=beta, backend=backend)
+        ref = freesolo.freesolo_attention(q, k, v, CFG, beta=beta.detach(), backend=backend)
+        assert torch.equal(out, ref)
+    out = freesolo.freesolo_attention(q, k, v, CFG, beta=beta, backend="torch")
+    out.sum().backward()
+    assert beta.grad is not None and torch.isfinite(beta.grad).all() and beta.grad.abs().sum() > 0
