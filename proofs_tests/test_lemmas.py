@@ -183,12 +183,29 @@ def test_L5_fsl_with_large_pool_equals_fs(shape, cfg, seed):
     np.testing.assert_array_equal(_numpy(q, k, v, fsl), _numpy(q, k, v, fs))
 
 
+def _rope_complex(x, pos, theta):
+    """Half-split RoPE written as a complex rotation (independent of primitives.rope): the pair
+    (x[m], x[m + D/2]) is the complex number x[m] + i x[m + D/2], turned by pos * theta^(-2m/D)."""
+    D = x.shape[-1]
+    z = x[:, : D // 2] + 1j * x[:, D // 2 :]
+    z = z * np.exp(1j * pos[:, None] * theta ** (-2.0 * np.arange(D // 2) / D))
+    return np.concatenate([z.real, z.imag], axis=1)
+
+
+def test_oracle_rope_is_the_half_split_form():
+    rng = np.random.default_rng(1)
+    for D in (2, 6, 64):
+        x, pos = rng.standard_normal((40, D)), np.arange(1000, 1040)
+        np.testing.assert_allclose(rope(x, pos, 500.0), _rope_complex(x, pos, 500.0), rtol=0, atol=1e-11)
+
+
 def _dense_reference(q, k, v, cfg, beta):
     """Dense causal RoPE attention + beta * rmsnorm(full NoPE attention over available tokens),
     written independently of the oracle with plain matrices."""
     B, T, Hq, D = q.shape
     group = Hq // k.shape[2]
     pos = np.arange(T)
+    rope = _rope_complex  # not the oracle's
     causal = pos[None, :] <= pos[:, None]  # [T, T]
     available = pos[None, :] < (pos[:, None] // cfg.block) * cfg.block  # tokens of cells c < n_j
     out = np.zeros_like(q)
