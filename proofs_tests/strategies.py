@@ -11,8 +11,12 @@ AWKWARD_T = (1, 31, 33, 127, 129)
 
 @st.composite
 def shapes(draw, max_t: int = 160, awkward=AWKWARD_T, dims=(2, 6, 8), groups=(1, 2, 4)):
-    """(B, T, Hq, Hkv, D): awkward lengths or any T <= max_t, GQA group sizes 1, 2, 4."""
-    T = draw(st.one_of(st.sampled_from([t for t in awkward if t <= max_t]), st.integers(1, max_t)))
+    """(B, T, Hq, Hkv, D): awkward lengths or any T <= max_t, GQA group sizes 1, 2, 4.
+
+    Half the branches draw T in [max_t/2, max_t]: with small_configs (blocks of <= 12 tokens)
+    those lengths select cells, and top-K and the FS-L pool prune; shorter ones often read none."""
+    long_t = st.integers(max(1, max_t // 2), max_t)
+    T = draw(st.one_of(long_t, st.sampled_from([t for t in awkward if t <= max_t]), long_t, st.integers(1, max_t)))
     Hkv = draw(st.integers(1, 2))
     group = draw(st.sampled_from(groups))
     B = draw(st.integers(1, 2))

@@ -51,11 +51,12 @@ def test_L2_causality(shape, cfg, seed, data):
     i0 = data.draw(st.integers(0, T - 1), label="i0")
     q2, k2, v2 = random_qkv(seed + 1, B, T, Hq, Hkv, D)
     q2[:, : i0 + 1], k2[:, : i0 + 1], v2[:, : i0 + 1] = q[:, : i0 + 1], k[:, : i0 + 1], v[:, : i0 + 1]
-    o1, o2 = _numpy(q, k, v, cfg), _numpy(q2, k2, v2, cfg)
-    s1 = freesolo.select_cells(q, k, cfg, backend="numpy")
-    s2 = freesolo.select_cells(q2, k2, cfg, backend="numpy")
-    np.testing.assert_array_equal(s1[:, : i0 + 1], s2[:, : i0 + 1])
-    np.testing.assert_array_equal(o1[:, : i0 + 1], o2[:, : i0 + 1])
+    for c in (cfg.replace(variant="fs"), cfg.replace(variant="fsl")):  # both, on every example
+        o1, o2 = _numpy(q, k, v, c), _numpy(q2, k2, v2, c)
+        s1 = freesolo.select_cells(q, k, c, backend="numpy")
+        s2 = freesolo.select_cells(q2, k2, c, backend="numpy")
+        np.testing.assert_array_equal(s1[:, : i0 + 1], s2[:, : i0 + 1])
+        np.testing.assert_array_equal(o1[:, : i0 + 1], o2[:, : i0 + 1])
 
 
 # ---- L3: FS-L streaming pool == parallel pool; |C_j| <= P + W --------------------------------

@@ -51,7 +51,10 @@ def problems(draw, variants=("fs", "fsl"), max_t: int = 80):
         hash_bits=draw(st.sampled_from([3, 16])),
         radius_weight=draw(st.sampled_from([0.0, 1.0])),
     )
-    T = draw(st.one_of(st.sampled_from([1, 2 * block - 1, 2 * block + 1]), st.integers(1, max_t)))
+    # edge lengths, any length, and (most often) lengths past block 2, where cells are selected,
+    # top-K, the FS-L pool and the FS-B beam prune (shorter ones mostly exercise the local branch only)
+    long_t = st.integers(min(max_t, 3 * block + 1), max_t)
+    T = draw(st.one_of(long_t, st.sampled_from([1, 2 * block - 1, 2 * block + 1]), long_t, st.integers(1, max_t)))
     Hkv = draw(st.integers(1, 2))
     Hq = Hkv * draw(st.sampled_from([1, 2, 3]))
     B = draw(st.integers(1, 2))
