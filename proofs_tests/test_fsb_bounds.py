@@ -71,6 +71,13 @@ def bound_violations(q, k, cfg: FreeSoloConfig, radius=exact_radius) -> list:
                                         s = scores[i][c]
                                         if ub < s - TOL * (1 + abs(s)):
                                             violations.append((b, i, h, node, int(c), ub, s))
+                                    if radius is exact_radius:  # the beam's key is this UB (§6.3)
+                                        for w in (1.0, 0.5, 0.0):
+                                            key = node_key(
+                                                q_i, q_norm, i, tree, node, scale, sigma[h], lam[h], cfg.cell, w
+                                            )
+                                            want = ub - (1.0 - w) * scale * q_norm * rad
+                                            assert abs(key - want) <= 1e-12 * (1 + abs(want)), (node, w, key, want)
                                     if level == 0:  # a leaf's key is its score (to rounding)
                                         key = node_key(
                                             q_i, q_norm, i, tree, node, scale, sigma[h], lam[h], cfg.cell, 1.0
