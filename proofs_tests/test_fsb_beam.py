@@ -282,3 +282,73 @@ def test_fsb_without_tau_raises_and_says_how_to_get_one():
             call()
     with pytest.raises(ValueError, match="tau has 3 values"):
         select_cells_fsb(q, k, cfg.replace(tau=(1.0, 2.0, 3.0)))
+
+
+# ---- the beam walked from the spec, with node keys from scratch ---------------------------------
+
+
+def spec_fsb_select(q, k, cfg) -> np.ndarray:
+    """FS-B selection restated from spec §6.3-§6.4 in the test: the trees' shapes and leaf orders
+    come from head_forests (checked against their definition in test_fsb_forest), everything else
+    is recomputed here: node statistics from the leaf cells, the UB key, the height-aligned beam
+    (the tallest root first, each shorter tree's root joining at its own height; ties by larger
+    key, smaller segment start, smaller index), the union of both forests, the rho rerank."""
+    B, T, Hq, D = q.shape
+    Hkv, s = k.shape[2], cfg.cell
+    sigma, lam = cfg.per_head("sigma", Hq), cfg.per_head("lam", Hq)
+    idx = np.full((B, T, Hq, cfg.top_k), -1, np.int64)
+    for (b, g), hf in head_forests(k, cfg).items():
+        C = T // s
+        cells_k = k[b, : C * s, g].reshape(C, s, D)
+        kbar, a = cells_k.mean(axis=1), np.linalg.norm(cells_k, axis=-1).max(axis=1)
+        for h in range(g * (Hq // Hkv), (g + 1) * (Hq // Hkv)):
+            for i in range(cfg.block, T):
+                n = (i // cfg.block) * cfg.block // s
+                qi = q[b, i, h]
+
+                def key(tree, level, m, qi=qi, i=i, h=h, kbar=kbar, a=a):
+                    under = tree.cells[m << level : (m + 1) << level]
+                    mu = kbar[under].mean(axis=0)
+                    rad = np.linalg.norm(kbar[under] - mu, axis=1).max()
+                    prior = lam[h] * a[under].max() * math.erf(sigma[h] * (i - under.min() * s) / (2.0 * s))
+                    return (qi @ mu + cfg.radius_weight * np.linalg.norm(qi) * rad) / math.sqrt(D) + prior
+
+                union = set()
+                for trees in hf.forests(n):
+                    if not trees:
+                        continue
+                    root_of = {t.height: t for t in trees}
+                    frontier = [(trees[0], 0)]
+                    for level in range(trees[0].height - 1, -1, -1):
+                        cands = [(t, 2 * m + d) for t, m in frontier for d in (0, 1)]
+                        cands += [(root_of[level], 0)] if level in root_of else []
+                        cands.sort(key=lambda tm, level=level: (-key(tm[0], level, tm[1]), tm[0].start, tm[1]))
+                        frontier = cands[: cfg.beam]
+                    union |= {int(t.cells[m]) for t, m in frontier}
+                rho = rho_scores(q, k, cfg, b, i, h, sorted(union))
+                best = sorted(zip(rho.tolist(), sorted(union)), reverse=True)[: cfg.top_k]
+                idx[b, i, h, : len(best)] = [c for _, c in best]
+    return idx
+
+
+@given(
+    seed=st.integers(0, 2**31),
+    T=st.integers(40, 150),
+    Hkv=st.sampled_from([1, 2]),
+    group=st.sampled_from([1, 2]),
+    D=st.sampled_from([2, 4, 8]),
+    leaf_order=st.sampled_from(["content", "position"]),
+    beam=st.integers(1, 3),
+    top_k=st.integers(1, 4),
+    radius_weight=st.sampled_from([0.0, 1.0]),
+    lam=st.sampled_from([0.0, 1.0]),
+)
+def test_beam_search_equals_the_spec_walk(seed, T, Hkv, group, D, leaf_order, beam, top_k, radius_weight, lam):
+    """Small beams (pruning bites at every level): oracle and numba == the spec walk above."""
+    q, k = inputs(seed, 1, T, Hkv, group, D)
+    cfg = fsb_config(k, leaf_order=leaf_order, beam=beam, top_k=top_k, radius_weight=radius_weight, lam=lam)
+    expected = spec_fsb_select(q, k, cfg)
+    n_last = ((T - 1) // cfg.block) * cfg.block // cfg.cell
+    assert n_last > 2 * beam, "the beam must prune somewhere"
+    assert np.array_equal(select_cells_fsb(q, k, cfg), expected)
+    assert np.array_equal(select_cells_fsb_numba(q, k, cfg), expected)
