@@ -612,3 +612,24 @@ def test_decode_ops_never_read_tensor_values_on_host(variant):
         if op.startswith("aten.index") and op not in ("aten.index_copy", "aten.index_copy_", "aten.index_select")
     ]
     assert not bool_index, f"advanced indexing in decode: {bool_index}"
+
+
+@pytest.mark.parametrize("variant", ["fs", "fsl", "fsb"])
+def test_l6_paper_sizes_on_cpu(variant):
+    """L6 at the paper's sizes (window 512, cell 32, block 128, K 4, beam 16; pool 4 / recent 2 so
+    that the pool prunes by T = 1100) on the CPU: the torch float64 cache and the numba host cache,
+    fed decode steps, chunks crossing block and window boundaries, == the parallel op. The CUDA
+    twin of this test (test_cache_gpu) is skipped here."""
+    B, T, Hq, Hkv, D = 1, 1100, 2, 1, 64
+    q, k, v = random_qkv(21, B, T, Hq, Hkv, D)
+    cfg = FreeSoloConfig(variant=variant, pool=4, recent=2)
+    if variant == "fsb":
+        cfg = cfg.replace(tau=tuple(freesolo.calibrate_tau(k, cfg)))
+    beta = np.array([0.7, -1.3])
+    expected = freesolo.freesolo_attention(q, k, v, cfg, beta=beta, backend="numba")
+    assert (freesolo.select_cells(q, k, cfg, backend="numba")[:, 128:] >= 0).all()
+    chunks = split(T, (1, 127, 1, 300, 129, 2))
+    for backend, as_torch in (("torch", torch.float64), ("numba", None)):
+        cache = FreeSoloCache(cfg, B, Hq, Hkv, D, backend=backend)
+        got = stream(cache, q, k, v, chunks, beta, as_torch=as_torch)
+        np.testing.assert_allclose(got, expected, rtol=0, atol=1e-10, err_msg=f"{backend} cache")
