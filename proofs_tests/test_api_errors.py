@@ -158,6 +158,16 @@ def test_use_backend_restores_previous():
             with freesolo.use_backend("numpy"):
                 raise RuntimeError("inside")
         assert freesolo.get_backend() == "numpy"
+        # a different backend inside, so that "restored" is distinguishable from "never changed"
+        other = next(name for name in freesolo.available_backends() if name != "numpy")
+        with freesolo.use_backend(other):
+            assert freesolo.get_backend() == other
+        assert freesolo.get_backend() == "numpy"
+        with pytest.raises(RuntimeError):
+            with freesolo.use_backend(other):
+                assert freesolo.get_backend() == other
+                raise RuntimeError("inside")
+        assert freesolo.get_backend() == "numpy"
     finally:
         import freesolo.backends.registry as registry
 
