@@ -93,12 +93,18 @@ def assert_selection_matches(idx_test, idx_ref, q, k, cfg: FreeSoloConfig, tol: 
 
     Where they differ, both must select the same number of cells and the sorted oracle scores
     of the two selections must agree within `tol` (a swap is allowed only at a near-tie).
+    Rows that differ only in order must list the cells by descending score (spec §7), up to `tol`.
     Returns the number of (b, i, h) rows that differ.
     """
     idx_test = np.asarray(idx_test)
     idx_ref = np.asarray(idx_ref)
     assert idx_test.shape == idx_ref.shape, (idx_test.shape, idx_ref.shape)
     assert idx_test.dtype == np.int64, idx_test.dtype
+    for b, i, h in np.argwhere((idx_test != idx_ref).any(axis=-1)):
+        row = [int(c) for c in idx_test[b, i, h] if c >= 0]
+        assert list(idx_test[b, i, h, len(row) :]) == [-1] * (idx_test.shape[-1] - len(row)), "-1 pads come last"
+        scores = score_fn(q, k, cfg, b, i, h, row)
+        assert np.all(np.diff(scores) <= tol), f"(b={b}, i={i}, h={h}): {row} not by descending score {scores}"
     differing = np.argwhere((np.sort(idx_test, axis=-1) != np.sort(idx_ref, axis=-1)).any(axis=-1))
     for b, i, h in differing:
         a_cells = [int(c) for c in idx_test[b, i, h] if c >= 0]
