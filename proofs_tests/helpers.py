@@ -117,3 +117,24 @@ def assert_selection_matches(idx_test, idx_ref, q, k, cfg: FreeSoloConfig, tol: 
             f"selection differs at (b={b}, i={i}, h={h}): {a_cells} vs {r_cells}, score gap {gap:.3e} > tol {tol:.1e}"
         )
     return len(differing)
+
+
+def off_grid_tau(k, cfg: FreeSoloConfig) -> tuple:
+    """A per-kv-head FS-B threshold for tests that compare two backends: freesolo.calibrate_tau's
+    median, moved halfway to the next larger a_c. The median of an odd number of cells IS one
+    cell's a_c, so `a_c > tau` for that cell is decided by the last ulp of a_c, which float64
+    backends may round differently (sqrt of a differently ordered sum): a tie in the input, not
+    a backend error. Off the grid, every cell is > tau or < tau by a decisive margin."""
+    import freesolo
+
+    k = np.asarray(k, np.float64)
+    B, T, Hkv, D = k.shape
+    tau = np.asarray(freesolo.calibrate_tau(k, cfg), np.float64)
+    C = T // cfg.cell
+    a = np.sqrt((k[:, : C * cfg.cell] ** 2).sum(-1)).reshape(B, C, cfg.cell, Hkv).max(axis=2)  # [B, C, Hkv]
+    out = []
+    for g in range(Hkv):
+        above = np.sort(a[:, :, g].ravel())
+        above = above[above > tau[g] * (1 + 1e-9)]
+        out.append(float((tau[g] + above[0]) / 2) if len(above) else float(tau[g] * (1 + 1e-6) + 1e-6))
+    return tuple(out)

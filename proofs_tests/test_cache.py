@@ -19,7 +19,7 @@ import freesolo
 from freesolo import FreeSoloCache, FreeSoloConfig
 from freesolo.reference.primitives import cell_stats, fsl_candidates
 
-from .helpers import SMALL, assert_close, random_qkv, rms_rel_error
+from .helpers import SMALL, assert_close, off_grid_tau, random_qkv, rms_rel_error
 
 torch = pytest.importorskip("torch")
 
@@ -33,7 +33,7 @@ def make_cfg(variant: str, k=None, **changes) -> FreeSoloConfig:
     if variant == "fsb":
         if k.shape[1] < cfg.cell:  # no complete cell to calibrate on: same-distribution keys
             k = np.random.default_rng(0).standard_normal((1, 8 * cfg.cell) + k.shape[2:])
-        cfg = cfg.replace(tau=tuple(freesolo.calibrate_tau(k, cfg)))
+        cfg = cfg.replace(tau=off_grid_tau(k, cfg))  # not on a cell's a_c (see helpers)
     return cfg
 
 
@@ -624,7 +624,7 @@ def test_l6_paper_sizes_on_cpu(variant):
     q, k, v = random_qkv(21, B, T, Hq, Hkv, D)
     cfg = FreeSoloConfig(variant=variant, pool=4, recent=2)
     if variant == "fsb":
-        cfg = cfg.replace(tau=tuple(freesolo.calibrate_tau(k, cfg)))
+        cfg = cfg.replace(tau=off_grid_tau(k, cfg))  # not on a cell's a_c (see helpers)
     beta = np.array([0.7, -1.3])
     expected = freesolo.freesolo_attention(q, k, v, cfg, beta=beta, backend="numba")
     assert (freesolo.select_cells(q, k, cfg, backend="numba")[:, 128:] >= 0).all()

@@ -26,7 +26,7 @@ from freesolo import FreeSoloConfig
 from freesolo.backends.torch import attention, select_cells
 from freesolo.reference import oracle
 
-from .helpers import assert_close, assert_selection_matches, random_qkv, rms_rel_error
+from .helpers import assert_close, assert_selection_matches, off_grid_tau, random_qkv, rms_rel_error
 
 # ---- strategies ------------------------------------------------------------------------------
 
@@ -68,7 +68,7 @@ def _with_tau(cfg: FreeSoloConfig, k: np.ndarray) -> FreeSoloConfig:
         return cfg
     if k.shape[1] < cfg.cell:
         return cfg.replace(tau=(0.0,) * k.shape[2])
-    return cfg.replace(tau=tuple(float(x) for x in oracle.calibrate_tau(k, cfg)))
+    return cfg.replace(tau=off_grid_tau(k, cfg))  # calibrate_tau's median sits on a cell's a_c
 
 
 def rho_scores(q, k, cfg, b, i, h, cells):
