@@ -93,7 +93,13 @@ def calibrate_tau(k, cfg: Optional[FreeSoloConfig] = None):
     from .reference.oracle import calibrate_tau as _calibrate
 
     cfg = _config(cfg)
-    check_inputs(k, k, None, cfg.replace(variant="fs"))
+    try:
+        check_inputs(k, k, None, cfg.replace(variant="fs"))
+    except (TypeError, ValueError) as error:  # k is checked in q's place: name the argument passed
+        message = str(error)
+        if message.startswith("q "):
+            raise type(error)("k " + message[2:]) from None
+        raise
     return _calibrate(_to_float64(k), cfg)
 
 

@@ -257,6 +257,19 @@ def test_torch_integer_inputs_raise(backend, dtype_name):
         freesolo.select_cells(q.to(dtype), k.to(dtype), CFG, backend=backend)
     with pytest.raises(TypeError, match="floating dtype"):
         freesolo.calibrate_tau(k.to(dtype), CFG)
+    with pytest.raises(TypeError, match="^k must be a floating dtype"):  # names the argument passed
+        freesolo.calibrate_tau(k.to(dtype), CFG)
+
+
+def test_calibrate_tau_errors_name_k():
+    _, k, _ = _qkv()
+    with pytest.raises(TypeError, match="^k must be a floating dtype"):
+        freesolo.calibrate_tau(k.astype(np.int64), CFG)
+    with pytest.raises(ValueError, match=r"^k must have rank 4"):
+        freesolo.calibrate_tau(k[0], CFG)
+    k[0, 2, 0, 1] = np.nan
+    with pytest.raises(ValueError, match="^k contains non-finite values"):
+        freesolo.calibrate_tau(k, CFG)
 
 
 @pytest.mark.parametrize("backend", ["numpy", "numba", "torch"])
