@@ -254,6 +254,22 @@ def _beam(qv, q_norm, i, scale, sigma, lam, rw, cell, beam, n, height_base, mu, 
     return nf, evaluated
 
 
+@njit(cache=True)
+def _add_unique(found, nfound, union, nu):
+    """Append found[:nfound] to union[:nu], skipping cells already there; returns the new length."""
+    for x in range(nfound):
+        c = found[x]
+        seen = False
+        for y in range(nu):
+            if union[y] == c:
+                seen = True
+                break
+        if not seen:
+            union[nu] = c
+            nu += 1
+    return nu
+
+
 @njit(cache=True, parallel=True)
 def _query_head(
     q_g,
@@ -306,60 +322,48 @@ def _query_head(
             for d in range(D):
                 qq += qv[d] * qv[d]
             q_norm = math.sqrt(qq)
-            nu = 0
-            total_keys = 0
-            for forest in range(2):
-                if forest == 0:
-                    nfound, nk = _beam(
-                        qv,
-                        q_norm,
-                        i,
-                        scale,
-                        sigma[h],
-                        lam[h],
-                        rw,
-                        cell,
-                        beam,
-                        n_avail,
-                        hb_all,
-                        mu_all,
-                        rad_all,
-                        A_all,
-                        e_all,
-                        leaf_all,
-                        found,
-                    )
-                else:
-                    nfound, nk = _beam(
-                        qv,
-                        q_norm,
-                        i,
-                        scale,
-                        sigma[h],
-                        lam[h],
-                        rw,
-                        cell,
-                        beam,
-                        n_high,
-                        hb_high,
-                        mu_high,
-                        rad_high,
-                        A_high,
-                        e_high,
-                        leaf_high,
-                        found,
-                    )
-                total_keys += nk
-                for x in range(nfound):
-                    c = found[x]
-                    seen = False
-                    for y in range(nu):
-                        if union[y] == c:
-                            seen = True
-                            break
-                    if not seen:
-                        union[nu] = c
-                        nu += 1
+            # all-cells forest, then the high-norm forest; the union keeps first occurrences
+            nfound, keys_all = _beam(
+                qv,
+                q_norm,
+                i,
+                scale,
+                sigma[h],
+                lam[h],
+                rw,
+                cell,
+                beam,
+                n_avail,
+                hb_all,
+                mu_all,
+                rad_all,
+                A_all,
+                e_all,
+                leaf_all,
+                found,
+            )
+            nu = _add_unique(found, nfound, union, 0)
+            nfound, keys_high = _beam(
+                qv,
+                q_norm,
+                i,
+                scale,
+                sigma[h],
+                lam[h],
+                rw,
+                cell,
+                beam,
+                n_high,
+                hb_high,
+                mu_high,
+                rad_high,
+                A_high,
+                e_high,
+                leaf_high,
+                found,
+            )
+            nu = _add_unique(found, nfound, union, nu)
+            total_keys = keys_all + keys_high
             node_keys[p, h] = total_keys
             reranked[p, h] = nu
             for x in range(nu):  # rho = logsumexp over the cell's tokens
