@@ -1,15 +1,274 @@
-"""Registry entry of the `triton` backend (integration in progress)."""
+"""Registry entry and `torch.library` operators of the `triton` backend.
+
+Operators (so that `torch.compile(fullgraph=True)` sees one opaque node, with fake tensors for
+tracing and a registered autograd formula):
+
+- ``freesolo::triton_forward(q, k, v, beta, cfg_json) -> (o, idx, lse_loc, lse_long, rstd)``:
+  selection (FS / FS-L in Triton; FS-B by the torch backend's search) then the fused readout.
+- ``freesolo::triton_backward(do, q, k, v, o, idx, beta, lse_loc, lse_long, rstd, cfg_json,
+  deterministic) -> (dq, dk, dv, dbeta)``: gradients of spec §8 (none through the selection).
+
+Shapes: q [B, T, Hq, D], k / v [B, T, Hkv, D], beta fp32 [Hq], o [B, T, Hq, D] (q's dtype),
+idx int64 [B, T, Hq, K] (-1 padded), lse_loc / lse_long / rstd fp32 [B, Hq, T].
+
+Devices: CUDA tensors in float16 / bfloat16 / float32. With ``TRITON_INTERPRET=1`` (Triton's
+interpreter) the backend also accepts CPU float32 tensors: that is how CI tests the kernels.
+
+Determinism: the backward's key / value gradients of the sparse branch are summed either in a
+fixed order (deterministic, the default: same bits run to run) or with fp32 atomics (faster, not
+bitwise reproducible). Choose with `set_deterministic` / `deterministic(...)` or the environment
+variable ``FREESOLO_DETERMINISTIC=0``.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import json
+import os
+from typing import Iterator, Optional
+
+import torch
+
+from ...config import FreeSoloConfig
 from ..base import Backend
 
-__all__ = ["TritonBackend"]
+__all__ = [
+    "TritonBackend",
+    "config_from_json",
+    "config_to_json",
+    "deterministic",
+    "interpreting",
+    "is_deterministic",
+    "set_deterministic",
+    "triton_attention",
+    "triton_select_cells",
+]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+
+_deterministic: Optional[bool] = None
+
+
+def interpreting() -> bool:
+    """True when Triton runs its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def is_deterministic() -> bool:
+    """Whether the backward sums sparse key / value gradients in a fixed order (default True)."""
+    if _deterministic is not None:
+        return _deterministic
+    return os.environ.get("FREESOLO_DETERMINISTIC", "1") not in ("0", "false", "False")
+
+
+def set_deterministic(flag: bool) -> None:
+    """Deterministic backward (fixed-order sums, the default) or atomics (faster, not reproducible)."""
+    global _deterministic
+    if not isinstance(flag, bool):
+        raise TypeError(f"deterministic must be a bool, got {flag!r}")
+    _deterministic = flag
+
+
+@contextlib.contextmanager
+def deterministic(flag: bool = True) -> Iterator[None]:
+    """Context manager: run the block with the backward's deterministic mode set to `flag`."""
+    global _deterministic
+    previous = _deterministic
+    set_deterministic(flag)
+    try:
+        yield
+    finally:
+        _deterministic = previous
+
+
+def config_to_json(cfg: FreeSoloConfig) -> str:
+    """The config as a JSON string (an operator argument: custom ops take no dataclasses)."""
+    return json.dumps(dataclasses.asdict(cfg), sort_keys=True)
+
+
+def config_from_json(text: str) -> FreeSoloConfig:
+    fields = json.loads(text)
+    for name in ("sigma", "lam", "tau"):
+        if isinstance(fields.get(name), list):
+            fields[name] = tuple(fields[name])
+    return FreeSoloConfig(**fields)
+
+
+_ROPE_CACHE: dict = {}
+
+
+def rope_cos_sin(T: int, D: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin fp32 [T, D/2] of half-split RoPE (angles in float64, as the torch backend), cached
+    per (D, theta, device) at the largest T seen and sliced."""
+    from ..torch._ops import rope_tables
+
+    key = (D, float(theta), str(device))
+    cached = _ROPE_CACHE.get(key)
+    if cached is None or cached[0].shape[0] < T:
+        cached = rope_tables(max(T, 1), D, theta, device, torch.float32)
+        _ROPE_CACHE[key] = cached
+    return cached[0][:T], cached[1][:T]
+
+
+def _select(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig) -> torch.Tensor:
+    """int64 [B, T, Hq, K]: FS / FS-L by the Triton kernels, FS-B by the torch backend's search."""
+    if cfg.variant == "fsb":
+        from ..torch.backend import select_cells as torch_select
+
+        # FS-B's beam search runs as torch ops (the GPU search is a separate issue); fixed chunk size.
+        return torch_select(q, k, cfg)
+    from .selection import select_cells as triton_select
+
+    return triton_select(q, k, cfg)
+
+
+def _beta32(beta: Optional[torch.Tensor], Hq: int, device) -> torch.Tensor:
+    if beta is None:
+        return torch.ones(Hq, dtype=torch.float32, device=device)
+    return beta.to(torch.float32)
+
+
+# ---- operators -----------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("freesolo::triton_forward", mutates_args=())
+def _forward_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, cfg_json: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    from .attention import attention_forward
+
+    cfg = config_from_json(cfg_json)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    idx = _select(q, k, cfg)
+    cos, sin = rope_cos_sin(q.shape[1], q.shape[3], cfg.rope_theta, q.device)
+    o, lse_loc, lse_long, rstd = attention_forward(q, k, v, idx, beta.to(torch.float32), cos, sin, cfg)
+    return o, idx, lse_loc, lse_long, rstd
+
+
+@_forward_op.register_fake
+def _forward_fake(q, k, v, beta, cfg_json):
+    cfg = config_from_json(cfg_json)
+    B, T, Hq, D = q.shape
+    o = torch.empty_like(q)
+    idx = q.new_empty((B, T, Hq, cfg.top_k), dtype=torch.int64)
+    stat = q.new_empty((B, Hq, T), dtype=torch.float32)
+    return o, idx, stat, torch.empty_like(stat), torch.empty_like(stat)
+
+
+@torch.library.custom_op("freesolo::triton_backward", mutates_args=())
+def _backward_op(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    idx: torch.Tensor,
+    beta: torch.Tensor,
+    lse_loc: torch.Tensor,
+    lse_long: torch.Tensor,
+    rstd: torch.Tensor,
+    cfg_json: str,
+    deterministic_sum: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    from .attention_bwd import attention_backward
+
+    cfg = config_from_json(cfg_json)
+    cos, sin = rope_cos_sin(q.shape[1], q.shape[3], cfg.rope_theta, q.device)
+    dq, dk, dv, dbeta = attention_backward(
+        do.contiguous(), q, k, v, o, idx, beta.to(torch.float32), lse_loc, lse_long, rstd, cos, sin, cfg,
+        deterministic=deterministic_sum,
+    )
+    return dq, dk, dv, dbeta
+
+
+@_backward_op.register_fake
+def _backward_fake(do, q, k, v, o, idx, beta, lse_loc, lse_long, rstd, cfg_json, deterministic_sum):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), beta.new_empty(beta.shape, dtype=torch.float32)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, beta, cfg_json = inputs
+    o, idx, lse_loc, lse_long, rstd = output
+    ctx.save_for_backward(q, k, v, beta, o, idx, lse_loc, lse_long, rstd)
+    ctx.cfg_json = cfg_json
+    ctx.deterministic_sum = is_deterministic()
+
+
+def _backward(ctx, do, _didx, _dlse_loc, _dlse_long, _drstd):
+    q, k, v, beta, o, idx, lse_loc, lse_long, rstd = ctx.saved_tensors
+    dq, dk, dv, dbeta = torch.ops.freesolo.triton_backward(
+        do, q, k, v, o, idx, beta, lse_loc, lse_long, rstd, ctx.cfg_json, ctx.deterministic_sum
+    )
+    return dq, dk, dv, dbeta.to(beta.dtype), None
+
+
+_forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---- public functions ----------------------------------------------------------------------------
+
+
+def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: FreeSoloConfig, beta=None) -> torch.Tensor:
+    """FreeSolo attention on the Triton kernels, differentiable (spec §7, §8).
+
+    Args:
+        q: [B, T, Hq, D] unrotated queries; k, v: [B, T, Hkv, D]; same dtype and device.
+        cfg: FreeSoloConfig (variant fs, fsl or fsb; fsb needs tau).
+        beta: [Hq] long-range mixing coefficient or None (ones); may require grad.
+    Returns:
+        o [B, T, Hq, D] in q's dtype.
+    """
+    b = _beta32(beta, q.shape[2], q.device) if beta is None else beta
+    o, _idx, _lse_loc, _lse_long, _rstd = torch.ops.freesolo.triton_forward(q, k, v, b, config_to_json(cfg))
+    return o
+
+
+def triton_select_cells(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig) -> torch.Tensor:
+    """Selected cells int64 [B, T, Hq, K] (-1 padded, descending score); q [B, T, Hq, D], k [B, T, Hkv, D]."""
+    with torch.no_grad():
+        return _select(q.detach().contiguous(), k.detach().contiguous(), cfg)
 
 
 class TritonBackend(Backend):
+    """Fused Triton kernels: FS and FS-L entirely in Triton, FS-B with the torch search + Triton readout."""
+
     name = "triton"
     array_kind = "torch"
 
-    def unavailable_reason(self):
-        return "the fused Triton kernels are being integrated; use backend='torch' on the GPU"
+    def unavailable_reason(self) -> Optional[str]:
+        try:
+            import triton  # noqa: F401
+        except ImportError as error:
+            return f"triton is not installed ({error}); pip install triton==3.6.0"
+        try:
+            from . import attention, selection  # noqa: F401
+        except ImportError as error:
+            return f"the Triton kernels cannot be imported ({error})"
+        if not torch.cuda.is_available() and not interpreting():
+            return "no CUDA device (set TRITON_INTERPRET=1 to run the kernels on CPU float32 tensors, slowly)"
+        return None
+
+    def unsupported_reasons(self, info, cfg: FreeSoloConfig) -> list[str]:
+        reasons = []
+        if info.kind != "torch":
+            reasons.append("triton runs on torch tensors, got numpy arrays (use backend='numba' or torch tensors)")
+            return reasons
+        if info.device.startswith("cuda"):
+            if info.dtype not in tuple(str(d) for d in _DTYPES):
+                reasons.append(f"triton computes float16/bfloat16/float32 on CUDA, got {info.dtype}")
+        elif info.device == "cpu" and interpreting():
+            if info.dtype != "torch.float32":
+                reasons.append(f"triton under TRITON_INTERPRET=1 runs CPU float32 tensors only, got {info.dtype}")
+        else:
+            reasons.append(f"triton runs on CUDA (or CPU under TRITON_INTERPRET=1), inputs are on {info.device}")
+        if info.D > MAX_HEAD_DIM:
+            reasons.append(f"head dim D={info.D} exceeds the kernels' maximum {MAX_HEAD_DIM}")
+        return reasons
+
+    def attention(self, q, k, v, cfg, beta):
+        return triton_attention(q, k, v, cfg, beta)
+
+    def select_cells(self, q, k, cfg):
+        return triton_select_cells(q, k, cfg)
