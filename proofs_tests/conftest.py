@@ -1,9 +1,20 @@
 """Hypothesis profiles: `ci` (derandomized, few examples, fits the CI budget) and `dev` (explores).
 
 Select with HYPOTHESIS_PROFILE=ci|dev (default: dev locally, ci when CI is set).
+On a machine without CUDA, TRITON_INTERPRET=1 is set so the Triton backend runs interpreted.
 """
 
 import os
+
+# Without a CUDA device the Triton kernels run on CPU float32 tensors under Triton's interpreter.
+# The variable must be set before any kernel module is imported (Triton reads it at decoration).
+try:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:  # torch is optional for the host backends
+    pass
 
 from hypothesis import HealthCheck, settings
 
