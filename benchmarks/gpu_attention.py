@@ -1,4 +1,11 @@
-"""GPU baseline of the torch backend: FS-L and FS-B against SDPA causal and FlexAttention SWA-512.
+"""GPU benchmark of FreeSolo (torch and triton backends) against SDPA causal, FlexAttention SWA-512
+and fla's NSA.
+
+Providers: `freesolo_fsl`, `freesolo_fsb` (the pure-PyTorch backend), `triton_fsl`, `triton_fs`,
+`triton_fsb` (the Triton backend through the public API), `sdpa_causal`, `flex_swa512`, and
+`fla_nsa` (fla-core's `parallel_nsa`: 16 query heads on 1 kv head, compression + top-4 of 32-token
+blocks, no window; it needs GQA groups of >= 16 heads, so it runs with Hkv = Hq / 16 whatever the
+shape says; skipped when fla is not importable).
 
 One run times forward and forward+backward (median of `triton.testing.do_bench`; a provider slower
 than 50 ms per call is timed as the median of 3 calls) and the peak memory of each provider at
@@ -38,7 +45,16 @@ from freesolo.backends.torch._ops import cell_stats
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 SHAPES = {"H16-D64": {"Hq": 16, "Hkv": 16, "D": 64}, "GQA-Hq32-Hkv8-D128": {"Hq": 32, "Hkv": 8, "D": 128}}
 LENGTHS = [4096, 16384, 65536, 131072]
-PROVIDERS = ["freesolo_fsl", "sdpa_causal", "freesolo_fsb", "flex_swa512"]
+PROVIDERS = [
+    "triton_fsl",
+    "triton_fs",
+    "triton_fsb",
+    "freesolo_fsl",
+    "sdpa_causal",
+    "freesolo_fsb",
+    "fla_nsa",
+    "flex_swa512",
+]
 MODES = ["fwd", "fwd+bwd"]
 WINDOW = 512
 
@@ -100,12 +116,21 @@ def make_call(provider: str, q, k, v, compiled: bool):
     """q [B, T, Hq, D], k / v [B, T, Hkv, D] -> a function returning the output (any layout)."""
     Hq, Hkv = q.shape[2], k.shape[2]
     gqa = Hq != Hkv
-    if provider.startswith("freesolo_"):
+    if provider.startswith("freesolo_") or provider.startswith("triton_"):
         variant = provider.split("_")[1]
         cfg = freesolo.FreeSoloConfig(variant=variant)
         if variant == "fsb":
             cfg = cfg.replace(tau=_tau(k, cfg))
+        if provider.startswith("triton_"):
+            return lambda: freesolo.freesolo_attention(q, k, v, cfg, backend="triton")
         return lambda: fs_attention(q, k, v, cfg)
+    if provider == "fla_nsa":
+        from fla.ops.nsa import parallel_nsa
+
+        B, T, _, D = q.shape
+        g = torch.ones(B, T, Hq, device=q.device, dtype=q.dtype)
+        kn, vn = k[:, :, : max(1, Hq // 16)], v[:, :, : max(1, Hq // 16)]  # NSA: groups of 16 query heads
+        return lambda: parallel_nsa(q, kn, vn, g_cmp=g, g_slc=g, block_counts=4, block_size=32, window_size=0)
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # (B, H, T, D) views: autograd reaches q, k, v
     if provider == "sdpa_causal":
         f = torch.nn.functional.scaled_dot_product_attention
@@ -213,8 +238,8 @@ def _versions(device) -> dict:
     }
 
 
-def crossover(results, shape_name, mode):
-    """Smallest measured T where FS-L is faster than SDPA, and a log-log interpolated estimate."""
+def crossover(results, shape_name, mode, provider="freesolo_fsl"):
+    """Smallest measured T where `provider` (FS-L) is faster than SDPA, and a log-log interpolated estimate."""
 
     def times(p):
         return {
@@ -223,7 +248,7 @@ def crossover(results, shape_name, mode):
             if r["shape"] == shape_name and r["mode"] == mode and r["provider"] == p and r["status"] == "ok"
         }
 
-    fsl, sdpa = times("freesolo_fsl"), times("sdpa_causal")
+    fsl, sdpa = times(provider), times("sdpa_causal")
     Ts = sorted(set(fsl) & set(sdpa))
     prev = None
     for T in Ts:
@@ -320,21 +345,24 @@ def main(argv=None):
     ap.add_argument("--shapes", nargs="*", default=None, choices=list(SHAPES))
     ap.add_argument("--budget-s", type=float, default=330.0, help="stop starting new cases after this")
     ap.add_argument("--rep-ms", type=int, default=60, help="do_bench rep (ms)")
+    ap.add_argument("--out", default=RESULTS, help="folder for the JSON and PNG (default benchmarks/results)")
+    ap.add_argument("--tag", default="", help="suffix of the output file names (e.g. _triton)")
     args = ap.parse_args(argv)
 
     device = torch.device("cpu" if args.dry_run or not torch.cuda.is_available() else "cuda")
     if device.type == "cpu" and not args.dry_run and not args.t131k_check:
         raise SystemExit("no CUDA device: use --dry-run for the CPU smoke test")
     dtype = torch.bfloat16
-    suffix = "_dryrun" if args.dry_run else ""
-    os.makedirs(RESULTS, exist_ok=True)
+    suffix = ("_dryrun" if args.dry_run else "") + args.tag
+    out_dir = args.out
+    os.makedirs(out_dir, exist_ok=True)
     env = _versions(device)
     print(f"GPU: {env['gpu']} | torch {env['torch']} | triton {env['triton']} | commit {env['git_commit']}")
 
     if args.t131k_check:
         res = t131k_check(device, dtype)
         res["env"] = env
-        path = os.path.join(RESULTS, f"gpu_t131k_check{suffix}.json")
+        path = os.path.join(out_dir, f"gpu_t131k_check{suffix}.json")
         with open(path, "w") as f:
             json.dump(res, f, indent=2)
         print(json.dumps(res, indent=2))
@@ -394,6 +422,7 @@ def main(argv=None):
         "torch.cuda.max_memory_allocated during one call minus the memory allocated before it",
         "results": results,
         "crossover_fsl_vs_sdpa": {s: {m: crossover(results, s, m) for m in MODES} for s in shapes},
+        "crossover_triton_fsl_vs_sdpa": {s: {m: crossover(results, s, m, "triton_fsl") for m in MODES} for s in shapes},
         "elapsed_s": time.time() - start,
     }
     if device.type == "cuda" and "H16-D64" in shapes and time.time() - start < args.budget_s + 60:
@@ -401,12 +430,12 @@ def main(argv=None):
             payload["t131k_check"] = t131k_check(device, dtype)
         except torch.cuda.OutOfMemoryError:
             payload["t131k_check"] = {"status": "oom"}
-    path = os.path.join(RESULTS, f"gpu_attention{suffix}.json")
+    path = os.path.join(out_dir, f"gpu_attention{suffix}.json")
     with open(path, "w") as f:
         json.dump(payload, f, indent=2)
-    plot(payload, os.path.join(RESULTS, f"gpu_attention{suffix}.png"))
+    plot(payload, os.path.join(out_dir, f"gpu_attention{suffix}.png"))
     print("\ncrossover (FS-L faster than SDPA causal):")
-    for s, per_mode in payload["crossover_fsl_vs_sdpa"].items():
+    for s, per_mode in {**payload["crossover_fsl_vs_sdpa"], **{f"{k} triton": v for k, v in payload["crossover_triton_fsl_vs_sdpa"].items()}}.items():
         for m, c in per_mode.items():
             ratios = ", ".join(f"{t}: {r:.2f}" for t, r in c["fsl_over_sdpa"].items())
             print(
