@@ -9,7 +9,7 @@ import numpy as np
 
 from .config import FreeSoloConfig
 
-__all__ = ["InputInfo", "check_inputs", "is_torch_tensor"]
+__all__ = ["InputInfo", "check_cu_seqlens", "check_inputs", "is_torch_tensor"]
 
 _NUMPY_FLOATS = (np.float16, np.float32, np.float64)
 _TORCH_FLOAT_NAMES = ("torch.float16", "torch.bfloat16", "torch.float32", "torch.float64")
@@ -118,3 +118,80 @@ def check_inputs(q, k, v: Optional[Any], cfg: FreeSoloConfig, beta=None, check_f
     if cfg.variant == "fsb":
         cfg.tau_array(Hkv)
     return InputInfo(kind, B, T, Hq, Hkv, D, dtypes["q"], device, requires_grad)
+
+
+def _show(values, limit: int = 12) -> str:
+    """A short rendering of an integer list for error messages: [0, 3, 7, ..., 90] past `limit` entries."""
+    if len(values) <= limit:
+        return str(list(values))
+    head = ", ".join(str(x) for x in values[: limit - 2])
+    return f"[{head}, ..., {values[-2]}, {values[-1]}] ({len(values)} entries)"
+
+
+def check_cu_seqlens(cu_seqlens, info: InputInfo) -> tuple[int, ...]:
+    """Validate packed-sequence boundaries (spec §12, flash-attn's varlen convention).
+
+    Args:
+        cu_seqlens: integer vector [N+1] (numpy array, torch tensor or python list of ints):
+            cu_seqlens[0] = 0, strictly increasing (no empty sequence), cu_seqlens[N] = T.
+            Sequence n is tokens [cu_seqlens[n], cu_seqlens[n+1]) of the single batch row.
+        info: the validated inputs of the call (`check_inputs`): B must be 1; a torch tensor
+            must be on q's device (nothing is moved).
+    Returns:
+        The boundaries as a tuple of N+1 python ints.
+    Raises:
+        ValueError naming the rule that broke (dtype, rank, device, B = 1, starts at 0, strictly
+        increasing, last entry T) and showing the offending values.
+    """
+    if is_torch_tensor(cu_seqlens):
+        dtype = str(cu_seqlens.dtype)
+        integer = not cu_seqlens.is_floating_point() and not cu_seqlens.is_complex() and dtype != "torch.bool"
+        if not integer:
+            raise ValueError(f"cu_seqlens dtype must be an integer dtype (int32 or int64), got {dtype}")
+        if cu_seqlens.ndim != 1:
+            raise ValueError(f"cu_seqlens rank must be 1 (a vector [N+1]), got shape {tuple(cu_seqlens.shape)}")
+        if str(cu_seqlens.device) != info.device:
+            raise ValueError(
+                f"cu_seqlens device must be the inputs' device: cu_seqlens is on {cu_seqlens.device}, "
+                f"the inputs on {info.device} (nothing is moved)"
+            )
+        values = [int(x) for x in cu_seqlens.tolist()]
+    elif isinstance(cu_seqlens, np.ndarray):
+        if cu_seqlens.dtype == np.bool_ or not np.issubdtype(cu_seqlens.dtype, np.integer):
+            raise ValueError(f"cu_seqlens dtype must be an integer dtype (int32 or int64), got {cu_seqlens.dtype}")
+        if cu_seqlens.ndim != 1:
+            raise ValueError(f"cu_seqlens rank must be 1 (a vector [N+1]), got shape {cu_seqlens.shape}")
+        values = [int(x) for x in cu_seqlens]
+    elif isinstance(cu_seqlens, (list, tuple)):
+        for n, x in enumerate(cu_seqlens):
+            if isinstance(x, (list, tuple)) or (isinstance(x, np.ndarray) and x.ndim > 0):
+                raise ValueError(f"cu_seqlens rank must be 1 (a flat list of ints), entry {n} is {x!r}")
+            if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
+                raise ValueError(
+                    f"cu_seqlens dtype must be integer: entry {n} is {x!r} ({type(x).__name__}) in {cu_seqlens!r}"
+                )
+        values = [int(x) for x in cu_seqlens]
+    else:
+        raise ValueError(
+            f"cu_seqlens must be an integer vector (numpy array, torch tensor or list of ints), "
+            f"got {type(cu_seqlens).__name__}"
+        )
+    if info.B != 1:
+        raise ValueError(f"cu_seqlens needs B = 1 (sequences packed along T), got B={info.B}")
+    if len(values) < 2:
+        raise ValueError(f"cu_seqlens must have at least 2 entries [0, ..., T={info.T}], got {_show(values)}")
+    if values[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got cu_seqlens[0]={values[0]} in {_show(values)}")
+    for n in range(len(values) - 1):
+        if values[n + 1] <= values[n]:
+            raise ValueError(
+                f"cu_seqlens must be strictly increasing (every sequence non-empty): "
+                f"cu_seqlens[{n}]={values[n]}, cu_seqlens[{n + 1}]={values[n + 1]} "
+                f"(sequence {n} has length {values[n + 1] - values[n]}) in {_show(values)}"
+            )
+    if values[-1] != info.T:
+        raise ValueError(
+            f"cu_seqlens last entry must be T={info.T} (the packed length), got cu_seqlens[{len(values) - 1}]="
+            f"{values[-1]} in {_show(values)}"
+        )
+    return tuple(values)
