@@ -53,6 +53,7 @@ PROVIDERS = [
     "sdpa_causal",
     "freesolo_fsb",
     "fla_nsa",
+    "flex_fsl",
     "flex_swa512",
 ]
 MODES = ["fwd", "fwd+bwd"]
@@ -112,6 +113,59 @@ def _flex(T: int, device: str, compiled: bool):
     return _FLEX["fn"], _FLEX[key]
 
 
+def _selection_block_mask(idx: torch.Tensor, T: int, cell: int):
+    """BlockMask of FS-L's long branch as a FlexAttention user would build it: for each 128-query
+    block and query head, the union of the 128-token key blocks holding a selected cell; the
+    mask_mod keeps, per query, the tokens of its own cells. idx int64 [B, T, Hq, K] (-1 padded)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    B, _, Hq, K = idx.shape
+    nq = T // FLEX_BLOCK
+    kb = torch.where(idx >= 0, idx * cell // FLEX_BLOCK, torch.full_like(idx, -1))  # key block per selection
+    kb = kb.view(B, nq, FLEX_BLOCK, Hq, K).permute(0, 3, 1, 2, 4).reshape(B, Hq, nq, FLEX_BLOCK * K)
+    kb = torch.sort(kb, dim=-1, descending=True).values
+    dup = torch.zeros_like(kb, dtype=torch.bool)
+    dup[..., 1:] = kb[..., 1:] == kb[..., :-1]
+    kb = torch.sort(torch.where(dup, torch.full_like(kb, -1), kb), dim=-1, descending=True).values[..., :nq]
+    counts = (kb >= 0).sum(-1).int()  # (B, Hq, nq)
+    indices = torch.zeros(B, Hq, nq, nq, dtype=torch.int32, device=idx.device)
+    indices[..., : kb.shape[-1]] = kb.clamp(min=0).int()
+    cells = idx.permute(0, 2, 1, 3).contiguous()  # (B, Hq, T, K)
+
+    def keep_selected(b, h, q_idx, kv_idx):
+        c = kv_idx // cell
+        hit = cells[b, h, q_idx, 0] == c
+        for j in range(1, K):
+            hit = hit | (cells[b, h, q_idx, j] == c)
+        return hit
+
+    return BlockMask.from_kv_blocks(counts, indices, BLOCK_SIZE=FLEX_BLOCK, mask_mod=keep_selected)
+
+
+def flex_fsl_call(q, k, v, compiled: bool):
+    """FS-L written with FlexAttention over the torch backend's selection (selection time included):
+    local = flex SWA-512 on rotated q, k; long = one flex call with the selection's BlockMask."""
+    from freesolo.backends.torch import select_cells as torch_select
+    from freesolo.backends.torch._ops import rope, rope_tables
+
+    cfg = freesolo.FreeSoloConfig(variant="fsl")
+    B, T, Hq, D = q.shape
+    gqa = Hq != k.shape[2]
+    fn, swa = _flex(T, str(q.device), compiled)
+    cos, sin = rope_tables(T, D, cfg.rope_theta, q.device, q.dtype)
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # (B, H, T, D)
+
+    def call():
+        idx = torch_select(q.detach(), k.detach(), cfg)
+        o_loc = fn(rope(qt, cos, sin), rope(kt, cos, sin), vt, block_mask=swa, enable_gqa=gqa)
+        o_long = fn(qt, kt, vt, block_mask=_selection_block_mask(idx, T, cfg.cell), enable_gqa=gqa)
+        o_long = o_long.float()
+        o_long = o_long * torch.rsqrt(o_long.square().mean(-1, keepdim=True) + cfg.eps)
+        return o_loc + o_long.to(o_loc.dtype)
+
+    return call
+
+
 def make_call(provider: str, q, k, v, compiled: bool):
     """q [B, T, Hq, D], k / v [B, T, Hkv, D] -> a function returning the output (any layout)."""
     Hq, Hkv = q.shape[2], k.shape[2]
@@ -124,6 +178,8 @@ def make_call(provider: str, q, k, v, compiled: bool):
         if provider.startswith("triton_"):
             return lambda: freesolo.freesolo_attention(q, k, v, cfg, backend="triton")
         return lambda: fs_attention(q, k, v, cfg)
+    if provider == "flex_fsl":
+        return flex_fsl_call(q, k, v, compiled)
     if provider == "fla_nsa":
         from fla.ops.nsa import parallel_nsa
 
