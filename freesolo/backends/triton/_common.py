@@ -1,0 +1,98 @@
+"""Shared pieces of the Triton kernels: host-side size helpers and `@triton.jit` device helpers.
+
+RoPE convention (spec §2): half-split ("rotate_half") over all D dims. A kernel keeps a head
+vector as its two halves, x_lo = x[:D/2] and x_hi = x[D/2:], each padded to HALF_P lanes
+(a power of two >= 16, masked loads give zeros in the padding), so that
+
+    rope(x) = [x_lo * cos - x_hi * sin,  x_hi * cos + x_lo * sin]
+    rope(q) . rope(k) = rope(q)_lo . rope(k)_lo + rope(q)_hi . rope(k)_hi   (two tl.dot of width HALF_P)
+
+with cos / sin the fp32 tables of `freesolo.backends.torch._ops.rope_tables` ([T, D/2]).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = [
+    "MAX_HEAD_DIM",
+    "NEG_BIG",
+    "check_head_dim",
+    "load_halves",
+    "load_rope",
+    "padded_dims",
+    "rope_halves",
+]
+
+MAX_HEAD_DIM = 256
+# Finite start of a running max: exp2(NEG_BIG - NEG_BIG) = 1 and exp2(-inf - NEG_BIG) = 0, so a
+# fully masked step leaves (m, l, acc) bit-identical (never exp(-inf - -inf) = NaN).
+NEG_BIG = -1.0e30
+
+
+def _interpreter_numpy2_compat() -> None:
+    """Make dynamic loop bounds work under TRITON_INTERPRET=1 with NumPy >= 2.4.
+
+    triton 3.6's interpreter converts a scalar tensor to a Python int with `int(handle.data)`,
+    but its scalars are 1-element 1-D arrays, which NumPy 2.4 no longer converts
+    (`range(lo, hi)` with a tensor bound raises "only 0-dimensional arrays can be converted").
+    This re-registers `__index__` through `.item()`; compiled (GPU) kernels are unaffected.
+    """
+    try:
+        from triton.runtime import interpreter
+    except ImportError:  # pragma: no cover - layout of another triton version
+        return
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "_freesolo_compat", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._freesolo_compat = True
+    interpreter._patch_lang_tensor = patched
+
+
+_interpreter_numpy2_compat()
+
+
+def check_head_dim(D: int) -> None:
+    """ValueError unless D is even and 2 <= D <= MAX_HEAD_DIM (RoPE needs two halves)."""
+    if D % 2 != 0 or D < 2 or D > MAX_HEAD_DIM:
+        raise ValueError(f"head dim D={D} must be even and in [2, {MAX_HEAD_DIM}] for the triton kernels")
+
+
+def padded_dims(D: int) -> tuple[int, int]:
+    """(D_P, HALF_P): D and D/2 rounded up to powers of two, at least 16 (tl.dot's minimum width)."""
+    check_head_dim(D)
+    return max(16, triton.next_power_of_2(D)), max(16, triton.next_power_of_2(D // 2))
+
+
+@triton.jit
+def load_halves(ptrs_lo, row_mask, HALF: tl.constexpr, HALF_P: tl.constexpr):
+    """Rows of a [*, D] tensor as halves. ptrs_lo [R, HALF_P] points at x[r, d] (d < HALF_P);
+    returns (x_lo, x_hi) [R, HALF_P], zeros where d >= HALF or the row is masked."""
+    d = tl.arange(0, HALF_P)
+    mask = row_mask[:, None] & (d[None, :] < HALF)
+    x_lo = tl.load(ptrs_lo, mask=mask, other=0.0)
+    x_hi = tl.load(ptrs_lo + HALF, mask=mask, other=0.0)
+    return x_lo, x_hi
+
+
+@triton.jit
+def load_rope(cos_ptr, sin_ptr, pos, row_mask, HALF: tl.constexpr, HALF_P: tl.constexpr):
+    """cos, sin [R, HALF_P] fp32 at int64 positions pos [R] from tables [T, HALF] (zeros where masked)."""
+    d = tl.arange(0, HALF_P)
+    offs = pos[:, None] * HALF + d[None, :]
+    mask = row_mask[:, None] & (d[None, :] < HALF)
+    return tl.load(cos_ptr + offs, mask=mask, other=0.0), tl.load(sin_ptr + offs, mask=mask, other=0.0)
+
+
+@triton.jit
+def rope_halves(x_lo, x_hi, cos, sin):
+    """Half-split RoPE of (x_lo, x_hi) in fp32: (x_lo*cos - x_hi*sin, x_hi*cos + x_lo*sin)."""
+    x_lo = x_lo.to(tl.float32)
+    x_hi = x_hi.to(tl.float32)
+    return x_lo * cos - x_hi * sin, x_hi * cos + x_lo * sin

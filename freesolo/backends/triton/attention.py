@@ -1,0 +1,311 @@
+"""Fused FreeSolo forward in Triton: local RoPE window + sparse NoPE readout + RMSNorm + beta (spec §2, §7).
+
+One program per (query tile of BLOCK_M positions, batch row b, query head h); kv head
+g = h // (Hq // Hkv). The program
+1. rotates its queries (RoPE in fp32, half-split, `_common.rope_halves`) and runs an online
+   softmax (flash-attention style, exp2 domain) over the key tiles of its window, keys
+   i - w < t <= i, rotating each key tile on the fly;
+2. loops over the tile's cell union: the sorted, deduplicated cells that any query of the tile
+   selected (`tile_unions`, fixed width BLOCK_M * K, -1 padded), one cell per step:
+   logits [BLOCK_M, cell] = q . k (unrotated, tensor cores), masked to the queries that
+   selected that cell, online softmax again;
+3. writes o = o_loc + beta_h * o_long * rstd and the statistics the backward needs.
+
+Row independence (spec L12, bitwise). A query's steps in the long loop are its own cells in
+ascending order, whatever the other queries selected: a cell selected only by other queries
+is a fully masked step (logits -inf, running max starting at the finite NEG_BIG), so
+m_new = m, alpha = exp2(0) = 1, p = 0, and (m, l, acc) keep every bit. One cell per step
+(never two cells grouped in one step) keeps the grouping of a query's tokens independent of
+the others. Tile sizes depend on (D, dtype, device) only, never on B or T.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import NEG_BIG, load_halves, load_rope, padded_dims, rope_halves
+
+__all__ = ["AttentionTiles", "attention_forward", "default_tiles", "tile_unions"]
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _attention_fwd_kernel(
+    Q,  # [B, T, Hq, D]
+    K,  # [B, T, Hkv, D]
+    V,  # [B, T, Hkv, D]
+    IDX,  # int32 / int64 [B, T, Hq, KSEL], -1 padded
+    UNION,  # int32 [B * Hq, NT, U_MAX]: sorted cells of each tile, -1 padded
+    NUNION,  # int32 [B * Hq, NT]: cells in each tile's union
+    BETA,  # fp32 [Hq]
+    COS,  # fp32 [T, HALF]
+    SIN,  # fp32 [T, HALF]
+    O,  # [B, T, Hq, D], q's dtype
+    LSE_LOC,  # fp32 [B, Hq, T]
+    LSE_LONG,  # fp32 [B, Hq, T]
+    RSTD,  # fp32 [B, Hq, T]
+    T,
+    Hq,
+    Hkv,
+    NT,
+    W,
+    qk_scale,  # scale * log2(e)
+    eps,
+    D: tl.constexpr,
+    HALF: tl.constexpr,
+    D_P: tl.constexpr,
+    HALF_P: tl.constexpr,
+    CELL: tl.constexpr,
+    CELL_P: tl.constexpr,
+    KSEL: tl.constexpr,
+    K_P: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    U_MAX: tl.constexpr,
+):
+    pid_m = tl.program_id(0).to(tl.int64)
+    pid_bh = tl.program_id(1).to(tl.int64)
+    b = pid_bh // Hq
+    h = pid_bh % Hq
+    g = h // (Hq // Hkv)
+    dtype = Q.dtype.element_ty
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M).to(tl.int64)  # query positions
+    row_ok = offs_m < T
+    dh = tl.arange(0, HALF_P)
+    dd = tl.arange(0, D_P)
+    d_ok = dd < D
+    q_rows = Q + ((b * T + offs_m) * Hq + h) * D  # [BLOCK_M] row pointers
+    kv_stride = Hkv * D  # one position to the next in k / v
+    k_base = K + (b * T * Hkv + g) * D
+    v_base = V + (b * T * Hkv + g) * D
+
+    # ---- local branch: RoPE window i - W < t <= i, online softmax over key tiles
+    q_lo, q_hi = load_halves(q_rows[:, None] + dh[None, :], row_ok, HALF, HALF_P)
+    cq, sq = load_rope(COS, SIN, offs_m, row_ok, HALF, HALF_P)
+    qr_lo, qr_hi = rope_halves(q_lo, q_hi, cq, sq)
+    qr_lo = qr_lo.to(dtype)
+    qr_hi = qr_hi.to(dtype)
+    m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D_P], dtype=tl.float32)
+    lo = tl.maximum(m0 - W + 1, 0)
+    lo = (lo // BLOCK_N) * BLOCK_N
+    hi = tl.minimum(m0 + BLOCK_M, T)
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
+        col_ok = offs_n < T
+        k_lo, k_hi = load_halves(k_base + offs_n[:, None] * kv_stride + dh[None, :], col_ok, HALF, HALF_P)
+        ck, sk = load_rope(COS, SIN, offs_n, col_ok, HALF, HALF_P)
+        kr_lo, kr_hi = rope_halves(k_lo, k_hi, ck, sk)
+        s = tl.dot(qr_lo, tl.trans(kr_lo.to(dtype)), input_precision="ieee")
+        s = tl.dot(qr_hi, tl.trans(kr_hi.to(dtype)), s, input_precision="ieee")
+        delta = offs_m[:, None] - offs_n[None, :]
+        ok = (delta >= 0) & (delta < W) & col_ok[None, :]
+        s = tl.where(ok, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + offs_n[:, None] * kv_stride + dd[None, :], mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(dtype), v, input_precision="ieee")
+        m_i = m_new
+    o_loc = acc / l_i[:, None]
+    lse_loc = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
+
+    # ---- long branch: NoPE softmax over the tokens of each query's selected cells
+    kk = tl.arange(0, K_P)
+    sel = tl.load(
+        IDX + ((b * T + offs_m) * Hq + h)[:, None] * KSEL + kk[None, :],
+        mask=row_ok[:, None] & (kk[None, :] < KSEL),
+        other=-1,
+    ).to(tl.int32)  # [BLOCK_M, K_P]
+    q = tl.load(q_rows[:, None] + dd[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    tile = pid_bh * NT + pid_m
+    n_u = tl.load(NUNION + tile)
+    offs_c = tl.arange(0, CELL_P)
+    c_ok = offs_c < CELL
+    m_j = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
+    l_j = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D_P], dtype=tl.float32)
+    for u in range(0, n_u):
+        cell = tl.load(UNION + tile * U_MAX + u)
+        hit = tl.sum((sel == cell).to(tl.int32), 1) > 0  # [BLOCK_M]: queries that selected this cell
+        toks = cell.to(tl.int64) * CELL + offs_c
+        kv_mask = c_ok[:, None] & d_ok[None, :]
+        kc = tl.load(k_base + toks[:, None] * kv_stride + dd[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(kc), input_precision="ieee")
+        s = tl.where(hit[:, None] & c_ok[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_j, tl.max(s, 1))
+        alpha = tl.math.exp2(m_j - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l_j = l_j * alpha + tl.sum(p, 1)
+        vc = tl.load(v_base + toks[:, None] * kv_stride + dd[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(dtype), vc, input_precision="ieee")
+        m_j = m_new
+    has = l_j > 0
+    o_long = tl.where(has[:, None], acc / tl.where(has, l_j, 1.0)[:, None], 0.0)
+    lse_long = tl.where(has, (m_j + tl.math.log2(tl.where(has, l_j, 1.0))) * 0.6931471805599453, float("-inf"))
+    rstd = 1.0 / tl.sqrt_rn(tl.sum(o_long * o_long, 1) / D + eps)
+    beta = tl.load(BETA + h)
+    out = o_loc + beta * (o_long * rstd[:, None])
+
+    tl.store(O + ((b * T + offs_m) * Hq + h)[:, None] * D + dd[None, :], out.to(dtype), mask=row_ok[:, None] & d_ok[None, :])
+    stat = (b * Hq + h) * T + offs_m
+    tl.store(LSE_LOC + stat, lse_loc, mask=row_ok)
+    tl.store(LSE_LONG + stat, lse_long, mask=row_ok)
+    tl.store(RSTD + stat, rstd, mask=row_ok)
+
+
+@dataclass(frozen=True)
+class AttentionTiles:
+    """Tile sizes of the fused forward. They depend on (D, dtype, device) only, never on B or T
+    (spec L12: a row's bits may not depend on the shape of the batch or the sequence length)."""
+
+    block_m: int  # queries per program (window tile rows, and the width of a tile's cell union / K)
+    block_n: int  # keys per step of the local window loop
+    num_warps: int  # warps per program (GPU only)
+    num_stages: int  # software pipelining depth of the loops (GPU only)
+
+
+def default_tiles(D: int, dtype: torch.dtype, device: torch.device) -> AttentionTiles:
+    """Tile sizes by head dim and dtype (see AttentionTiles). On the CPU (interpreter) small tiles."""
+    if device.type != "cuda":
+        return AttentionTiles(block_m=16, block_n=16, num_warps=1, num_stages=1)
+    d_p, _ = padded_dims(D)
+    wide = dtype == torch.float32
+    if d_p <= 64:
+        return AttentionTiles(block_m=64, block_n=32 if wide else 64, num_warps=4, num_stages=2)
+    if d_p <= 128:
+        return AttentionTiles(block_m=64, block_n=32, num_warps=4, num_stages=2)
+    return AttentionTiles(block_m=32, block_n=32, num_warps=4, num_stages=1)
+
+
+def tile_unions(idx: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cells selected by the queries of each tile of `block_m` positions, per (b, h).
+
+    Args:
+        idx: int [B, T, Hq, K] selected cells, -1 padded, any order.
+    Returns:
+        union int32 [B * Hq, NT, block_m * K]: each tile's distinct cells ascending, -1 padded
+        (NT = ceil(T / block_m)); count int32 [B * Hq, NT]: the number of cells in each union.
+    """
+    B, T, Hq, K = idx.shape
+    NT = -(-T // block_m)
+    x = idx.permute(0, 2, 1, 3).to(torch.int32)  # (B, Hq, T, K)
+    x = torch.nn.functional.pad(x, (0, 0, 0, NT * block_m - T), value=-1)
+    x = x.reshape(B * Hq, NT, block_m * K)  # (B*Hq, NT, block_m*K)
+    big = torch.iinfo(torch.int32).max
+    x = torch.where(x < 0, big, x)
+    x = torch.sort(x, dim=-1).values
+    dup = torch.zeros_like(x, dtype=torch.bool)
+    dup[..., 1:] = x[..., 1:] == x[..., :-1]
+    x = torch.sort(torch.where(dup, big, x), dim=-1).values
+    count = (x != big).sum(dim=-1, dtype=torch.int32)
+    return torch.where(x == big, -1, x).contiguous(), count.contiguous()
+
+
+def _check_inputs(q, k, v, idx, beta, cos, sin, cfg) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be [B, T, H, D], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    B, T, Hq, D = q.shape
+    Hkv = k.shape[2]
+    if tuple(k.shape) != (B, T, Hkv, D) or tuple(v.shape) != (B, T, Hkv, D):
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must both be [B={B}, T={T}, Hkv, D={D}]")
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(f"Hq={Hq} must be a multiple of Hkv={Hkv}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"q dtype {q.dtype} must be float16, bfloat16 or float32 for the triton kernels")
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name} dtype {x.dtype} must equal q dtype {q.dtype}")
+    for name, x in (("q", q), ("k", k), ("v", v), ("idx", idx), ("beta", beta), ("cos", cos), ("sin", sin)):
+        if x.device != q.device:
+            raise ValueError(f"{name} is on {x.device} but q is on {q.device}")
+        if not x.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (shape {tuple(x.shape)}, strides {x.stride()})")
+    padded_dims(D)  # ValueError on odd or too large D
+    if tuple(idx.shape) != (B, T, Hq, cfg.top_k):
+        raise ValueError(f"idx shape {tuple(idx.shape)} must be [B={B}, T={T}, Hq={Hq}, K={cfg.top_k}]")
+    if idx.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"idx dtype {idx.dtype} must be int32 or int64")
+    if tuple(beta.shape) != (Hq,) or beta.dtype != torch.float32:
+        raise ValueError(f"beta must be float32 [Hq={Hq}], got {beta.dtype} {tuple(beta.shape)}")
+    for name, x in (("cos", cos), ("sin", sin)):
+        if tuple(x.shape) != (T, D // 2) or x.dtype != torch.float32:
+            raise ValueError(f"{name} must be float32 [T={T}, D/2={D // 2}], got {x.dtype} {tuple(x.shape)}")
+
+
+def attention_forward(q, k, v, idx, beta, cos, sin, cfg, tiles: AttentionTiles | None = None):
+    """Fused FreeSolo forward (spec §2, §7) on given selections.
+
+    Args:
+        q: [B, T, Hq, D] unrotated queries; k, v: [B, T, Hkv, D] (same dtype: fp16 / bf16 / fp32,
+            contiguous; CUDA, or CPU float32 under TRITON_INTERPRET=1).
+        idx: int64 or int32 [B, T, Hq, K] selected cells, -1 padded, any order; each cell of
+            query i is available to it (ends at or before its block's first token).
+        beta: fp32 [Hq]. cos, sin: fp32 [T, D/2] (`freesolo.backends.torch._ops.rope_tables`).
+        cfg: FreeSoloConfig (window, cell, top_k, eps are read).
+        tiles: tile sizes (default `default_tiles(D, dtype, device)`).
+    Returns:
+        o [B, T, Hq, D] in q's dtype: o_loc + beta_h * rmsnorm(o_long);
+        lse_loc fp32 [B, Hq, T]: natural-log logsumexp over the window of scale * rope(q_i) . rope(k_t);
+        lse_long fp32 [B, Hq, T]: logsumexp over the selected tokens of scale * q_i . k_t (-inf: no cell);
+        rstd fp32 [B, Hq, T]: 1 / sqrt(mean_d(o_long^2) + eps) of the fp32 o_long (0 where no cell).
+    """
+    _check_inputs(q, k, v, idx, beta, cos, sin, cfg)
+    B, T, Hq, D = q.shape
+    Hkv = k.shape[2]
+    d_p, half_p = padded_dims(D)
+    tiles = tiles or default_tiles(D, q.dtype, q.device)
+    NT = -(-T // tiles.block_m)
+    union, count = tile_unions(idx, tiles.block_m)
+    o = torch.empty_like(q)
+    lse_loc = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
+    lse_long = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
+    rstd = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
+    K = cfg.top_k
+    grid = (NT, B * Hq)
+    _attention_fwd_kernel[grid](
+        q,
+        k,
+        v,
+        idx,
+        union,
+        count,
+        beta,
+        cos,
+        sin,
+        o,
+        lse_loc,
+        lse_long,
+        rstd,
+        T,
+        Hq,
+        Hkv,
+        NT,
+        cfg.window,
+        LOG2E / math.sqrt(D),
+        cfg.eps,
+        D=D,
+        HALF=D // 2,
+        D_P=d_p,
+        HALF_P=half_p,
+        CELL=cfg.cell,
+        CELL_P=max(16, triton.next_power_of_2(cfg.cell)),
+        KSEL=K,
+        K_P=triton.next_power_of_2(K),
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
+        U_MAX=tiles.block_m * K,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
+    return o, lse_loc, lse_long, rstd
