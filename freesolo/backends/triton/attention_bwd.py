@@ -1,0 +1,658 @@
+"""Backward of the fused FreeSolo attention (spec §2, §7, §8): gradients to q, k, v and beta.
+
+Forward (see attention.py), per batch row b, query i, query head h (kv head g = h // G):
+
+    o_loc[i]  = sum_{i-w < t <= i} softmax_t(scale * rope(q_i, i) . rope(k_t, t)) v_t   (lse_loc[i] saved)
+    o_long[i] = sum_{t in S_h(i)}  softmax_t(scale * q_i . k_t) v_t                       (lse_long[i] saved)
+    y[i]      = o_long[i] * rstd[i]                                                       (rstd[i] saved)
+    o[i]      = o_loc[i] + beta_h * y[i]
+
+Backward, no gradient through statistics, scores or indices (spec §8):
+
+    dy        = beta_h * do;  dbeta_h = sum_{b, i} do . y
+    d_olong   = rstd * (dy - y * mean_d(dy * y))                                (RMSNorm)
+    Delta_loc = do . o_loc (o_loc = o - beta_h * y);  Delta_long = d_olong . o_long
+    p = exp(s - lse);  ds = p * (dO . v_t - Delta)   (flash-attention 2, per branch)
+
+Kernels (in order of launch):
+1. `_bwd_long_query_kernel`, one program per (b, i, h): recomputes o_long from the K*s selected
+   tokens (the saved state is O(T*H): o_long is never stored), writes d_olong, Delta_loc,
+   Delta_long, the dbeta partial of the query, and dq of the long branch (its own cells only).
+   In the atomic mode it also scatters the long branch's dk / dv into fp32 buffers (tl.atomic_add).
+2. deterministic mode: `_bwd_long_cell_kernel`, one program per (b, kv head, cell): the inverted
+   selection (the (query, head) pairs that read the cell, built by a stable sort of the saved
+   indices: O(T*Hq*K)) is read in a fixed order and the cell's dk / dv are summed without atomics.
+3. `_bwd_local_dkdv_kernel`, one program per (key tile, b, kv head): loops over the G query heads
+   and the query tiles whose window sees the tile; q and k tiles are rotated in-kernel with the
+   cos / sin tables, the rotated dk is rotated back with the transpose rotation; the long branch's
+   fp32 dk / dv are added before the single cast to k's dtype.
+4. `_bwd_local_dq_kernel`, one program per (query tile, b, query head): loops over the window's key
+   tiles, rotates dq back and adds the long branch's dq.
+No atomics anywhere in the deterministic mode: same bits run to run.
+
+Vectors of the local branch are handled as two halves of D/2 (the half-split RoPE pairs x[m] with
+x[m + D/2]); each half is padded to a power of two >= 16 (tl.dot's minimum), so any even D works.
+All pointer offsets are int64.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["attention_backward", "inverted_selection", "BwdTiles"]
+
+
+# --------------------------------------------------------------------------------------------
+# kernels
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _bwd_long_query_kernel(
+    DO,
+    Q,
+    K,
+    V,
+    O,
+    IDX,
+    BETA,
+    LSE_LONG,
+    RSTD,
+    DOLONG,
+    DQLONG,
+    DELTA_LOC,
+    DELTA_LONG,
+    DBETA_PART,
+    DK_ACC,
+    DV_ACC,
+    T,
+    NROWS,
+    scale,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+    TOPK: tl.constexpr,
+    CELL: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_KS: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    ATOMIC: tl.constexpr,
+):
+    """Grid (cdiv(B*T, BLOCK_Q), HQ): BLOCK_Q rows b*T + i of head h (BLOCK_Q = 1 on the GPU).
+    q/do/o/d_olong/dq_long [B, T, HQ, D], k/v [B, T, HKV, D], idx [B, T, HQ, TOPK],
+    lse/rstd/delta/dbeta_part [B, HQ, T]; dk/dv_acc fp32 [B, T, HKV, D] (ATOMIC only)."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_Q + tl.arange(0, BLOCK_Q)  # b * T + i
+    h = tl.program_id(1).to(tl.int64)
+    qmask = rows < NROWS
+    b = rows // T
+    i = rows - b * T
+    g = h // (HQ // HKV)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    qrow = (rows * HQ + h) * D  # [BLOCK_Q] offsets of [b, i, h, 0]
+    stat = (b * HQ + h) * T + i  # [BLOCK_Q] offsets of [b, h, i]
+    qm2 = qmask[:, None] & dmask[None, :]
+    qd = qrow[:, None] + offs_d[None, :]
+    q = tl.load(Q + qd, mask=qm2, other=0.0).to(tl.float32)  # [BLOCK_Q, BLOCK_D]
+    do = tl.load(DO + qd, mask=qm2, other=0.0).to(tl.float32)
+    o = tl.load(O + qd, mask=qm2, other=0.0).to(tl.float32)
+    beta = tl.load(BETA + h).to(tl.float32)
+    lse = tl.load(LSE_LONG + stat, mask=qmask, other=0.0)
+    rstd = tl.load(RSTD + stat, mask=qmask, other=0.0)
+    # selected tokens: slot j = kk * CELL + u reads token idx[kk] * CELL + u
+    offs_j = tl.arange(0, BLOCK_KS)
+    kk = offs_j // CELL
+    u = offs_j - kk * CELL
+    cell = tl.load(
+        IDX + ((rows * HQ + h) * TOPK)[:, None] + kk[None, :],
+        mask=qmask[:, None] & (kk < TOPK)[None, :],
+        other=-1,
+    ).to(tl.int64)  # [BLOCK_Q, BLOCK_KS]
+    valid = cell >= 0
+    tok = tl.where(valid, cell * CELL + u[None, :], 0)
+    kv_off = ((b[:, None] * T + tok) * HKV + g) * D  # [BLOCK_Q, BLOCK_KS]
+    kvp = kv_off[:, :, None] + offs_d[None, None, :]  # [BLOCK_Q, BLOCK_KS, BLOCK_D]
+    m3 = valid[:, :, None] & dmask[None, None, :]
+    kt = tl.load(K + kvp, mask=m3, other=0.0).to(tl.float32)
+    vt = tl.load(V + kvp, mask=m3, other=0.0).to(tl.float32)
+    lse_safe = tl.where(lse == float("-inf"), 0.0, lse)
+    s = tl.sum(kt * q[:, None, :], axis=2) * scale  # [BLOCK_Q, BLOCK_KS]
+    p = tl.where(valid, tl.exp(s - lse_safe[:, None]), 0.0)
+    o_long = tl.sum(p[:, :, None] * vt, axis=1)  # [BLOCK_Q, BLOCK_D]
+    y = o_long * rstd[:, None]
+    dy = beta * do
+    d_olong = rstd[:, None] * (dy - y * (tl.sum(dy * y, axis=1) / D)[:, None])
+    delta_long = tl.sum(d_olong * o_long, axis=1)
+    delta_loc = tl.sum(do * (o - beta * y), axis=1)
+    tl.store(DBETA_PART + stat, tl.sum(do * y, axis=1), mask=qmask)
+    tl.store(DELTA_LOC + stat, delta_loc, mask=qmask)
+    tl.store(DELTA_LONG + stat, delta_long, mask=qmask)
+    tl.store(DOLONG + qd, d_olong, mask=qm2)
+    dp = tl.sum(vt * d_olong[:, None, :], axis=2)
+    ds = p * (dp - delta_long[:, None])
+    dq = tl.sum(ds[:, :, None] * kt, axis=1) * scale
+    tl.store(DQLONG + qd, dq, mask=qm2)
+    if ATOMIC:
+        tl.atomic_add(DK_ACC + kvp, (ds * scale)[:, :, None] * q[:, None, :], mask=m3)
+        tl.atomic_add(DV_ACC + kvp, p[:, :, None] * d_olong[:, None, :], mask=m3)
+
+
+@triton.jit
+def _bwd_long_cell_kernel(
+    Q,
+    K,
+    V,
+    DOLONG,
+    LSE_LONG,
+    DELTA_LONG,
+    READERS,
+    OFFSETS,
+    DK_ACC,
+    DV_ACC,
+    T,
+    C,
+    scale,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+    CELL: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """One program per (b, g, c) = (b * HKV + g) * C + c. READERS int64: flat (b*T + i)*HQ + h of every
+    reader of the cell, OFFSETS[key] .. OFFSETS[key+1] (fixed order). dk/dv_acc fp32 [B, T, HKV, D]."""
+    key = tl.program_id(0).to(tl.int64)
+    bg = key // C
+    c = key - bg * C
+    b = bg // HKV
+    g = bg - b * HKV
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    offs_u = tl.arange(0, BLOCK_C)
+    umask = offs_u < CELL
+    tok = c * CELL + offs_u
+    kv_off = ((b * T + tok) * HKV + g) * D
+    m2 = umask[:, None] & dmask[None, :]
+    kc = tl.load(K + kv_off[:, None] + offs_d[None, :], mask=m2, other=0.0).to(DOT_DTYPE)  # [BLOCK_C, BLOCK_D]
+    vc = tl.load(V + kv_off[:, None] + offs_d[None, :], mask=m2, other=0.0).to(DOT_DTYPE)
+    dk = tl.zeros([BLOCK_C, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_C, BLOCK_D], dtype=tl.float32)
+    start = tl.load(OFFSETS + key)
+    end = tl.load(OFFSETS + key + 1)
+    offs_r = tl.arange(0, BLOCK_R)
+    r0 = start
+    while r0 < end:  # (a while loop: the interpreter cannot range over loaded bounds)
+        rmask = (r0 + offs_r) < end
+        rd = tl.load(READERS + r0 + offs_r, mask=rmask, other=0)  # flat (b*T + i)*HQ + h
+        rh = rd % HQ
+        ri = (rd // HQ) % T
+        stat = (b * HQ + rh) * T + ri
+        rm2 = rmask[:, None] & dmask[None, :]
+        qr = tl.load(Q + rd[:, None] * D + offs_d[None, :], mask=rm2, other=0.0).to(DOT_DTYPE)  # [BLOCK_R, BLOCK_D]
+        dor = tl.load(DOLONG + rd[:, None] * D + offs_d[None, :], mask=rm2, other=0.0).to(DOT_DTYPE)
+        lse = tl.load(LSE_LONG + stat, mask=rmask, other=0.0)
+        dl = tl.load(DELTA_LONG + stat, mask=rmask, other=0.0)
+        if IEEE:
+            s = tl.dot(qr, tl.trans(kc), input_precision="ieee")
+        else:
+            s = tl.dot(qr, tl.trans(kc))
+        pm = rmask[:, None] & umask[None, :]
+        p = tl.where(pm, tl.exp(s * scale - lse[:, None]), 0.0)  # [BLOCK_R, BLOCK_C]
+        if IEEE:
+            dp = tl.dot(dor, tl.trans(vc), input_precision="ieee")
+            dv += tl.dot(tl.trans(p.to(DOT_DTYPE)), dor, input_precision="ieee")
+        else:
+            dp = tl.dot(dor, tl.trans(vc))
+            dv += tl.dot(tl.trans(p.to(DOT_DTYPE)), dor)
+        ds = p * (dp - dl[:, None])
+        if IEEE:
+            dk += tl.dot(tl.trans(ds.to(DOT_DTYPE)), qr, input_precision="ieee")
+        else:
+            dk += tl.dot(tl.trans(ds.to(DOT_DTYPE)), qr)
+        r0 += BLOCK_R
+    tl.store(DK_ACC + kv_off[:, None] + offs_d[None, :], dk * scale, mask=m2)
+    tl.store(DV_ACC + kv_off[:, None] + offs_d[None, :], dv, mask=m2)
+
+
+@triton.jit
+def _load_halves(X, rows, row_mask, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    """X + rows[:, None] + cols: the two halves [BLOCK_R, BLOCK_H] (fp32) of D = 2*HALF vectors."""
+    offs_h = tl.arange(0, BLOCK_H)
+    m = row_mask[:, None] & (offs_h < HALF)[None, :]
+    x1 = tl.load(X + rows[:, None] + offs_h[None, :], mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(X + rows[:, None] + HALF + offs_h[None, :], mask=m, other=0.0).to(tl.float32)
+    return x1, x2
+
+
+@triton.jit
+def _rope_tables(COS, SIN, pos, pos_mask, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    """cos, sin [BLOCK_R, BLOCK_H] fp32 at positions pos (tables [T, HALF])."""
+    offs_h = tl.arange(0, BLOCK_H)
+    m = pos_mask[:, None] & (offs_h < HALF)[None, :]
+    cs = tl.load(COS + pos[:, None] * HALF + offs_h[None, :], mask=m, other=0.0)
+    sn = tl.load(SIN + pos[:, None] * HALF + offs_h[None, :], mask=m, other=0.0)
+    return cs, sn
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _bwd_local_dkdv_kernel(
+    DO,
+    Q,
+    K,
+    V,
+    COS,
+    SIN,
+    LSE_LOC,
+    DELTA_LOC,
+    DK_LONG,
+    DV_LONG,
+    DK,
+    DV,
+    T,
+    W,
+    scale,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    IEEE: tl.constexpr,
+    HAS_LONG: tl.constexpr,
+    NUM_M: tl.constexpr,
+):
+    """Grid (cdiv(T, BLOCK_N), B * HKV). dk/dv [B, T, HKV, D] (k's dtype) = local + long (fp32 dk/dv_long)."""
+    n0 = tl.program_id(0).to(tl.int64) * BLOCK_N
+    bg = tl.program_id(1).to(tl.int64)
+    b = bg // HKV
+    g = bg - b * HKV
+    G: tl.constexpr = HQ // HKV
+    D: tl.constexpr = 2 * HALF
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    nmask = offs_n < T
+    kv_rows = ((b * T + offs_n) * HKV + g) * D
+    k1, k2 = _load_halves(K, kv_rows, nmask, HALF, BLOCK_H)
+    v1, v2 = _load_halves(V, kv_rows, nmask, HALF, BLOCK_H)
+    cs, sn = _rope_tables(COS, SIN, offs_n, nmask, HALF, BLOCK_H)
+    kr1 = (k1 * cs - k2 * sn).to(DOT_DTYPE)
+    kr2 = (k2 * cs + k1 * sn).to(DOT_DTYPE)
+    v1 = v1.to(DOT_DTYPE)
+    v2 = v2.to(DOT_DTYPE)
+    dk1 = tl.zeros([BLOCK_N, BLOCK_H], dtype=tl.float32)
+    dk2 = tl.zeros([BLOCK_N, BLOCK_H], dtype=tl.float32)
+    dv1 = tl.zeros([BLOCK_N, BLOCK_H], dtype=tl.float32)
+    dv2 = tl.zeros([BLOCK_N, BLOCK_H], dtype=tl.float32)
+    m_lo = (n0 // BLOCK_M) * BLOCK_M  # queries t <= i < t + w: NUM_M tiles from m_lo (masked past T)
+    for hh in range(G):
+        h = g * G + hh
+        for it in range(NUM_M):
+            m0 = m_lo + it * BLOCK_M
+            offs_m = m0 + tl.arange(0, BLOCK_M)
+            mmask = offs_m < T
+            q_rows = ((b * T + offs_m) * HQ + h) * D
+            q1, q2 = _load_halves(Q, q_rows, mmask, HALF, BLOCK_H)
+            do1, do2 = _load_halves(DO, q_rows, mmask, HALF, BLOCK_H)
+            qcs, qsn = _rope_tables(COS, SIN, offs_m, mmask, HALF, BLOCK_H)
+            qr1 = (q1 * qcs - q2 * qsn).to(DOT_DTYPE)
+            qr2 = (q2 * qcs + q1 * qsn).to(DOT_DTYPE)
+            do1 = do1.to(DOT_DTYPE)
+            do2 = do2.to(DOT_DTYPE)
+            stat = (b * HQ + h) * T + offs_m
+            lse = tl.load(LSE_LOC + stat, mask=mmask, other=0.0)
+            delta = tl.load(DELTA_LOC + stat, mask=mmask, other=0.0)
+            # transposed scores: sT[n, m] = scale * kr_n . qr_m
+            sT = _dot(kr1, tl.trans(qr1), IEEE) + _dot(kr2, tl.trans(qr2), IEEE)
+            diff = offs_m[None, :] - offs_n[:, None]  # i - t
+            vis = (diff >= 0) & (diff < W) & mmask[None, :] & nmask[:, None]
+            pT = tl.where(vis, tl.exp(sT * scale - lse[None, :]), 0.0)  # [BLOCK_N, BLOCK_M]
+            pTc = pT.to(DOT_DTYPE)
+            dv1 += _dot(pTc, do1, IEEE)
+            dv2 += _dot(pTc, do2, IEEE)
+            dpT = _dot(v1, tl.trans(do1), IEEE) + _dot(v2, tl.trans(do2), IEEE)
+            dsT = (pT * (dpT - delta[None, :])).to(DOT_DTYPE)
+            dk1 += _dot(dsT, qr1, IEEE)
+            dk2 += _dot(dsT, qr2, IEEE)
+    dk1 = dk1 * scale
+    dk2 = dk2 * scale
+    # transpose rotation: dk1 = g1 c + g2 s, dk2 = g2 c - g1 s
+    gk1 = dk1 * cs + dk2 * sn
+    gk2 = dk2 * cs - dk1 * sn
+    offs_h = tl.arange(0, BLOCK_H)
+    m2 = nmask[:, None] & (offs_h < HALF)[None, :]
+    p1 = kv_rows[:, None] + offs_h[None, :]
+    if HAS_LONG:
+        gk1 += tl.load(DK_LONG + p1, mask=m2, other=0.0)
+        gk2 += tl.load(DK_LONG + p1 + HALF, mask=m2, other=0.0)
+        dv1 += tl.load(DV_LONG + p1, mask=m2, other=0.0)
+        dv2 += tl.load(DV_LONG + p1 + HALF, mask=m2, other=0.0)
+    tl.store(DK + p1, gk1.to(DK.dtype.element_ty), mask=m2)
+    tl.store(DK + p1 + HALF, gk2.to(DK.dtype.element_ty), mask=m2)
+    tl.store(DV + p1, dv1.to(DV.dtype.element_ty), mask=m2)
+    tl.store(DV + p1 + HALF, dv2.to(DV.dtype.element_ty), mask=m2)
+
+
+@triton.jit
+def _bwd_local_dq_kernel(
+    DO,
+    Q,
+    K,
+    V,
+    COS,
+    SIN,
+    LSE_LOC,
+    DELTA_LOC,
+    DQ_LONG,
+    DQ,
+    T,
+    W,
+    scale,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    IEEE: tl.constexpr,
+    NUM_N: tl.constexpr,
+):
+    """Grid (cdiv(T, BLOCK_M), B * HQ). dq [B, T, HQ, D] (q's dtype) = local + long (fp32 dq_long)."""
+    m0 = tl.program_id(0).to(tl.int64) * BLOCK_M
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // HQ
+    h = bh - b * HQ
+    g = h // (HQ // HKV)
+    D: tl.constexpr = 2 * HALF
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    mmask = offs_m < T
+    q_rows = ((b * T + offs_m) * HQ + h) * D
+    q1, q2 = _load_halves(Q, q_rows, mmask, HALF, BLOCK_H)
+    do1, do2 = _load_halves(DO, q_rows, mmask, HALF, BLOCK_H)
+    cs, sn = _rope_tables(COS, SIN, offs_m, mmask, HALF, BLOCK_H)
+    qr1 = (q1 * cs - q2 * sn).to(DOT_DTYPE)
+    qr2 = (q2 * cs + q1 * sn).to(DOT_DTYPE)
+    do1 = do1.to(DOT_DTYPE)
+    do2 = do2.to(DOT_DTYPE)
+    stat = (b * HQ + h) * T + offs_m
+    lse = tl.load(LSE_LOC + stat, mask=mmask, other=0.0)
+    delta = tl.load(DELTA_LOC + stat, mask=mmask, other=0.0)
+    dq1 = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
+    dq2 = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
+    # keys i - w < t <= i: NUM_N tiles ending with the one holding m0 + BLOCK_M - 1 (masked before 0)
+    n_last = ((m0 + BLOCK_M - 1) // BLOCK_N) * BLOCK_N
+    for it in range(NUM_N):
+        n0 = n_last - (NUM_N - 1 - it) * BLOCK_N
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        nmask = (offs_n < T) & (offs_n >= 0)
+        kv_rows = ((b * T + offs_n) * HKV + g) * D
+        k1, k2 = _load_halves(K, kv_rows, nmask, HALF, BLOCK_H)
+        v1, v2 = _load_halves(V, kv_rows, nmask, HALF, BLOCK_H)
+        kcs, ksn = _rope_tables(COS, SIN, offs_n, nmask, HALF, BLOCK_H)
+        kr1 = (k1 * kcs - k2 * ksn).to(DOT_DTYPE)
+        kr2 = (k2 * kcs + k1 * ksn).to(DOT_DTYPE)
+        s = _dot(qr1, tl.trans(kr1), IEEE) + _dot(qr2, tl.trans(kr2), IEEE)  # [BLOCK_M, BLOCK_N]
+        diff = offs_m[:, None] - offs_n[None, :]
+        vis = (diff >= 0) & (diff < W) & mmask[:, None] & nmask[None, :]
+        p = tl.where(vis, tl.exp(s * scale - lse[:, None]), 0.0)
+        dp = _dot(do1, tl.trans(v1.to(DOT_DTYPE)), IEEE) + _dot(do2, tl.trans(v2.to(DOT_DTYPE)), IEEE)
+        ds = (p * (dp - delta[:, None])).to(DOT_DTYPE)
+        dq1 += _dot(ds, kr1, IEEE)
+        dq2 += _dot(ds, kr2, IEEE)
+    dq1 = dq1 * scale
+    dq2 = dq2 * scale
+    gq1 = dq1 * cs + dq2 * sn
+    gq2 = dq2 * cs - dq1 * sn
+    offs_h = tl.arange(0, BLOCK_H)
+    m2 = mmask[:, None] & (offs_h < HALF)[None, :]
+    p1 = q_rows[:, None] + offs_h[None, :]
+    gq1 += tl.load(DQ_LONG + p1, mask=m2, other=0.0)
+    gq2 += tl.load(DQ_LONG + p1 + HALF, mask=m2, other=0.0)
+    tl.store(DQ + p1, gq1.to(DQ.dtype.element_ty), mask=m2)
+    tl.store(DQ + p1 + HALF, gq2.to(DQ.dtype.element_ty), mask=m2)
+
+
+# --------------------------------------------------------------------------------------------
+# host side
+# --------------------------------------------------------------------------------------------
+
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+class BwdTiles:
+    """Tile sizes of the backward kernels.
+
+    Args:
+        block_m: queries per tile of the local kernels (>= 16 on the GPU: tl.dot's minimum).
+        block_n: keys per tile of the local kernels (>= 16 on the GPU).
+        block_r: readers per step of the deterministic cell kernel (>= 16 on the GPU).
+        num_warps: warps of the local kernels.
+    """
+
+    def __init__(self, block_m: int = 64, block_n: int = 64, block_r: int = 32, num_warps: int = 4):
+        for name, x in (("block_m", block_m), ("block_n", block_n), ("block_r", block_r)):
+            if x < 1 or x & (x - 1):
+                raise ValueError(f"{name}={x} must be a power of two")
+        self.block_m, self.block_n, self.block_r, self.num_warps = block_m, block_n, block_r, num_warps
+
+
+def _pow2(x: int, floor: int = 1) -> int:
+    return max(floor, triton.next_power_of_2(max(1, int(x))))
+
+
+def inverted_selection(idx: torch.Tensor, num_kv_heads: int, cell: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Readers of every (b, kv head, cell): a stable sort of the saved indices, O(B*T*Hq*K) (linear in T).
+
+    Args:
+        idx: int [B, T, Hq, K] selected cells, -1 padded.
+        num_kv_heads: Hkv (query head h reads kv head h // (Hq // Hkv)).
+        cell: tokens per cell; C = T // cell complete cells per kv head.
+    Returns:
+        readers int64 [B*T*Hq*K]: flat query-head index (b*T + i)*Hq + h, grouped by cell key
+            (b*Hkv + g)*C + c and inside a group in increasing (i, h) order (entries of -1 last);
+        offsets int64 [B*Hkv*C + 1]: readers of key c are readers[offsets[c]:offsets[c+1]].
+    No host synchronization (sizes are static).
+    """
+    B, T, Hq, K = idx.shape
+    C = T // cell
+    G = Hq // num_kv_heads
+    ncells = B * num_kv_heads * C
+    dev = idx.device
+    b = torch.arange(B, device=dev, dtype=torch.int64).view(B, 1, 1, 1)
+    g = (torch.arange(Hq, device=dev, dtype=torch.int64) // G).view(1, 1, Hq, 1)
+    c = idx.to(torch.int64)
+    key = torch.where(c >= 0, (b * num_kv_heads + g) * C + c, ncells).reshape(-1)  # (B*T*Hq*K,)
+    order = torch.sort(key, stable=True).indices  # ties keep the flat (b, i, h, k) order
+    readers = order // K
+    counts = torch.bincount(key, minlength=ncells + 1)[:ncells]
+    offsets = torch.zeros(ncells + 1, dtype=torch.int64, device=dev)
+    torch.cumsum(counts, 0, out=offsets[1:])
+    return readers, offsets
+
+
+def attention_backward(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    idx: torch.Tensor,
+    beta: torch.Tensor,
+    lse_loc: torch.Tensor,
+    lse_long: torch.Tensor,
+    rstd: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cfg,
+    deterministic: bool = True,
+    tiles: BwdTiles | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of the fused FreeSolo attention (spec §8); a pure function (no autograd.Function).
+
+    Args:
+        do: [B, T, Hq, D] gradient of o (any float dtype; read as fp32).
+        q: [B, T, Hq, D] unrotated queries; k, v: [B, T, Hkv, D]; same dtype (fp16 / bf16 / fp32).
+        o: [B, T, Hq, D] the forward's output.
+        idx: int64 / int32 [B, T, Hq, K] selected cells (-1 padded), the forward's.
+        beta: fp32 [Hq].
+        lse_loc, lse_long, rstd: fp32 [B, Hq, T] saved by the forward (lse_long = -inf: no cell).
+        cos, sin: fp32 [T, D/2] half-split RoPE tables (`rope_tables(T, D, cfg.rope_theta, ...)`).
+        cfg: FreeSoloConfig (window, cell, top_k, eps are read).
+        deterministic: True: inverted selection, no atomics, same bits run to run (default);
+            False: the long branch's dk / dv by tl.atomic_add into fp32 buffers.
+        tiles: BwdTiles (default: 64 x 64 tiles on the GPU, 16 x 16 under the interpreter).
+    Returns:
+        dq [B, T, Hq, D] q.dtype; dk, dv [B, T, Hkv, D] k.dtype; dbeta fp32 [Hq].
+    """
+    B, T, Hq, D = q.shape
+    Hkv = k.shape[2]
+    K = idx.shape[-1]
+    if D % 2:
+        raise ValueError(f"head dim D={D} must be even (RoPE)")
+    if Hkv < 1 or Hq % Hkv:
+        raise ValueError(f"Hq={Hq} must be a positive multiple of Hkv={Hkv}")
+    if k.shape != (B, T, Hkv, D) or v.shape != k.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must be [B={B}, T={T}, Hkv, D={D}]")
+    if q.dtype not in _TL_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k, v dtypes {q.dtype}, {k.dtype}, {v.dtype} must be one of fp16/bf16/fp32 and equal")
+    if idx.shape != (B, T, Hq, K) or K != cfg.top_k:
+        raise ValueError(f"idx shape {tuple(idx.shape)} must be [B={B}, T={T}, Hq={Hq}, K={cfg.top_k}]")
+    for name, x in (("lse_loc", lse_loc), ("lse_long", lse_long), ("rstd", rstd)):
+        if x.shape != (B, Hq, T) or x.dtype != torch.float32:
+            raise ValueError(f"{name} must be fp32 [B={B}, Hq={Hq}, T={T}], got {x.dtype} {tuple(x.shape)}")
+    if cos.shape != (T, D // 2) or sin.shape != (T, D // 2):
+        raise ValueError(f"cos / sin must be [T={T}, D/2={D // 2}], got {tuple(cos.shape)}, {tuple(sin.shape)}")
+    interp = q.device.type != "cuda"
+    if tiles is None:
+        tiles = BwdTiles(16, 16, 16, 4) if interp else BwdTiles()
+    dev = q.device
+    q, k, v, o, do = (x.contiguous() for x in (q, k, v, o, do))
+    idx = idx.contiguous()
+    beta = beta.to(device=dev, dtype=torch.float32).contiguous()
+    lse_loc, lse_long, rstd = (x.contiguous() for x in (lse_loc, lse_long, rstd))
+    cos, sin = cos.to(torch.float32).contiguous(), sin.to(torch.float32).contiguous()
+    scale = 1.0 / math.sqrt(D)
+    s = cfg.cell
+    C = T // s
+    f32 = dict(device=dev, dtype=torch.float32)
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    d_olong = torch.empty(B, T, Hq, D, **f32)
+    dq_long = torch.empty(B, T, Hq, D, **f32)
+    delta_loc = torch.empty(B, Hq, T, **f32)
+    delta_long = torch.empty(B, Hq, T, **f32)
+    dbeta_part = torch.empty(B, Hq, T, **f32)
+    has_long = C > 0
+    if has_long:
+        dk_long = torch.zeros(B, T, Hkv, D, **f32) if not deterministic else torch.empty(B, T, Hkv, D, **f32)
+        dv_long = torch.zeros(B, T, Hkv, D, **f32) if not deterministic else torch.empty(B, T, Hkv, D, **f32)
+        if deterministic and C * s < T:  # tokens past the last complete cell belong to no cell
+            dk_long[:, C * s :].zero_()
+            dv_long[:, C * s :].zero_()
+    else:
+        dk_long = dv_long = d_olong  # placeholders, never read (HAS_LONG False)
+    dot_dtype = _TL_DTYPES[q.dtype]
+    ieee = q.dtype == torch.float32
+    if B * T * Hq > 0:
+        bq = 16 if interp else 1
+        _bwd_long_query_kernel[(triton.cdiv(B * T, bq), Hq)](
+            do,
+            q,
+            k,
+            v,
+            o,
+            idx,
+            beta,
+            lse_long,
+            rstd,
+            d_olong,
+            dq_long,
+            delta_loc,
+            delta_long,
+            dbeta_part,
+            dk_long,
+            dv_long,
+            T,
+            B * T,
+            scale,
+            HQ=Hq,
+            HKV=Hkv,
+            D=D,
+            TOPK=K,
+            CELL=s,
+            BLOCK_D=_pow2(D),
+            BLOCK_KS=_pow2(K * s),
+            BLOCK_Q=bq,
+            ATOMIC=(not deterministic) and has_long,
+            num_warps=4,
+        )
+    if has_long and deterministic:
+        readers, offsets = inverted_selection(idx, Hkv, s)
+        _bwd_long_cell_kernel[(B * Hkv * C,)](
+            q,
+            k,
+            v,
+            d_olong,
+            lse_long,
+            delta_long,
+            readers,
+            offsets,
+            dk_long,
+            dv_long,
+            T,
+            C,
+            scale,
+            HQ=Hq,
+            HKV=Hkv,
+            D=D,
+            CELL=s,
+            BLOCK_D=_pow2(D, 16),
+            BLOCK_C=_pow2(s, 16),
+            BLOCK_R=tiles.block_r,
+            DOT_DTYPE=dot_dtype,
+            IEEE=ieee,
+            num_warps=4,
+        )
+    half = D // 2
+    common = dict(
+        HQ=Hq,
+        HKV=Hkv,
+        HALF=half,
+        BLOCK_H=_pow2(half, 16),
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
+        DOT_DTYPE=dot_dtype,
+        IEEE=ieee,
+        num_warps=tiles.num_warps,
+    )
+    w = min(cfg.window, T)  # a window longer than the sequence sees the same keys
+    bm, bn = tiles.block_m, tiles.block_n
+    # query tiles seeing a key tile [n0, n0+bn): i in [n0, n0+bn-1+w-1], tiles from floor(n0/bm)*bm
+    num_m = (bm - 1 + bn - 1 + w - 1) // bm + 1
+    # key tiles seen by a query tile [m0, m0+bm): t in [m0-w+1, m0+bm-1], tiles ending at floor((m0+bm-1)/bn)*bn
+    num_n = (bn - 1 + bm - 1 + w - 1) // bn + 1
+    _bwd_local_dkdv_kernel[(triton.cdiv(T, bn), B * Hkv)](
+        do, q, k, v, cos, sin, lse_loc, delta_loc, dk_long, dv_long, dk, dv, T, w, scale,
+        HAS_LONG=has_long, NUM_M=num_m, **common,
+    )
+    _bwd_local_dq_kernel[(triton.cdiv(T, bm), B * Hq)](
+        do, q, k, v, cos, sin, lse_loc, delta_loc, dq_long, dq, T, w, scale, NUM_N=num_n, **common
+    )
+    dbeta = dbeta_part.sum(dim=(0, 2))  # fixed-order reduction (no atomics)
+    return dq, dk, dv, dbeta
