@@ -132,6 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_scaling_parser(sub)
     add_decode_parser(sub)
+    from freesolo.retrieval.cli import add_eval_parser, add_train_parser
+
+    add_train_parser(sub)
+    add_eval_parser(sub)
     return parser
 
 
