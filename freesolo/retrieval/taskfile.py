@@ -64,7 +64,10 @@ def read_task_json(folder: str) -> dict:
         data = json.load(f)
     if data.get("format") != FORMAT:
         raise ValueError(f"{path}: format={data.get('format')!r}, expected {FORMAT!r}")
-    Vocab.from_json(data["vocab"])  # raises on a different vocabulary
+    vocab = Vocab.from_json(data["vocab"])  # raises on inconsistent ranges or other special tokens
+    if vocab != VOCAB:
+        diff = {k: v for k, v in vocab.to_json().items() if VOCAB.to_json().get(k) != v}
+        raise ValueError(f"{path}: vocab fields {diff} differ from this version's {VOCAB}")
     for name, spec in data.get("tasks", {}).items():
         if name in TASKS and TASKS[name].to_json() != spec:
             raise ValueError(f"{path}: task {name!r} is {spec}, this version generates {TASKS[name].to_json()}")
