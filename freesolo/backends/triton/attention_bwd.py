@@ -163,11 +163,11 @@ def _bwd_long_cell_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_R: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     """One program per (b, g, c) = (b * HKV + g) * C + c. READERS int64: flat (b*T + i)*HQ + h of every
     reader of the cell, OFFSETS[key] .. OFFSETS[key+1] (fixed order). dk/dv_acc fp32 [B, T, HKV, D]."""
+    DOT_DTYPE = K.dtype.element_ty  # tl.dot inputs in the inputs' dtype, fp32 accumulation
     key = tl.program_id(0).to(tl.int64)
     bg = key // C
     c = key - bg * C
@@ -272,12 +272,12 @@ def _bwd_local_dkdv_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
     IEEE: tl.constexpr,
     HAS_LONG: tl.constexpr,
     NUM_M: tl.constexpr,
 ):
     """Grid (cdiv(T, BLOCK_N), B * HKV). dk/dv [B, T, HKV, D] (k's dtype) = local + long (fp32 dk/dv_long)."""
+    DOT_DTYPE = K.dtype.element_ty  # tl.dot inputs in the inputs' dtype, fp32 accumulation
     n0 = tl.program_id(0).to(tl.int64) * BLOCK_N
     bg = tl.program_id(1).to(tl.int64)
     b = bg // HKV
@@ -368,11 +368,11 @@ def _bwd_local_dq_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
     IEEE: tl.constexpr,
     NUM_N: tl.constexpr,
 ):
     """Grid (cdiv(T, BLOCK_M), B * HQ). dq [B, T, HQ, D] (q's dtype) = local + long (fp32 dq_long)."""
+    DOT_DTYPE = K.dtype.element_ty  # tl.dot inputs in the inputs' dtype, fp32 accumulation
     m0 = tl.program_id(0).to(tl.int64) * BLOCK_M
     bh = tl.program_id(1).to(tl.int64)
     b = bh // HQ
@@ -567,7 +567,6 @@ def attention_backward(
             dv_long[:, C * s :].zero_()
     else:
         dk_long = dv_long = d_olong  # placeholders, never read (HAS_LONG False)
-    dot_dtype = _TL_DTYPES[q.dtype]
     ieee = q.dtype == torch.float32
     if B * T * Hq > 0:
         bq = 16 if interp else 1
@@ -625,7 +624,6 @@ def attention_backward(
             BLOCK_D=_pow2(D, 16),
             BLOCK_C=_pow2(s, 16),
             BLOCK_R=tiles.block_r,
-            DOT_DTYPE=dot_dtype,
             IEEE=ieee,
             num_warps=4,
         )
@@ -637,7 +635,6 @@ def attention_backward(
         BLOCK_H=_pow2(half, 16),
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n,
-        DOT_DTYPE=dot_dtype,
         IEEE=ieee,
         num_warps=tiles.num_warps,
     )

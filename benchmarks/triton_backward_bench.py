@@ -1,0 +1,256 @@
+"""GPU benchmark of the Triton FreeSolo backward (issue 11): readout fwd+bwd against SDPA causal and
+FlexAttention SWA-512.
+
+Providers (B = 1, bf16, Hq = Hkv = 16, D = 64 unless told otherwise; median of `do_bench`):
+- `triton_fsl_det` / `triton_fsl_atomic`: `attention_forward` + `attention_backward` of
+  freesolo/backends/triton on FS-L indices precomputed by the torch backend's selection (the selection
+  is not timed here), deterministic (inverted selection) and atomic modes of the long branch's dk/dv;
+  the backward alone is also timed (`bwd_ms`), and one call is profiled per kernel (`kernels_ms`);
+- `sdpa_causal`: torch.nn.functional.scaled_dot_product_attention(is_causal=True), fwd+bwd;
+- `flex_swa512`: compiled FlexAttention with a causal sliding window of 512, fwd+bwd.
+Same-run ratios (triton_fsl / sdpa, triton_fsl / flex) are printed and saved.
+
+Usage (GPU machine, repository root; < 3 minutes on an H200):
+    python benchmarks/triton_backward_bench.py --out benchmarks/results/triton_backward.json
+    python benchmarks/triton_backward_bench.py --lengths 4096 --peak-T 1048576   # + peak memory of FS-L fwd+bwd at 1M
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from freesolo import FreeSoloConfig  # noqa: E402
+from freesolo.backends.torch import backend as torch_backend  # noqa: E402
+from freesolo.backends.torch._ops import rope_tables  # noqa: E402
+
+WINDOW = 512
+
+
+def _versions() -> dict:
+    import triton
+
+    return {
+        "gpu": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": sys.version.split()[0],
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def _bench(fn, rep: int) -> float:
+    import triton.testing
+
+    fn()
+    torch.cuda.synchronize()
+    return float(triton.testing.do_bench(fn, warmup=max(5, rep // 4), rep=rep, return_mode="median"))
+
+
+def _inputs(T, Hq, Hkv, D, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(1, T, Hq, D, device="cuda", dtype=dtype, generator=g)
+    k = torch.randn(1, T, Hkv, D, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(1, T, Hkv, D, device="cuda", dtype=dtype, generator=g)
+    do = torch.randn(1, T, Hq, D, device="cuda", dtype=dtype, generator=g)
+    return q, k, v, do
+
+
+def triton_fsl(T, Hq, Hkv, D, dtype, rep, cfg, profile=True) -> dict:
+    from freesolo.backends.triton.attention import attention_forward
+    from freesolo.backends.triton.attention_bwd import attention_backward
+
+    q, k, v, do = _inputs(T, Hq, Hkv, D, dtype)
+    with torch.no_grad():
+        idx = torch_backend.select_cells(q, k, cfg)
+    beta = torch.ones(Hq, device="cuda", dtype=torch.float32)
+    cos, sin = rope_tables(T, D, cfg.rope_theta, q.device, torch.float32)
+    res = {}
+    fwd = lambda: attention_forward(q, k, v, idx, beta, cos, sin, cfg)  # noqa: E731
+    res["fwd_ms"] = _bench(fwd, rep)
+    saved = fwd()
+    for det in (True, False):
+        name = "det" if det else "atomic"
+
+        def bwd(det=det):
+            return attention_backward(do, q, k, v, saved[0], idx, beta, *saved[1:], cos, sin, cfg, deterministic=det)
+
+        def both(det=det):
+            o, ll, lg, rs = attention_forward(q, k, v, idx, beta, cos, sin, cfg)
+            return attention_backward(do, q, k, v, o, idx, beta, ll, lg, rs, cos, sin, cfg, deterministic=det)
+
+        res[f"bwd_ms_{name}"] = _bench(bwd, rep)
+        res[f"fwd+bwd_ms_{name}"] = _bench(both, rep)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        both()
+        torch.cuda.synchronize()
+        res[f"peak_gib_{name}"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+        if profile:
+            res[f"kernels_ms_{name}"] = _kernel_breakdown(bwd)
+    return res
+
+
+def _kernel_breakdown(fn) -> dict:
+    """CUDA time per kernel name (ms) of one call, from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    out = {}
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None)
+        if t is None:
+            t = getattr(e, "cuda_time_total", 0.0)
+        if t > 0:
+            out[e.key[:80]] = round(t / 1e3, 4)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1])[:12])
+
+
+def sdpa_causal(T, Hq, Hkv, D, dtype, rep) -> dict:
+    q, k, v, do = _inputs(T, Hq, Hkv, D, dtype)
+    q, k, v, do = (x.transpose(1, 2).contiguous() for x in (q, k, v, do))  # (B, H, T, D)
+    for x in (q, k, v):
+        x.requires_grad_(True)
+    gqa = Hq != Hkv
+
+    def fwd():
+        with torch.no_grad():
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+
+    def both():
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        o.backward(do)
+
+    return {"fwd_ms": _bench(fwd, rep), "fwd+bwd_ms": _bench(both, rep)}
+
+
+def flex_swa512(T, Hq, Hkv, D, dtype, rep) -> dict:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    try:  # the block-index construction of benchmarks/gpu_attention.py (no dense T x T evaluation)
+        from gpu_attention import swa_block_mask
+
+        mask = swa_block_mask(T, "cuda")
+    except Exception:  # noqa: BLE001
+
+        def swa(b, h, q_idx, kv_idx):
+            return (q_idx >= kv_idx) & (q_idx - kv_idx < WINDOW)
+
+        mask = create_block_mask(swa, None, None, T, T, device="cuda")
+    fn = torch.compile(flex_attention, dynamic=False)
+    q, k, v, do = _inputs(T, Hq, Hkv, D, dtype)
+    q, k, v, do = (x.transpose(1, 2).contiguous() for x in (q, k, v, do))
+    for x in (q, k, v):
+        x.requires_grad_(True)
+    gqa = Hq != Hkv
+
+    def fwd():
+        with torch.no_grad():
+            fn(q, k, v, block_mask=mask, enable_gqa=gqa)
+
+    def both():
+        fn(q, k, v, block_mask=mask, enable_gqa=gqa).backward(do)
+
+    return {"fwd_ms": _bench(fwd, rep), "fwd+bwd_ms": _bench(both, rep)}
+
+
+def peak_memory(T, Hq, Hkv, D, dtype, cfg) -> dict:
+    """Peak memory (GiB, beyond the inputs and the selection) of one FS-L fwd+bwd (deterministic) at T."""
+    from freesolo.backends.triton.attention import attention_forward
+    from freesolo.backends.triton.attention_bwd import attention_backward
+
+    q, k, v, do = _inputs(T, Hq, Hkv, D, dtype)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        idx = torch_backend.select_cells(q, k, cfg)
+    torch.cuda.synchronize()
+    sel_s = time.perf_counter() - t0
+    beta = torch.ones(Hq, device="cuda", dtype=torch.float32)
+    cos, sin = rope_tables(T, D, cfg.rope_theta, q.device, torch.float32)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    t0 = time.perf_counter()
+    o, ll, lg, rs = attention_forward(q, k, v, idx, beta, cos, sin, cfg)
+    g = attention_backward(do, q, k, v, o, idx, beta, ll, lg, rs, cos, sin, cfg, deterministic=True)
+    torch.cuda.synchronize()
+    finite = all(bool(torch.isfinite(x).all()) for x in g)
+    return {
+        "T": T,
+        "peak_gib_beyond_inputs": (torch.cuda.max_memory_allocated() - base) / 2**30,
+        "inputs_gib": base / 2**30,
+        "fwd+bwd_s_first_call": time.perf_counter() - t0,
+        "selection_s": sel_s,
+        "grads_finite": finite,
+    }
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 65536])
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=16)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--rep", type=int, default=100, help="do_bench rep (ms)")
+    ap.add_argument("--peak-T", type=int, default=0, help="also measure FS-L fwd+bwd peak memory at this T")
+    ap.add_argument("--no-baselines", action="store_true", help="skip SDPA and FlexAttention")
+    ap.add_argument("--out", default=None, help="JSON output path")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA device")
+    dtype = getattr(torch, args.dtype)
+    cfg = FreeSoloConfig(variant="fsl", window=WINDOW)
+    H, Hkv, D = args.heads, args.kv_heads, args.head_dim
+    payload = {"versions": _versions(), "shape": dict(B=1, Hq=H, Hkv=Hkv, D=D, dtype=args.dtype), "results": {}}
+    print(json.dumps(payload["versions"]))
+    t_start = time.perf_counter()
+    for T in args.lengths:
+        row = {"triton_fsl": triton_fsl(T, H, Hkv, D, dtype, args.rep, cfg)}
+        if not args.no_baselines:
+            row["sdpa_causal"] = sdpa_causal(T, H, Hkv, D, dtype, args.rep)
+            row["flex_swa512"] = flex_swa512(T, H, Hkv, D, dtype, args.rep)
+            for mode in ("det", "atomic"):
+                ours = row["triton_fsl"][f"fwd+bwd_ms_{mode}"]
+                row[f"ratio_{mode}_vs_sdpa"] = ours / row["sdpa_causal"]["fwd+bwd_ms"]
+                row[f"ratio_{mode}_vs_flex"] = ours / row["flex_swa512"]["fwd+bwd_ms"]
+        payload["results"][str(T)] = row
+        tf = row["triton_fsl"]
+        line = (
+            f"T={T:6d}  triton_fsl fwd {tf['fwd_ms']:.3f}  bwd det {tf['bwd_ms_det']:.3f} / atomic {tf['bwd_ms_atomic']:.3f}"
+            f"  fwd+bwd det {tf['fwd+bwd_ms_det']:.3f} / atomic {tf['fwd+bwd_ms_atomic']:.3f} ms"
+        )
+        if not args.no_baselines:
+            line += (
+                f"  | sdpa {row['sdpa_causal']['fwd+bwd_ms']:.3f}  flex {row['flex_swa512']['fwd+bwd_ms']:.3f} ms"
+                f"  | det/sdpa {row['ratio_det_vs_sdpa']:.2f}  det/flex {row['ratio_det_vs_flex']:.2f}"
+            )
+        print(line, flush=True)
+        print("   kernels (det):", json.dumps(tf.get("kernels_ms_det", {})), flush=True)
+    if args.peak_T:
+        payload["peak"] = peak_memory(args.peak_T, H, Hkv, D, dtype, cfg)
+        print("peak:", json.dumps(payload["peak"]), flush=True)
+    payload["wall_s"] = time.perf_counter() - t_start
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(payload, f, indent=1)
+        print("wrote", args.out)
+
+
+if __name__ == "__main__":
+    main()
