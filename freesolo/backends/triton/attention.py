@@ -33,7 +33,6 @@ from ._common import NEG_BIG, load_halves, load_rope, padded_dims, rope_halves
 __all__ = ["AttentionTiles", "attention_forward", "default_tiles", "tile_unions"]
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 
 
 @triton.jit
@@ -102,11 +101,18 @@ def _attention_fwd_kernel(
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
         col_ok = offs_n < T
-        k_lo, k_hi = load_halves(k_base + offs_n[:, None] * kv_stride + dh[None, :], col_ok, HALF, HALF_P)
-        ck, sk = load_rope(COS, SIN, offs_n, col_ok, HALF, HALF_P)
-        kr_lo, kr_hi = rope_halves(k_lo, k_hi, ck, sk)
-        s = tl.dot(qr_lo, tl.trans(kr_lo.to(dtype)), input_precision="ieee")
-        s = tl.dot(qr_hi, tl.trans(kr_hi.to(dtype)), s, input_precision="ieee")
+        # RoPE of the key tile, inline (as _common.rope_halves: jit calls cost the interpreter)
+        half_mask = col_ok[:, None] & (dh[None, :] < HALF)
+        k_ptrs = k_base + offs_n[:, None] * kv_stride + dh[None, :]
+        k_lo = tl.load(k_ptrs, mask=half_mask, other=0.0).to(tl.float32)
+        k_hi = tl.load(k_ptrs + HALF, mask=half_mask, other=0.0).to(tl.float32)
+        rope_offs = offs_n[:, None] * HALF + dh[None, :]
+        ck = tl.load(COS + rope_offs, mask=half_mask, other=0.0)
+        sk = tl.load(SIN + rope_offs, mask=half_mask, other=0.0)
+        kr_lo = (k_lo * ck - k_hi * sk).to(dtype)
+        kr_hi = (k_hi * ck + k_lo * sk).to(dtype)
+        s = tl.dot(qr_lo, tl.trans(kr_lo), input_precision="ieee")
+        s = tl.dot(qr_hi, tl.trans(kr_hi), s, input_precision="ieee")
         delta = offs_m[:, None] - offs_n[None, :]
         ok = (delta >= 0) & (delta < W) & col_ok[None, :]
         s = tl.where(ok, s * qk_scale, float("-inf"))
@@ -117,6 +123,7 @@ def _attention_fwd_kernel(
         v = tl.load(v_base + offs_n[:, None] * kv_stride + dd[None, :], mask=col_ok[:, None] & d_ok[None, :], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(dtype), v, input_precision="ieee")
         m_i = m_new
+    l_i = tl.where(row_ok, l_i, 1.0)  # every real query sees its own key: l_i >= 1; padding rows: 1
     o_loc = acc / l_i[:, None]
     lse_loc = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
 
@@ -157,7 +164,8 @@ def _attention_fwd_kernel(
     beta = tl.load(BETA + h)
     out = o_loc + beta * (o_long * rstd[:, None])
 
-    tl.store(O + ((b * T + offs_m) * Hq + h)[:, None] * D + dd[None, :], out.to(dtype), mask=row_ok[:, None] & d_ok[None, :])
+    o_ptrs = O + ((b * T + offs_m) * Hq + h)[:, None] * D + dd[None, :]
+    tl.store(o_ptrs, out.to(dtype), mask=row_ok[:, None] & d_ok[None, :])
     stat = (b * Hq + h) * T + offs_m
     tl.store(LSE_LOC + stat, lse_loc, mask=row_ok)
     tl.store(LSE_LONG + stat, lse_long, mask=row_ok)
@@ -178,7 +186,7 @@ class AttentionTiles:
 def default_tiles(D: int, dtype: torch.dtype, device: torch.device) -> AttentionTiles:
     """Tile sizes by head dim and dtype (see AttentionTiles). On the CPU (interpreter) small tiles."""
     if device.type != "cuda":
-        return AttentionTiles(block_m=16, block_n=16, num_warps=1, num_stages=1)
+        return AttentionTiles(block_m=32, block_n=32, num_warps=1, num_stages=1)
     d_p, _ = padded_dims(D)
     wide = dtype == torch.float32
     if d_p <= 64:

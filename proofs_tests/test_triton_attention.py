@@ -1,0 +1,396 @@
+"""The fused Triton forward kernel (`freesolo.backends.triton.attention.attention_forward`) on given
+selections (spec §2, §7, §13; lemma L12).
+
+Selection is tested elsewhere (test_triton_selection.py): here the kernel reads the indices of the
+torch backend / the oracle (fla style) and must reproduce
+- o against the float64 oracle (local branch + long readout + combine with the same idx):
+  float32 rms-rel < 1e-5; bf16 / fp16 within 2x the error of the naive same-precision dense
+  implementation (spec §13);
+- lse_loc, lse_long, rstd against a float64 dense recomputation written here;
+- L12 bitwise: a row alone == the row in a batch; a prefix == the same rows of the full
+  sequence; a query's bits do not change when the other queries of its tile select other cells.
+Outputs are allocated by the kernel's host code with torch.empty: a fixture poisons every
+torch.empty with NaN so that an unwritten element fails.
+
+On a CPU machine the kernel runs under Triton's interpreter (TRITON_INTERPRET=1) in float32;
+the CUDA tests (bf16 / fp16 / fp32, long T, int64 offsets) skip without a GPU. Run on the H200:
+    HYPOTHESIS_PROFILE=ci python -m pytest -q proofs_tests/test_triton_attention.py
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton compiles any kernel
+pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot run")
+
+from freesolo import FreeSoloConfig  # noqa: E402
+from freesolo.backends.torch import select_cells  # noqa: E402
+from freesolo.backends.torch._ops import rope_tables  # noqa: E402
+from freesolo.backends.triton.attention import attention_forward, tile_unions  # noqa: E402
+from freesolo.reference import oracle  # noqa: E402
+
+from .helpers import assert_close, random_qkv, rms_rel_error  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (bf16 / fp16 / long T run on the H200)")
+pytestmark = pytest.mark.skipif(
+    not (CUDA or INTERPRETED),
+    reason="no CUDA device and TRITON_INTERPRET is not set: the Triton kernels cannot run here",
+)
+DEVICE = "cuda" if CUDA else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def nan_poison(monkeypatch):
+    """torch.empty / empty_like return NaN-filled float tensors (fla's trick): unwritten output fails."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def poison(x):
+        return x.fill_(float("nan")) if x.is_floating_point() else x.fill_(-(2**30))
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: poison(empty(*a, **kw)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: poison(empty_like(*a, **kw)))
+
+
+def _cfg(**kw) -> FreeSoloConfig:
+    base = dict(variant="fs", window=16, cell=4, block=8, pool=3, recent=2, top_k=3)
+    base.update(kw)
+    return FreeSoloConfig(**base)
+
+
+def _selection(q, k, cfg) -> np.ndarray:
+    """int64 [B, T, Hq, K] of the torch backend in float64 (== the oracle's up to near-ties)."""
+    return select_cells(torch.from_numpy(q), torch.from_numpy(k), cfg).numpy()
+
+
+def _run(q, k, v, idx, beta, cfg, dtype=torch.float32, device=DEVICE, tiles=None):
+    """The kernel on numpy inputs; returns (o, lse_loc, lse_long, rstd) as float64 numpy arrays."""
+
+    def t(x, dt):
+        return torch.as_tensor(np.ascontiguousarray(x)).to(device=device, dtype=dt)
+
+    T, D = q.shape[1], q.shape[3]
+    cos, sin = rope_tables(T, D, cfg.rope_theta, device, torch.float32)
+    qt, kt, vt = (t(x, dtype) for x in (q, k, v))
+    it = t(idx, torch.as_tensor(idx).dtype)
+    out = attention_forward(qt, kt, vt, it, t(beta, torch.float32), cos, sin, cfg, tiles)
+    assert out[0].dtype == dtype and out[0].shape == q.shape
+    return [x.detach().double().cpu().numpy() for x in out]
+
+
+def _oracle(q, k, v, idx, cfg, beta) -> np.ndarray:
+    """float64 o [B, T, Hq, D] of spec §7 for the selection idx (oracle loops)."""
+    o_loc = oracle.local_attention(q, k, v, cfg)
+    return oracle.combine(o_loc, oracle.long_range_readout(q, k, v, idx, cfg), beta, cfg.eps)
+
+
+def dense_stats(q, k, v, idx, cfg):
+    """float64 dense recomputation (T x T masks) of the statistics the backward reads:
+    lse_loc, lse_long, rstd [B, Hq, T] (lse_long = -inf and rstd = 1/sqrt(eps) where no cell)."""
+    q, k, v = (torch.as_tensor(x, dtype=torch.float64) for x in (q, k, v))
+    B, T, Hq, D = q.shape
+    G = Hq // k.shape[2]
+    half = D // 2
+    inv = cfg.rope_theta ** (-2.0 * torch.arange(half, dtype=torch.float64) / D)
+    ang = torch.arange(T, dtype=torch.float64)[:, None] * inv[None, :]
+    cos, sin = torch.cos(ang)[:, None, :], torch.sin(ang)[:, None, :]  # [T, 1, D/2]
+
+    def rot(x):  # [B, T, H, D], complex-free half-split rotation
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+
+    kk, vv = k.repeat_interleave(G, dim=2), v.repeat_interleave(G, dim=2)  # [B, T, Hq, D]
+    i = torch.arange(T)[:, None]
+    t = torch.arange(T)[None, :]
+    local = (t <= i) & (t > i - cfg.window)
+    lg = torch.einsum("bihd,bthd->bhit", rot(q), rot(kk)) / math.sqrt(D)
+    lse_loc = torch.logsumexp(lg.masked_fill(~local, -math.inf), -1)
+    cells = torch.as_tensor(idx, dtype=torch.int64).permute(0, 2, 1, 3)  # [B, Hq, T, K]
+    cells = cells[:, :, :, None, :]  # [B, Hq, T, 1, K]
+    sel = (((t // cfg.cell)[None, None, :, :, None] == cells) & (cells >= 0)).any(-1)  # [B, Hq, T, T]
+    lg2 = torch.einsum("bihd,bthd->bhit", q, kk) / math.sqrt(D)
+    lse_long = torch.logsumexp(lg2.masked_fill(~sel, -math.inf), -1)  # -inf where nothing selected
+    p = torch.where(sel, torch.exp(lg2 - torch.where(sel.any(-1), lse_long, 0.0)[..., None]), 0.0)
+    o_long = torch.einsum("bhit,bthd->bhid", p, vv)
+    rstd = 1.0 / torch.sqrt((o_long**2).mean(-1) + cfg.eps)
+    return lse_loc.numpy(), lse_long.numpy(), rstd.numpy()
+
+
+def _check_stats(got, q, k, v, idx, cfg, rtol):
+    lse_loc, lse_long, rstd = dense_stats(q, k, v, idx, cfg)
+    assert_close(got[1], lse_loc, rtol, "lse_loc")
+    none = ~(np.asarray(idx) >= 0).any(-1).transpose(0, 2, 1)  # [B, Hq, T]: rows with no cell
+    assert np.all(got[2][none] == -np.inf), "lse_long must be -inf where no cell is selected"
+    if (~none).any():
+        assert_close(got[2][~none], lse_long[~none], rtol, "lse_long")
+    assert_close(got[3], rstd, rtol, "rstd")
+    assert np.allclose(got[3][none], 1 / math.sqrt(cfg.eps), rtol=1e-6), "rstd where no cell: 1/sqrt(eps)"
+
+
+# (B, T, Hq, Hkv, D, cfg overrides): awkward T (1, 31, 33, 63, 129, 200), D 8 / 16 / 32,
+# GQA groups 1, 2, 3, cells 4 / 8, blocks 8 / 16, windows 16 - 32, top_k 1 - 4, FS and FS-L.
+CASES = [
+    (1, 1, 2, 1, 8, dict()),
+    (2, 31, 3, 1, 16, dict(top_k=2)),
+    (1, 33, 4, 2, 8, dict(variant="fsl", top_k=4)),
+    (1, 63, 2, 2, 32, dict(window=24, top_k=1)),
+    (1, 129, 3, 1, 16, dict(variant="fsl", cell=8, block=16, window=32, pool=4, recent=2, top_k=3)),
+    (1, 200, 2, 1, 16, dict(variant="fsl", cell=8, block=16, window=20, pool=3, recent=2, top_k=2)),
+]
+
+
+def _case_id(c):
+    B, T, Hq, Hkv, D, kw = c
+    return f"B{B}-T{T}-Hq{Hq}-Hkv{Hkv}-D{D}-" + "-".join(f"{k}{v}" for k, v in kw.items())
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+def test_float32_matches_oracle(case):
+    """float32 o vs the float64 oracle (same idx) < 1e-5 rms-rel; statistics vs float64 dense."""
+    B, T, Hq, Hkv, D, kw = case
+    cfg = _cfg(**kw)
+    q, k, v = (x.astype(np.float32).astype(np.float64) for x in random_qkv(T + D, B, T, Hq, Hkv, D))
+    beta = np.linspace(-1.0, 1.5, Hq)
+    idx = _selection(q, k, cfg)
+    got = _run(q, k, v, idx, beta, cfg)
+    assert_close(got[0], _oracle(q, k, v, idx, cfg, beta), 1e-5, "o")
+    _check_stats(got, q, k, v, idx, cfg, 1e-5)
+
+
+def test_any_order_int32_and_padding_in_the_middle():
+    """idx in any order, int32, -1 pads anywhere: same output bits as the sorted int64 selection
+    up to summation order (the kernel reads cells in ascending order whatever idx lists)."""
+    cfg = _cfg(top_k=3)
+    q, k, v = random_qkv(5, 1, 48, 2, 1, 16)
+    beta = np.array([0.7, -1.2])
+    idx = _selection(q, k, cfg)
+    rng = np.random.default_rng(0)
+    shuffled = np.take_along_axis(idx, rng.permuted(np.argsort(idx, -1), axis=-1), -1).astype(np.int32)
+    a = _run(q, k, v, idx, beta, cfg)
+    b = _run(q, k, v, shuffled, beta, cfg)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x, y)
+    assert_close(a[0], _oracle(q, k, v, idx, cfg, beta), 1e-5, "o")
+
+
+def test_tile_unions():
+    """Each tile's union: the distinct cells of its queries, ascending, -1 padded, with its count."""
+    rng = np.random.default_rng(1)
+    idx = rng.integers(-1, 9, size=(2, 13, 3, 2))
+    union, count = tile_unions(torch.from_numpy(idx), 4)
+    assert union.shape == (6, 4, 8) and count.shape == (6, 4) and union.dtype == torch.int32
+    for b in range(2):
+        for h in range(3):
+            for j in range(4):
+                want = sorted({int(c) for c in idx[b, 4 * j : 4 * j + 4, h].ravel() if c >= 0})
+                row = union[b * 3 + h, j].tolist()
+                assert row == want + [-1] * (8 - len(want)), (b, h, j, row, want)
+                assert count[b * 3 + h, j] == len(want)
+
+
+# ---- L12: bitwise row independence ------------------------------------------------------------
+
+
+def _bitwise_equal(a, b, where: str):
+    for name, x, y in zip(("o", "lse_loc", "lse_long", "rstd"), a, b):
+        assert np.array_equal(x, y, equal_nan=False), f"{where}: {name} differs (max {np.nanmax(np.abs(x - y)):.3e})"
+
+
+@pytest.mark.parametrize("dtype", ["fp32"] + (["bf16", "fp16"] if CUDA else []))
+def test_l12_row_alone_equals_row_in_batch(dtype):
+    """Batch row 1 of 3 alone (B = 1) gives the same bits as inside the batch."""
+    dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    cfg = _cfg(variant="fsl", top_k=2)
+    q, k, v = random_qkv(7, 3, 45, 2, 1, 16)
+    beta = np.array([1.0, -0.5])
+    idx = _selection(q, k, cfg)
+    full = _run(q, k, v, idx, beta, cfg, dt)
+    alone = _run(q[1:2], k[1:2], v[1:2], idx[1:2], beta, cfg, dt)
+    _bitwise_equal([x[1:2] for x in full], alone, "row 1 alone vs in batch")
+
+
+def test_l12_prefix_equals_full_sequence():
+    """The first 45 positions of a 70-token sequence give the same bits as the 45-token prefix run
+    alone (later tokens, later queries' selections and the tile padding change nothing)."""
+    cfg = _cfg(variant="fs", top_k=3)
+    q, k, v = random_qkv(8, 1, 70, 3, 1, 16)
+    beta = np.array([1.0, -0.5, 2.0])
+    idx = _selection(q, k, cfg)
+    full = _run(q, k, v, idx, beta, cfg)
+    P = 45
+    pre = _run(q[:, :P], k[:, :P], v[:, :P], idx[:, :P], beta, cfg)
+    _bitwise_equal([full[0][:, :P]] + [x[..., :P] for x in full[1:]], pre, "prefix vs full")
+
+
+def test_l12_other_queries_selections_change_nothing():
+    """Queries 40 and 41 keep their cells; every other query of the sequence selects other cells
+    (including cells between theirs, so the tile's union interleaves new cells): the two rows'
+    bits do not change, while the changed rows do change."""
+    cfg = _cfg(variant="fs", top_k=2)
+    q, k, v = random_qkv(9, 1, 48, 2, 1, 16)
+    beta = np.array([1.0, 1.0])
+    idx = np.full((1, 48, 2, 2), -1, dtype=np.int64)
+    idx[0, 8:, :, 0] = 0  # every query with available cells reads cell 0 ...
+    idx[0, 40:42, :, :] = [[1, 7], [1, 7]]  # ... except 40 and 41: cells 1 and 7
+    other = idx.copy()
+    rng = np.random.default_rng(3)
+    for i in range(8, 48):
+        if i in (40, 41):
+            continue
+        n_avail = (i // cfg.block) * cfg.block // cfg.cell
+        other[0, i, :, :] = [rng.choice(n_avail, size=2, replace=False) for _ in range(2)]
+    other[0, 44, :, :] = [[3, 5], [2, 6]]  # cells strictly between 1 and 7, in the same tile
+    a = _run(q, k, v, idx, beta, cfg)
+    b = _run(q, k, v, other, beta, cfg)
+    keep = [40, 41]
+    rows = [[x[:, keep] for x in r[:1]] + [x[..., keep] for x in r[1:]] for r in (a, b)]
+    _bitwise_equal(rows[0], rows[1], "rows 40, 41")
+    assert not np.array_equal(a[0][:, 44], b[0][:, 44]), "row 44 selects other cells: its output must change"
+    assert_close(b[0], _oracle(q, k, v, other, cfg, beta), 1e-5, "o (other selections)")
+
+
+# ---- errors ------------------------------------------------------------------------------------
+
+
+def _inputs(B=1, T=8, Hq=2, Hkv=1, D=16, K=2, dtype=torch.float32):
+    q = torch.randn(B, T, Hq, D, dtype=dtype, device=DEVICE)
+    k = torch.randn(B, T, Hkv, D, dtype=dtype, device=DEVICE)
+    v = torch.randn(B, T, Hkv, D, dtype=dtype, device=DEVICE)
+    idx = torch.full((B, T, Hq, K), -1, dtype=torch.int64, device=DEVICE)
+    beta = torch.ones(Hq, dtype=torch.float32, device=DEVICE)
+    cos, sin = rope_tables(T, D, 10000.0, DEVICE, torch.float32)
+    return [q, k, v, idx, beta, cos, sin]
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda a: a.__setitem__(0, a[0][..., :15]), "k .* and v .* must both be"),
+        (lambda a: a.__setitem__(3, a[3][..., :1].contiguous()), "idx shape"),
+        (lambda a: a.__setitem__(3, a[3].float()), "idx dtype"),
+        (lambda a: a.__setitem__(4, a[4][:1]), "beta must be float32"),
+        (lambda a: a.__setitem__(5, a[5][:3]), "cos must be float32"),
+        (lambda a: a.__setitem__(1, a[1].double()), "k dtype"),
+        (lambda a: a.__setitem__(0, a[0].transpose(1, 2).contiguous().transpose(1, 2)), "q must be contiguous"),
+    ],
+    ids=["shape", "idx-shape", "idx-dtype", "beta", "cos", "dtype", "contiguous"],
+)
+def test_bad_inputs_raise(edit, match):
+    args = _inputs()
+    edit(args)
+    with pytest.raises((ValueError, TypeError), match=match):
+        attention_forward(*args, _cfg(top_k=2))
+
+
+@pytest.mark.parametrize("D", [7, 258])
+def test_unsupported_head_dim_raises(D):
+    args = _inputs(D=D + 1 if D % 2 else D)
+    if D % 2:  # odd D: build the tensors by hand (rope_tables needs an even D)
+        args[0], args[1], args[2] = (x[..., :D].contiguous() for x in args[:3])
+    with pytest.raises(ValueError, match=f"D={D}"):
+        attention_forward(*args, _cfg(top_k=2))
+
+
+# ---- CUDA: bf16 / fp16 / fp32, long T, int64 offsets ---------------------------------------------
+
+
+@needs_cuda
+@pytest.mark.parametrize("D", [32, 64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+def test_cuda_matches_oracle(dtype, D):
+    """fp32: < 1e-5 rms-rel vs the oracle; bf16 / fp16: within 2x the error of the naive dense
+    implementation in the same dtype (spec §13), both against float64 on the same rounded inputs."""
+    from .test_torch_backend import dense_reference
+
+    cfg = FreeSoloConfig(variant="fsl", window=64, cell=16, block=32, pool=6, recent=3, top_k=3)
+    B, T, Hq, Hkv = 2, 333, 6, 2
+    q, k, v = random_qkv(D, B, T, Hq, Hkv, D)
+    q, k, v = (torch.from_numpy(x).to(dtype).double().numpy() for x in (q, k, v))  # rounded inputs
+    beta = np.linspace(-1.0, 1.5, Hq)
+    idx = _selection(q, k, cfg)
+    ref = _oracle(q, k, v, idx, cfg, beta)
+    got = _run(q, k, v, idx, beta, cfg, dtype, "cuda")
+    if dtype == torch.float32:
+        assert_close(got[0], ref, 1e-5, "o fp32")
+        _check_stats(got, q, k, v, idx, cfg, 1e-5)
+        return
+    lo = [torch.from_numpy(x).to("cuda", dtype) for x in (q, k, v)]
+    naive = dense_reference(*lo, torch.from_numpy(idx).cuda(), cfg, torch.from_numpy(beta).to("cuda", dtype))
+    err, err_naive = rms_rel_error(got[0], ref), rms_rel_error(naive.double().cpu().numpy(), ref)
+    assert err <= 2 * err_naive, f"{dtype} o error {err:.2e} > 2x naive {err_naive:.2e}"
+    _check_stats(got, q, k, v, idx, cfg, 1e-2)
+
+
+@needs_cuda
+@pytest.mark.parametrize("variant", ["fs", "fsl"])
+def test_cuda_long_sequence_matches_torch_backend(variant):
+    """T = 8191, H 16, D 64 at the default sizes: fp32 kernel vs the torch backend (fp32) with the
+    same idx, and bf16 within 2x the torch backend's own bf16 error."""
+    from freesolo.backends.torch import attention
+
+    cfg = FreeSoloConfig(variant=variant)
+    B, T, Hq, Hkv, D = 1, 8191, 16, 4, 64
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(B, T, H, D, device="cuda", generator=g) for H in (Hq, Hkv, Hkv))
+    beta = torch.linspace(-1, 1.5, Hq, device="cuda")
+    idx = select_cells(q, k, cfg)
+    ref = attention(q.double(), k.double(), v.double(), cfg, beta.double(), idx=idx)
+    cos, sin = rope_tables(T, D, cfg.rope_theta, "cuda", torch.float32)
+    o = attention_forward(q, k, v, idx, beta, cos, sin, cfg)[0]
+    assert_close(o.double().cpu().numpy(), ref.cpu().numpy(), 1e-5, "fp32 o")
+    lo = [x.bfloat16() for x in (q, k, v)]
+    ref = attention(*(x.double() for x in lo), cfg, beta.double(), idx=idx).cpu().numpy()
+    o = attention_forward(*lo, idx, beta, cos, sin, cfg)[0].double().cpu().numpy()
+    o_torch = attention(*lo, cfg, beta, idx=idx).double().cpu().numpy()
+    err, err_torch = rms_rel_error(o, ref), rms_rel_error(o_torch, ref)
+    assert err <= 2 * err_torch, f"bf16 o error {err:.2e} > 2x the torch backend's {err_torch:.2e}"
+
+
+@needs_cuda
+def test_cuda_int64_offsets():
+    """T * Hq * D > 2^31 (B 1, T 2^21 + 1000, Hq 16, D 64, bf16): rows at the end of the sequence,
+    whose element offsets pass 2^31, match a float64 recomputation of those rows."""
+    cfg = FreeSoloConfig(variant="fsl", window=64, cell=32, block=64, top_k=2)
+    B, T, Hq, Hkv, D = 1, 2**21 + 1000, 16, 1, 64
+    assert T * Hq * D > 2**31
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v = (torch.randn(B, T, H, D, device="cuda", generator=g, dtype=torch.bfloat16) for H in (Hq, Hkv, Hkv))
+    pos = torch.arange(T, device="cuda")
+    n_avail = (pos // cfg.block) * cfg.block // cfg.cell  # [T]
+    idx = torch.stack([n_avail - 1, n_avail // 2], -1)  # the most recent available cell and a middle one
+    idx = torch.where(idx >= 0, idx, -1)[None, :, None, :].expand(B, T, Hq, 2).contiguous()
+    idx[..., 1] = torch.where(idx[..., 1] == idx[..., 0], -1, idx[..., 1])
+    beta = torch.ones(Hq, device="cuda")
+    cos, sin = rope_tables(T, D, cfg.rope_theta, "cuda", torch.float32)
+    o = attention_forward(q, k, v, idx, beta, cos, sin, cfg)[0]
+    rows = torch.tensor([0, T // 2, T - 2000, T - 1], device="cuda")
+    for i in rows.tolist():
+        lo = max(0, i - cfg.window + 1)
+        sub = slice(lo, i + 1)
+        # recompute row i from the window's tokens and its cells, float64
+        qi = q[0, i].double()  # [Hq, D]
+        cos_i, sin_i = cos.double(), sin.double()
+
+        def rot(x, p):
+            h = D // 2
+            c, s = cos_i[p], sin_i[p]
+            return torch.cat([x[..., :h] * c - x[..., h:] * s, x[..., h:] * c + x[..., :h] * s], -1)
+
+        kw = rot(k[0, sub, 0].double(), torch.arange(lo, i + 1, device="cuda"))  # [n, D]
+        lg = rot(qi, i) @ kw.T / math.sqrt(D)  # [Hq, n]
+        o_loc = torch.softmax(lg, -1) @ v[0, sub, 0].double()
+        cells = [int(c) for c in idx[0, i, 0] if c >= 0]
+        if cells:
+            tok = torch.cat([torch.arange(c * cfg.cell, (c + 1) * cfg.cell, device="cuda") for c in cells])
+            p = torch.softmax(qi @ k[0, tok, 0].double().T / math.sqrt(D), -1)
+            o_long = p @ v[0, tok, 0].double()
+            o_loc = o_loc + o_long / torch.sqrt((o_long**2).mean(-1, keepdim=True) + cfg.eps)
+        assert_close(o[0, i].double().cpu().numpy(), o_loc.cpu().numpy(), 2e-2, f"row {i}")
