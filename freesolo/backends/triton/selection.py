@@ -1,0 +1,423 @@
+"""Triton selection kernels for FS and FS-L (spec §3-§5, §7): cell statistics, FS-L candidate
+pools, scoring + per-query top-K.
+
+Three kernels, launched in this order by `select_cells`:
+
+1. `_cell_stats_kernel`: one pass over K. One program per (b, kv head, group of CELLS_PER_PROG
+   cells): kbar_c = mean key (fp32), a_c = max key norm (fp32).
+2. `_fsl_pool_kernel` (FS-L only): one program per (b, kv head) scans the query blocks in order
+   with the pool in registers (the streaming form of §5): at block j the cells
+   [m_{j-1}, m_j) (m_j = max(0, n_j - W)) leave the recent window and compete with the kept pool
+   on (a_c desc, c desc); the losers are dropped for ever. The pool keeps every member's rank
+   (0 = best) so that one update costs O(P * Bq/s), never O(P^2) nor a scan of older cells:
+   linear in T. Writes cand int32 [B, Hkv, nblocks, P + W]: the pool's P slots (unordered, -1 for
+   an empty slot), then the W recent cells [m_j, n_j) (-1 past n_j).
+3. `_score_topk_kernel`: one program per (b, query head, tile of BLOCK_M queries inside one query
+   block). Streams over the block's candidates in chunks of BLOCK_N (FS: every available cell
+   [0, n_j), FS-L: the P + W cand entries), scores [BLOCK_M, BLOCK_N] in fp32
+   (score = scale * q . kbar + lam_h * a_c * erf(sigma_h * (i - c*s) / (2s)); the dot is an fp32
+   `tl.dot` with input_precision="ieee") and keeps a running top-K per query, sorted by
+   (score desc, c desc) (spec §7's tie rule). No [T, cells] tensor exists.
+
+Row independence (L12): tile sizes depend on the config and D only; a query's result depends on
+its row's cells c < n_j (whose statistics are functions of their own tokens) and on nothing else;
+the loop bounds of a program depend on its block index only.
+
+All pointer offsets are int64 (program ids and indices are cast before any multiply).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ...config import FreeSoloConfig
+from . import _common  # noqa: F401  (its import patches the interpreter's dynamic loop bounds for NumPy >= 2.4)
+
+__all__ = ["cell_stats", "fsl_candidates", "select_cells", "MAX_POOL"]
+
+# The FS-L pool lives in registers: P rounded up to a power of two lanes per program.
+MAX_POOL = 1024
+# Below every real a_c (a norm, >= 0): the key of an empty pool slot, and of a padding new cell.
+_EMPTY_A = -1.0
+_PAD_A = -2.0
+# Reductions through tl.reduce / tl.associative_scan with triton's own combine functions: the same
+# code as tl.max / tl.sum / tl.cumsum when compiled, but the interpreter (TRITON_INTERPRET=1) runs
+# them as one NumPy call instead of re-patching triton.language for every nested @jit call
+# (about 10 ms each): this keeps the CPU tests of these kernels in CI's budget.
+_MAX = tl.standard._elementwise_max
+_MIN = tl.standard._elementwise_min
+_SUM = tl.standard._sum_combine
+# Top-K keys: int64 (orderable fp32 score bits << 32) | (cell + 1), so one max finds the best
+# score and, among equal scores, the larger cell (spec §7). _EMPTY = key of (-inf, cell -1).
+_EMPTY = ((-8388608) ^ 0x7FFFFFFF) << 32
+_INT64_MAX = 2**63 - 1
+
+
+# ---- kernels ---------------------------------------------------------------------------------
+
+
+@triton.jit
+def _cell_stats_kernel(
+    K,  # [B, T, Hkv, D] any strides
+    KBAR,  # fp32 [B, Hkv, C, D] contiguous
+    AMAX,  # fp32 [B, Hkv, C] contiguous
+    C,
+    HKV,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    D: tl.constexpr,
+    CELL: tl.constexpr,
+    CELLS_PER_PROG: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    pid_c = tl.program_id(0).to(tl.int64)
+    pid_bh = tl.program_id(1).to(tl.int64)
+    b = pid_bh // HKV
+    g = pid_bh % HKV
+    c = pid_c * CELLS_PER_PROG + tl.arange(0, CELLS_PER_PROG).to(tl.int64)  # [CPP] cells
+    t_off = tl.arange(0, BLOCK_T).to(tl.int64)
+    d_off = tl.arange(0, BLOCK_D).to(tl.int64)
+    c_ok = c < C
+    d_ok = d_off < D
+    k_base = K + b * stride_kb + g * stride_kh + d_off[None, None, :] * stride_kd
+    acc = tl.zeros([CELLS_PER_PROG, BLOCK_D], dtype=tl.float32)
+    best = tl.zeros([CELLS_PER_PROG], dtype=tl.float32)  # squared norms are >= 0
+    for t0 in range(0, CELL, BLOCK_T):
+        t = t0 + t_off  # [BLOCK_T] token offsets inside the cell
+        tok = c[:, None] * CELL + t[None, :]  # [CPP, BLOCK_T]
+        ok = (c_ok[:, None] & (t[None, :] < CELL))[:, :, None] & d_ok[None, None, :]
+        x = tl.load(k_base + tok[:, :, None] * stride_kt, mask=ok, other=0.0).to(tl.float32)
+        acc += tl.reduce(x, 1, _SUM)
+        best = tl.maximum(best, tl.reduce(tl.reduce(x * x, 2, _SUM), 1, _MAX))
+    rows = pid_bh * C + c  # [CPP] rows of KBAR / AMAX
+    tl.store(KBAR + rows[:, None] * D + d_off[None, :], acc / CELL, mask=c_ok[:, None] & d_ok[None, :])
+    # sqrt is monotone and correctly rounded: max of sqrt == sqrt of max
+    tl.store(AMAX + rows, tl.sqrt_rn(best), mask=c_ok)
+
+
+@triton.jit
+def _fsl_pool_kernel(
+    AMAX,  # fp32 [B, Hkv, C]
+    CAND,  # int32 [B, Hkv, NBLOCKS, POOL + RECENT]
+    C,
+    NBLOCKS,
+    POOL: tl.constexpr,
+    RECENT: tl.constexpr,
+    CELLS_PER_BLOCK: tl.constexpr,  # Bq / s
+    P_PAD: tl.constexpr,
+    NEW_PAD: tl.constexpr,
+    R_PAD: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)  # b * Hkv + g
+    a_base = AMAX + pid * C
+    cand_base = CAND + pid * NBLOCKS * (POOL + RECENT)
+    slot = tl.arange(0, P_PAD)
+    live = slot < POOL  # lanes past POOL are never part of the pool
+    # The pool: POOL members, empty ones with key (_EMPTY_A, -1 - slot) so that every key is
+    # distinct; rank = position in (a desc, c desc) order among the members (a permutation).
+    pool_a = tl.full([P_PAD], _EMPTY_A, tl.float32)
+    pool_c = -1 - slot
+    pool_r = slot
+    new_i = tl.arange(0, NEW_PAD)
+    r_off = tl.arange(0, R_PAD)
+    m_prev = 0
+    for j in range(NBLOCKS):
+        n_j = j * CELLS_PER_BLOCK  # available cells of block j
+        m_j = tl.maximum(n_j - RECENT, 0)  # cells [m_prev, m_j) leave the recent window now
+        for n0 in range(m_prev, m_j, NEW_PAD):  # fed in chunks: top-P of a union is associative
+            new_c = n0 + new_i
+            new_ok = new_c < m_j
+            new_a = tl.load(a_base + new_c, mask=new_ok, other=_PAD_A)
+            new_c = tl.where(new_ok, new_c, -2 - P_PAD - new_i)  # padding: distinct, below everything
+            # beats[x, y]: new y beats pool x on (a desc, c desc)
+            beats = (new_a[None, :] > pool_a[:, None]) | (
+                (new_a[None, :] == pool_a[:, None]) & (new_c[None, :] > pool_c[:, None])
+            )
+            beats = beats & live[:, None]
+            union_r_pool = pool_r + tl.reduce(beats.to(tl.int32), 1, _SUM)  # [P_PAD] rank in pool + new
+            beaten_by_pool = tl.reduce((live[:, None] & ~beats).to(tl.int32), 0, _SUM)  # [NEW_PAD]
+            nn_beats = (new_a[None, :] > new_a[:, None]) | (
+                (new_a[None, :] == new_a[:, None]) & (new_c[None, :] > new_c[:, None])
+            )
+            union_r_new = beaten_by_pool + tl.reduce(nn_beats.to(tl.int32), 1, _SUM)  # [NEW_PAD]
+            dropped = live & (union_r_pool >= POOL)
+            survives = union_r_new < POOL
+            # the k-th dropped slot (in slot order) takes the k-th surviving new cell
+            drop_k = tl.associative_scan(dropped.to(tl.int32), 0, _SUM) - 1
+            surv_k = tl.associative_scan(survives.to(tl.int32), 0, _SUM) - 1
+            take = dropped[:, None] & survives[None, :] & (drop_k[:, None] == surv_k[None, :])  # [P_PAD, NEW_PAD]
+            take_a = tl.reduce(tl.where(take, new_a[None, :], 0.0), 1, _SUM)
+            take_c = tl.reduce(tl.where(take, new_c[None, :], 0), 1, _SUM)
+            take_r = tl.reduce(tl.where(take, union_r_new[None, :], 0), 1, _SUM)
+            pool_a = tl.where(dropped, take_a, pool_a)
+            pool_c = tl.where(dropped, take_c, pool_c)
+            pool_r = tl.where(dropped, take_r, union_r_pool)
+        m_prev = m_j
+        row = cand_base + j * (POOL + RECENT)
+        tl.store(row + slot, tl.where(pool_a >= 0.0, pool_c, -1).to(tl.int32), mask=live)
+        rc = m_j + r_off
+        tl.store(row + POOL + r_off, tl.where(rc < n_j, rc, -1).to(tl.int32), mask=r_off < RECENT)
+
+
+@triton.jit
+def _score_topk_kernel(
+    Q,  # [B, T, Hq, D] any strides
+    KBAR,  # fp32 [B, Hkv, C, D]
+    AMAX,  # fp32 [B, Hkv, C]
+    CAND,  # int32 [B, Hkv, NBLOCKS, N_CAND] (FS-L) or a dummy (FS)
+    SIGMA,  # fp32 [Hq]
+    LAM,  # fp32 [Hq]
+    IDX,  # int64 [B, T, Hq, TOP_K] contiguous
+    T,
+    C,
+    NBLOCKS,
+    HQ,
+    HKV,
+    stride_qb,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    scale,
+    D: tl.constexpr,
+    CELL: tl.constexpr,
+    QBLOCK: tl.constexpr,
+    TILES_PER_BLOCK: tl.constexpr,
+    TOP_K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    FSL: tl.constexpr,
+    N_CAND: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    pid_t = tl.program_id(0).to(tl.int64)
+    pid_bh = tl.program_id(1).to(tl.int64)
+    j = pid_t // TILES_PER_BLOCK  # query block
+    tile = pid_t % TILES_PER_BLOCK
+    b = pid_bh // HQ
+    h = pid_bh % HQ
+    g = h // (HQ // HKV)
+    m_off = tl.arange(0, BLOCK_M).to(tl.int64)
+    i_in_block = tile * BLOCK_M + m_off
+    i = j * QBLOCK + i_in_block  # [BLOCK_M] query positions
+    row_ok = (i_in_block < QBLOCK) & (i < T)
+    d_off = tl.arange(0, BLOCK_D).to(tl.int64)
+    d_ok = d_off < D
+    q = tl.load(
+        Q + b * stride_qb + i[:, None] * stride_qt + h * stride_qh + d_off[None, :] * stride_qd,
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    ).to(tl.float32)
+    sigma = tl.load(SIGMA + h)
+    lam = tl.load(LAM + h)
+    coef = sigma / (2.0 * CELL)
+    i_f = i.to(tl.float32)
+    kv_row = (b * HKV + g) * C  # first cell row of (b, g) in KBAR / AMAX
+    n_j = j * (QBLOCK // CELL)  # available cells
+    # running top-K per query: keys (see _EMPTY), lanes >= TOP_K stay _EMPTY
+    k_lane = tl.arange(0, K_PAD)
+    top = tl.full([BLOCK_M, K_PAD], _EMPTY, tl.int64)
+    n_off = tl.arange(0, BLOCK_N).to(tl.int64)
+    if FSL:
+        n_items = N_CAND
+    else:
+        n_items = n_j
+    for n0 in range(0, n_items, BLOCK_N):
+        if FSL:
+            pos = n0 + n_off
+            cells = tl.load(CAND + ((b * HKV + g) * NBLOCKS + j) * N_CAND + pos, mask=pos < N_CAND, other=-1)
+            cells = cells.to(tl.int64)
+        else:
+            cells = n_j - 1 - n0 - n_off  # most recent first
+            cells = tl.where(cells >= 0, cells, -1)
+        c_ok = cells >= 0
+        c_safe = tl.where(c_ok, cells, 0)
+        kb = tl.load(
+            KBAR + (kv_row + c_safe)[:, None] * D + d_off[None, :],
+            mask=c_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )  # [BLOCK_N, BLOCK_D]
+        a = tl.load(AMAX + kv_row + c_safe, mask=c_ok, other=0.0)  # [BLOCK_N]
+        dot = tl.dot(q, tl.trans(kb), input_precision="ieee")  # [BLOCK_M, BLOCK_N] fp32
+        dist = i_f[:, None] - (c_safe * CELL).to(tl.float32)[None, :]
+        score = scale * dot + lam * a[None, :] * tl.math.erf(coef * dist)
+        score = score + 0.0  # -0.0 -> +0.0: equal scores get equal keys
+        bits = score.to(tl.int32, bitcast=True)
+        bits = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # integer order == float order
+        key = (bits.to(tl.int64) << 32) | (cells + 1)[None, :]
+        key = tl.where(c_ok[None, :], key, _EMPTY)
+        # a chunk changes a row's list only if one of its keys beats the row's K-th key
+        kth = tl.reduce(tl.where(k_lane[None, :] < TOP_K, top, _INT64_MAX), 1, _MIN)
+        if tl.reduce((key > kth[:, None]).to(tl.int32), None, _MAX) > 0:
+            new = tl.full([BLOCK_M, K_PAD], _EMPTY, tl.int64)
+            for r in tl.static_range(TOP_K):
+                best = tl.maximum(tl.reduce(key, 1, _MAX), tl.reduce(top, 1, _MAX))  # [BLOCK_M]
+                new = tl.where(k_lane[None, :] == r, best[:, None], new)
+                key = tl.where(key == best[:, None], _EMPTY, key)
+                top = tl.where(top == best[:, None], _EMPTY, top)
+            top = new
+    cell_out = (top & 0xFFFFFFFF) - 1  # _EMPTY -> -1
+    out = IDX + ((b * T + i) * HQ + h)[:, None] * TOP_K + k_lane[None, :]
+    tl.store(out, cell_out, mask=row_ok[:, None] & (k_lane[None, :] < TOP_K))
+
+
+# ---- host launchers --------------------------------------------------------------------------
+
+
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig) -> None:
+    if q.dim() != 4 or k.dim() != 4:
+        raise ValueError(f"q and k must be [B, T, H, D], got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    B, T, Hq, D = q.shape
+    if k.shape[0] != B or k.shape[1] != T or k.shape[3] != D:
+        raise ValueError(f"k {tuple(k.shape)} does not match q {tuple(q.shape)} in B, T or D")
+    if Hq % k.shape[2] != 0:
+        raise ValueError(f"Hq={Hq} must be a multiple of Hkv={k.shape[2]}")
+    if cfg.variant not in ("fs", "fsl"):
+        raise ValueError(f"the triton selection kernels serve variant 'fs' and 'fsl', not {cfg.variant!r}")
+    if cfg.variant == "fsl" and cfg.pool > MAX_POOL:
+        raise ValueError(f"pool={cfg.pool} exceeds the triton FS-L kernel's register pool ({MAX_POOL}); use backend='torch'")
+    if q.device != k.device:
+        raise ValueError(f"k is on {k.device} but q is on {q.device}")
+
+
+def cell_stats(k: torch.Tensor, cell: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Cell statistics in one pass over K (spec §3).
+
+    Args:
+        k: [B, T, Hkv, D] unrotated keys (fp16 / bf16 / fp32, any strides).
+        cell: tokens per cell s.
+    Returns:
+        kbar fp32 [B, Hkv, C, D] (mean key), amax fp32 [B, Hkv, C] (max key norm); C = T // cell.
+    """
+    B, T, Hkv, D = k.shape
+    C = T // cell
+    kbar = torch.empty((B, Hkv, C, D), dtype=torch.float32, device=k.device)
+    amax = torch.empty((B, Hkv, C), dtype=torch.float32, device=k.device)
+    if C == 0 or B * Hkv == 0:
+        return kbar, amax
+    BLOCK_D = triton.next_power_of_2(D)
+    BLOCK_T = min(triton.next_power_of_2(cell), max(1, 4096 // BLOCK_D))
+    cells_per_prog = max(1, min(64, 8192 // (BLOCK_T * BLOCK_D)))
+    grid = (triton.cdiv(C, cells_per_prog), B * Hkv)
+    _cell_stats_kernel[grid](
+        k,
+        kbar,
+        amax,
+        C,
+        Hkv,
+        *k.stride(),
+        D=D,
+        CELL=cell,
+        CELLS_PER_PROG=cells_per_prog,
+        BLOCK_T=BLOCK_T,
+        BLOCK_D=BLOCK_D,
+    )
+    return kbar, amax
+
+
+def fsl_candidates(amax: torch.Tensor, T: int, cfg: FreeSoloConfig) -> torch.Tensor:
+    """FS-L candidate cells of every query block (spec §5, streaming form), linear in T.
+
+    Args:
+        amax: fp32 [B, Hkv, C] max key norms (from `cell_stats`).
+        T: sequence length (nblocks = ceil(T / block)).
+    Returns:
+        cand int32 [B, Hkv, nblocks, pool + recent]: the pool's slots (unordered, -1 = empty),
+        then the recent cells [max(0, n_j - W), n_j) (-1 past n_j).
+    """
+    B, Hkv, C = amax.shape
+    nblocks = triton.cdiv(T, cfg.block)
+    P, W = cfg.pool, cfg.recent
+    cand = torch.empty((B, Hkv, nblocks, P + W), dtype=torch.int32, device=amax.device)
+    if B * Hkv * nblocks == 0:
+        return cand
+    cpb = cfg.block // cfg.cell
+    _fsl_pool_kernel[(B * Hkv,)](
+        amax.contiguous(),
+        cand,
+        C,
+        nblocks,
+        POOL=P,
+        RECENT=W,
+        CELLS_PER_BLOCK=cpb,
+        P_PAD=triton.next_power_of_2(P),
+        NEW_PAD=max(2, min(triton.next_power_of_2(cpb), 8192 // triton.next_power_of_2(P))),
+        R_PAD=triton.next_power_of_2(W),
+        num_warps=1 if P <= 64 else 4,
+    )
+    return cand
+
+
+def _tiles(cfg: FreeSoloConfig, D: int, n_cand: int) -> Tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_D): functions of the config and D only (L12)."""
+    BLOCK_D = max(16, triton.next_power_of_2(D))
+    BLOCK_M = min(64, max(16, triton.next_power_of_2(cfg.block)))
+    BLOCK_N = 64 if not n_cand else min(64, max(16, triton.next_power_of_2(n_cand)))
+    return BLOCK_M, BLOCK_N, BLOCK_D
+
+
+def select_cells(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig) -> torch.Tensor:
+    """FS / FS-L selection (spec §3-§5, §7) by the Triton kernels.
+
+    Args:
+        q: [B, T, Hq, D] unrotated queries; k: [B, T, Hkv, D] unrotated keys (fp16 / bf16 / fp32
+            on CUDA, or CPU float32 under TRITON_INTERPRET=1). Scores are computed in fp32.
+        cfg: variant "fs" or "fsl"; sigma / lam scalars or per query head [Hq].
+    Returns:
+        int64 [B, T, Hq, top_k]: cells by descending score (ties: larger c first), -1 padded.
+    """
+    _check_inputs(q, k, cfg)
+    B, T, Hq, D = q.shape
+    Hkv = k.shape[2]
+    K = cfg.top_k
+    fsl = cfg.variant == "fsl"
+    nblocks = triton.cdiv(T, cfg.block)
+    C = T // cfg.cell
+    if B * T * Hq == 0 or nblocks <= 1 or C == 0:
+        return torch.full((B, T, Hq, K), -1, dtype=torch.int64, device=q.device)
+    kbar, amax = cell_stats(k, cfg.cell)
+    n_cand = cfg.pool + cfg.recent if fsl else 0
+    cand = fsl_candidates(amax, T, cfg) if fsl else torch.empty(1, dtype=torch.int32, device=q.device)
+    sigma = torch.as_tensor(cfg.per_head("sigma", Hq), dtype=torch.float32, device=q.device)
+    lam = torch.as_tensor(cfg.per_head("lam", Hq), dtype=torch.float32, device=q.device)
+    idx = torch.empty((B, T, Hq, K), dtype=torch.int64, device=q.device)
+    BLOCK_M, BLOCK_N, BLOCK_D = _tiles(cfg, D, n_cand)
+    tiles_per_block = triton.cdiv(cfg.block, BLOCK_M)
+    grid = (nblocks * tiles_per_block, B * Hq)
+    _score_topk_kernel[grid](
+        q,
+        kbar,
+        amax,
+        cand,
+        sigma,
+        lam,
+        idx,
+        T,
+        C,
+        nblocks,
+        Hq,
+        Hkv,
+        *q.stride(),
+        1.0 / math.sqrt(D),
+        D=D,
+        CELL=cfg.cell,
+        QBLOCK=cfg.block,
+        TILES_PER_BLOCK=tiles_per_block,
+        TOP_K=K,
+        K_PAD=triton.next_power_of_2(K),
+        FSL=fsl,
+        N_CAND=max(n_cand, 1),
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
+        BLOCK_D=BLOCK_D,
+        num_warps=4,
+    )
+    return idx
