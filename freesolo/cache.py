@@ -49,6 +49,11 @@ class FreeSoloCache:
         dtype, device: torch backend only: storage dtype and device (default: the first chunk's).
         check_finite: default of `extend(check_finite=...)`; the check syncs a CUDA device, so pass
             False on a decode path that must not synchronise.
+        decode_kernel: torch backend, FS / FS-L: how a one-token step runs: "torch" (torch ops,
+            default), "triton" (one fused Triton kernel per step, two for FS:
+            `freesolo.backends.triton.decode`; CUDA, or CPU under TRITON_INTERPRET=1), or "auto"
+            (triton on CUDA when triton imports and the dtype is float32 / bfloat16 / float16).
+            Chunks of n > 1 tokens and block boundaries always run torch ops.
     """
 
     def __init__(
@@ -62,6 +67,7 @@ class FreeSoloCache:
         dtype=None,
         device=None,
         check_finite: bool = True,
+        decode_kernel: str = "torch",
     ):
         if not isinstance(cfg, FreeSoloConfig):
             raise TypeError(f"cfg must be a freesolo.FreeSoloConfig, got {type(cfg).__name__}")
@@ -82,6 +88,8 @@ class FreeSoloCache:
         self.check_finite = bool(check_finite)
         self._input: Optional[tuple] = None  # (array kind, dtype, device) of the first chunk
         if self.backend in ("numpy", "numba"):
+            if decode_kernel != "torch":
+                raise ValueError(f"decode_kernel={decode_kernel!r} needs backend='torch', not {self.backend!r}")
             if dtype is not None or device is not None:
                 raise ValueError(f"backend={self.backend!r} computes in float64 on the CPU: leave dtype / device None")
             from .streaming.host import HostCacheState
@@ -97,8 +105,12 @@ class FreeSoloCache:
 
             if dtype is not None and not getattr(dtype, "is_floating_point", False):
                 raise TypeError(f"dtype={dtype!r} must be a torch floating dtype")
-            state_class = TorchFsbDeviceState if cfg.variant == "fsb" else TorchCacheState
-            self._state = state_class(cfg, B, Hq, Hkv, D, dtype=dtype, device=device)
+            if cfg.variant == "fsb":
+                if decode_kernel == "triton":
+                    raise ValueError("decode_kernel='triton' implements variants 'fs' and 'fsl', not 'fsb'")
+                self._state = TorchFsbDeviceState(cfg, B, Hq, Hkv, D, dtype=dtype, device=device)
+            else:
+                self._state = TorchCacheState(cfg, B, Hq, Hkv, D, dtype=dtype, device=device, decode_kernel=decode_kernel)
             self._dtype, self._device = dtype, device
         elif self.backend == "triton":
             raise BackendUnavailableError(

@@ -32,7 +32,11 @@ import torch.nn.functional as F
 
 from ..config import FreeSoloConfig
 
-__all__ = ["DecodeGraph", "TorchCacheState", "fsl_candidate_count"]
+__all__ = ["DECODE_KERNELS", "DecodeGraph", "TorchCacheState", "fsl_candidate_count"]
+
+# One-token step: "torch" (torch ops), "triton" (fused kernel, freesolo.backends.triton.decode),
+# "auto" (triton on CUDA when triton imports and the dtype is float32 / bfloat16 / float16).
+DECODE_KERNELS = ("torch", "triton", "auto")
 
 _BUFFERS = (
     "pos",
@@ -99,9 +103,15 @@ class TorchCacheState:
         head_dim: int,
         dtype: Optional[torch.dtype] = None,
         device=None,
+        decode_kernel: str = "torch",
     ):
         if cfg.variant not in self.variants:
             raise ValueError(f"{type(self).__name__} implements variants {self.variants}, not {cfg.variant!r}")
+        if decode_kernel not in DECODE_KERNELS:
+            raise ValueError(f"decode_kernel={decode_kernel!r} must be one of {DECODE_KERNELS}")
+        if decode_kernel == "triton" and cfg.variant not in ("fs", "fsl"):
+            raise ValueError(f"decode_kernel='triton' implements variants 'fs' and 'fsl', not {cfg.variant!r}")
+        self.decode_kernel = decode_kernel
         self.cfg = cfg
         self.B, self.Hq, self.Hkv, self.D = batch, num_heads, num_kv_heads, head_dim
         self.group = num_heads // num_kv_heads
@@ -136,6 +146,27 @@ class TorchCacheState:
         self.block_v = torch.zeros_like(self.block_k)
         slots = cfg.pool + cfg.recent if cfg.variant == "fsl" else max(16, cfg.top_k)
         self._alloc_store(slots)
+        self._fused = self._resolve_decode_kernel()
+
+    def _resolve_decode_kernel(self) -> bool:
+        """True when one-token steps run the fused Triton kernel (after allocation: device known)."""
+        if self.decode_kernel == "torch":
+            return False
+        if self.decode_kernel == "auto":
+            if self.device.type != "cuda" or self.cfg.variant not in ("fs", "fsl"):
+                return False
+            if self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                return False
+            try:
+                import triton  # noqa: F401
+            except ImportError:
+                return False
+        from ..backends.triton.decode import decode_supported_reasons
+
+        reasons = decode_supported_reasons(self)
+        if reasons:
+            raise ValueError("decode_kernel='triton': " + "; ".join(reasons))
+        return True
 
     def _alloc_store(self, slots: int) -> None:
         B, Hkv, D, s, dev = self.B, self.Hkv, self.D, self.cfg.cell, self.device
@@ -239,6 +270,12 @@ class TorchCacheState:
         """
         cfg, B, Hkv, G, D = self.cfg, self.B, self.Hkv, self.group, self.D
         n, t0 = q.shape[1], self.length
+        if n == 1 and self._fused:  # fused Triton step (ring / block writes, both branches, output)
+            from ..backends.triton.decode import decode_step
+
+            out = decode_step(self, q, k, v, beta)
+            self.pos += 1
+            return out
         w = cfg.window
         scale = 1.0 / math.sqrt(D)
         steps = torch.arange(n, device=self.device)
@@ -381,7 +418,7 @@ class TorchCacheState:
     def load_state_dict(self, state: dict) -> None:
         """Restore from `state_dict()`; FS-L copies into the existing buffers (CUDA graphs stay valid)."""
         if state.get("dtype") is None:
-            self.__init__(self.cfg, self.B, self.Hq, self.Hkv, self.D)
+            self.__init__(self.cfg, self.B, self.Hq, self.Hkv, self.D, decode_kernel=self.decode_kernel)
             return
         dtype = getattr(torch, state["dtype"].replace("torch.", ""))
         if not self.allocated:
