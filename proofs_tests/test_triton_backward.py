@@ -25,7 +25,12 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
 from freesolo import FreeSoloConfig  # noqa: E402
 from freesolo.backends.torch import backend as torch_backend  # noqa: E402
 from freesolo.backends.torch._ops import rope, rope_tables  # noqa: E402
-from freesolo.backends.triton.attention_bwd import attention_backward, inverted_selection  # noqa: E402
+from freesolo.backends.triton.attention_bwd import (  # noqa: E402
+    BwdTiles,
+    attention_backward,
+    inverted_selection,
+    segment_plan,
+)
 from freesolo.reference import oracle  # noqa: E402
 
 from .helpers import assert_close, rms_rel_error  # noqa: E402
@@ -107,12 +112,12 @@ def make_inputs(seed, B, T, Hq, Hkv, D, cfg, dtype=torch.float32, device=DEV):
     return q, k, v, beta, do, idx
 
 
-def run_backward(q, k, v, beta, do, idx, cfg, deterministic=True, saved=None):
+def run_backward(q, k, v, beta, do, idx, cfg, deterministic=True, saved=None, tiles=None):
     o, lse_loc, lse_long, rstd = saved if saved is not None else saved_tensors(q, k, v, idx, beta, cfg)
     T, D = q.shape[1], q.shape[3]
     cos, sin = rope_tables(T, D, cfg.rope_theta, q.device, torch.float32)
     return attention_backward(
-        do, q, k, v, o, idx, beta.float(), lse_loc, lse_long, rstd, cos, sin, cfg, deterministic=deterministic
+        do, q, k, v, o, idx, beta.float(), lse_loc, lse_long, rstd, cos, sin, cfg, deterministic=deterministic, tiles=tiles
     )
 
 
@@ -191,6 +196,34 @@ def test_deterministic_bitwise_run_to_run():
     b = run_backward(q, k, v, beta, do, idx, cfg, True, saved)
     for name, x, y in zip(("dq", "dk", "dv", "dbeta"), a, b):
         assert torch.equal(x, y), f"{name} differs between two deterministic runs"
+
+
+def test_hot_cells_split_into_segments(nan_poison):
+    """Cells read by more than `seg` readers are split into segments and reduced in a fixed order:
+    same gradients as one segment per cell (to fp32 rounding), bitwise run to run."""
+    cfg = FreeSoloConfig(window=16, cell=4, block=8, top_k=3, pool=2, recent=1)
+    q, k, v, beta, do, idx = make_inputs(12, 1, 48, 4, 1, 32, cfg)
+    saved = saved_tensors(q, k, v, idx, beta, cfg)
+    _, offsets = inverted_selection(idx, 1, cfg.cell)
+    assert int((offsets[1:] - offsets[:-1]).max()) > 16, "some cell must be read by more than one segment"
+    small = BwdTiles(block_m=16, block_n=16, block_r=16, block_q=16, seg=16, num_warps=1, num_warps_long=1)
+    one = BwdTiles(block_m=16, block_n=16, block_r=16, block_q=16, seg=4096, num_warps=1, num_warps_long=1)
+    a = run_backward(q, k, v, beta, do, idx, cfg, True, saved, small)
+    b = run_backward(q, k, v, beta, do, idx, cfg, True, saved, small)
+    for name, x, y in zip(("dq", "dk", "dv", "dbeta"), a, b):
+        assert torch.equal(x, y), f"{name}: split segments differ between two runs"
+    _check(a, run_backward(q, k, v, beta, do, idx, cfg, True, saved, one), 1e-6, "seg 16 vs one segment")
+    _check(a, torch_grads(q, k, v, beta, idx, cfg, do), 1e-5, "seg 16 vs torch float64")
+
+
+def test_segment_plan_covers_every_reader_once():
+    """Work items tile each cell's reader range exactly (segments of `seg`, idle items at the end)."""
+    offsets = torch.tensor([0, 0, 5, 5, 23, 24], dtype=torch.int64)  # counts 0, 5, 0, 18, 1
+    work_cell, work_seg, nseg, part_base, num_slots = segment_plan(offsets, 24, 4)
+    assert nseg.tolist() == [1, 2, 1, 5, 1]
+    items = [(int(c), int(j)) for c, j in zip(work_cell, work_seg) if int(c) < 5]
+    assert items == [(0, 0), (1, 0), (1, 1), (2, 0), (3, 0), (3, 1), (3, 2), (3, 3), (3, 4), (4, 0)]
+    assert part_base.tolist()[1] == 0 and part_base.tolist()[3] == 2 and num_slots >= 7
 
 
 def test_finite_differences_of_the_oracle():

@@ -19,9 +19,12 @@ Kernels (in order of launch):
    tokens (the saved state is O(T*H): o_long is never stored), writes d_olong, Delta_loc,
    Delta_long, the dbeta partial of the query, and dq of the long branch (its own cells only).
    In the atomic mode it also scatters the long branch's dk / dv into fp32 buffers (tl.atomic_add).
-2. deterministic mode: `_bwd_long_cell_kernel`, one program per (b, kv head, cell): the inverted
-   selection (the (query, head) pairs that read the cell, built by a stable sort of the saved
-   indices: O(T*Hq*K)) is read in a fixed order and the cell's dk / dv are summed without atomics.
+2. deterministic mode: `_bwd_long_cell_kernel` over the inverted selection (for each (b, kv head,
+   cell) the (query, head) pairs that read it, built by a stable sort of the saved indices:
+   O(T*Hq*K), no host sync), one program per segment of `tiles.seg` readers of a cell, read in a
+   fixed order; a cell of one segment writes its dk / dv directly, a hot cell (FS-L's pool cells
+   are read by most queries) writes one partial per segment and `_bwd_long_reduce_kernel` sums
+   them in segment order. No atomics: same bits run to run.
 3. `_bwd_local_dkdv_kernel`, one program per (key tile, b, kv head): loops over the G query heads
    and the query tiles whose window sees the tile; q and k tiles are rotated in-kernel with the
    cos / sin tables, the rotated dk is rotated back with the transpose rotation; the long branch's
@@ -38,12 +41,13 @@ All pointer offsets are int64.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["attention_backward", "inverted_selection", "BwdTiles"]
+__all__ = ["BwdTiles", "attention_backward", "default_bwd_tiles", "inverted_selection", "segment_plan"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -142,6 +146,15 @@ def _bwd_long_query_kernel(
 
 
 @triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """tl.dot with fp32 accumulation; IEEE: exact fp32 products (no tf32) for fp32 inputs."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
 def _bwd_long_cell_kernel(
     Q,
     K,
@@ -151,10 +164,17 @@ def _bwd_long_cell_kernel(
     DELTA_LONG,
     READERS,
     OFFSETS,
+    WORK_CELL,
+    WORK_SEG,
+    NSEG,
+    PART_BASE,
     DK_ACC,
     DV_ACC,
+    PART_DK,
+    PART_DV,
     T,
     C,
+    NCELLS,
     scale,
     HQ: tl.constexpr,
     HKV: tl.constexpr,
@@ -163,12 +183,20 @@ def _bwd_long_cell_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    SEG: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    """One program per (b, g, c) = (b * HKV + g) * C + c. READERS int64: flat (b*T + i)*HQ + h of every
-    reader of the cell, OFFSETS[key] .. OFFSETS[key+1] (fixed order). dk/dv_acc fp32 [B, T, HKV, D]."""
+    """One program per work item w: segment j = WORK_SEG[w] (readers j*SEG .. (j+1)*SEG - 1) of cell
+    key = WORK_CELL[w] = (b * HKV + g) * C + c (key >= NCELLS: idle item). READERS int64: flat
+    (b*T + i)*HQ + h of every reader of the cell, READERS[OFFSETS[key] : OFFSETS[key+1]] (fixed order).
+    A cell of one segment writes dk/dv_acc fp32 [B, T, HKV, D] directly; a cell of NSEG[key] > 1
+    segments writes its partial sums to slot PART_BASE[key] + j of PART_DK/DV fp32 [P, CELL, D]."""
     DOT_DTYPE = K.dtype.element_ty  # tl.dot inputs in the inputs' dtype, fp32 accumulation
-    key = tl.program_id(0).to(tl.int64)
+    w = tl.program_id(0).to(tl.int64)
+    key_raw = tl.load(WORK_CELL + w)
+    active = key_raw < NCELLS
+    key = tl.where(active, key_raw, 0)
+    j = tl.load(WORK_SEG + w)
     bg = key // C
     c = key - bg * C
     b = bg // HKV
@@ -184,8 +212,9 @@ def _bwd_long_cell_kernel(
     vc = tl.load(V + kv_off[:, None] + offs_d[None, :], mask=m2, other=0.0).to(DOT_DTYPE)
     dk = tl.zeros([BLOCK_C, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_C, BLOCK_D], dtype=tl.float32)
-    start = tl.load(OFFSETS + key)
-    end = tl.load(OFFSETS + key + 1)
+    cell_end = tl.load(OFFSETS + key + 1)
+    start = tl.load(OFFSETS + key) + j * SEG
+    end = tl.where(active, tl.minimum(cell_end, start + SEG), start)
     offs_r = tl.arange(0, BLOCK_R)
     r0 = start
     while r0 < end:  # (a while loop: the interpreter cannot range over loaded bounds)
@@ -199,26 +228,63 @@ def _bwd_long_cell_kernel(
         dor = tl.load(DOLONG + rd[:, None] * D + offs_d[None, :], mask=rm2, other=0.0).to(DOT_DTYPE)
         lse = tl.load(LSE_LONG + stat, mask=rmask, other=0.0)
         dl = tl.load(DELTA_LONG + stat, mask=rmask, other=0.0)
-        if IEEE:
-            s = tl.dot(qr, tl.trans(kc), input_precision="ieee")
-        else:
-            s = tl.dot(qr, tl.trans(kc))
-        pm = rmask[:, None] & umask[None, :]
-        p = tl.where(pm, tl.exp(s * scale - lse[:, None]), 0.0)  # [BLOCK_R, BLOCK_C]
-        if IEEE:
-            dp = tl.dot(dor, tl.trans(vc), input_precision="ieee")
-            dv += tl.dot(tl.trans(p.to(DOT_DTYPE)), dor, input_precision="ieee")
-        else:
-            dp = tl.dot(dor, tl.trans(vc))
-            dv += tl.dot(tl.trans(p.to(DOT_DTYPE)), dor)
+        s = _dot(qr, tl.trans(kc), IEEE)  # [BLOCK_R, BLOCK_C]
+        p = tl.where(rmask[:, None] & umask[None, :], tl.exp(s * scale - lse[:, None]), 0.0)
+        dp = _dot(dor, tl.trans(vc), IEEE)
+        dv += _dot(tl.trans(p.to(DOT_DTYPE)), dor, IEEE)
         ds = p * (dp - dl[:, None])
-        if IEEE:
-            dk += tl.dot(tl.trans(ds.to(DOT_DTYPE)), qr, input_precision="ieee")
-        else:
-            dk += tl.dot(tl.trans(ds.to(DOT_DTYPE)), qr)
+        dk += _dot(tl.trans(ds.to(DOT_DTYPE)), qr, IEEE)
         r0 += BLOCK_R
-    tl.store(DK_ACC + kv_off[:, None] + offs_d[None, :], dk * scale, mask=m2)
-    tl.store(DV_ACC + kv_off[:, None] + offs_d[None, :], dv, mask=m2)
+    dk = dk * scale
+    nseg = tl.load(NSEG + key)
+    direct = active & (nseg == 1)
+    tl.store(DK_ACC + kv_off[:, None] + offs_d[None, :], dk, mask=m2 & direct)
+    tl.store(DV_ACC + kv_off[:, None] + offs_d[None, :], dv, mask=m2 & direct)
+    slot = (tl.load(PART_BASE + key) + j) * (CELL * D) + offs_u[:, None] * D + offs_d[None, :]
+    split = active & (nseg > 1)
+    tl.store(PART_DK + slot, dk, mask=m2 & split)
+    tl.store(PART_DV + slot, dv, mask=m2 & split)
+
+
+@triton.jit
+def _bwd_long_reduce_kernel(
+    NSEG,
+    PART_BASE,
+    PART_DK,
+    PART_DV,
+    DK_ACC,
+    DV_ACC,
+    T,
+    C,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+    CELL: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """One program per cell key: a cell of NSEG > 1 segments sums its partial slots in order (fixed)."""
+    key = tl.program_id(0).to(tl.int64)
+    nseg = tl.load(NSEG + key)
+    bg = key // C
+    c = key - bg * C
+    b = bg // HKV
+    g = bg - b * HKV
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_u = tl.arange(0, BLOCK_C)
+    m2 = (offs_u < CELL)[:, None] & (offs_d < D)[None, :]
+    base = tl.load(PART_BASE + key)
+    dk = tl.zeros([BLOCK_C, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_C, BLOCK_D], dtype=tl.float32)
+    n = tl.where(nseg > 1, nseg, 0)  # cells of one segment were written by the cell kernel
+    j = n * 0
+    while j < n:
+        slot = (base + j) * (CELL * D) + offs_u[:, None] * D + offs_d[None, :]
+        dk += tl.load(PART_DK + slot, mask=m2, other=0.0)
+        dv += tl.load(PART_DV + slot, mask=m2, other=0.0)
+        j += 1
+    kv_off = ((b * T + c * CELL + offs_u) * HKV + g) * D
+    tl.store(DK_ACC + kv_off[:, None] + offs_d[None, :], dk, mask=m2 & (nseg > 1))
+    tl.store(DV_ACC + kv_off[:, None] + offs_d[None, :], dv, mask=m2 & (nseg > 1))
 
 
 @triton.jit
@@ -239,14 +305,6 @@ def _rope_tables(COS, SIN, pos, pos_mask, HALF: tl.constexpr, BLOCK_H: tl.conste
     cs = tl.load(COS + pos[:, None] * HALF + offs_h[None, :], mask=m, other=0.0)
     sn = tl.load(SIN + pos[:, None] * HALF + offs_h[None, :], mask=m, other=0.0)
     return cs, sn
-
-
-@triton.jit
-def _dot(a, b, IEEE: tl.constexpr):
-    if IEEE:
-        return tl.dot(a, b, input_precision="ieee")
-    else:
-        return tl.dot(a, b)
 
 
 @triton.jit
@@ -434,21 +492,34 @@ def _bwd_local_dq_kernel(
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
+@dataclass(frozen=True)
 class BwdTiles:
-    """Tile sizes of the backward kernels.
+    """Tile sizes of the backward kernels (they depend on D, dtype and device only, never on B or T)."""
 
-    Args:
-        block_m: queries per tile of the local kernels (>= 16 on the GPU: tl.dot's minimum).
-        block_n: keys per tile of the local kernels (>= 16 on the GPU).
-        block_r: readers per step of the deterministic cell kernel (>= 16 on the GPU).
-        num_warps: warps of the local kernels.
-    """
+    block_m: int = 64  # queries per tile of the local kernels (>= 16 on the GPU: tl.dot's minimum)
+    block_n: int = 64  # keys per tile of the local kernels (>= 16 on the GPU)
+    block_r: int = 32  # readers per step of the deterministic cell kernel (>= 16 on the GPU)
+    block_q: int = 1  # queries per program of the per-query long-branch kernel
+    seg: int = 1024  # readers per work item of the cell kernel: a cell read more often is split (fixed order)
+    num_warps: int = 4  # warps of the local kernels
+    num_warps_long: int = 4  # warps of the per-query and per-cell kernels
 
-    def __init__(self, block_m: int = 64, block_n: int = 64, block_r: int = 32, num_warps: int = 4):
-        for name, x in (("block_m", block_m), ("block_n", block_n), ("block_r", block_r)):
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_r", "block_q"):
+            x = getattr(self, name)
             if x < 1 or x & (x - 1):
                 raise ValueError(f"{name}={x} must be a power of two")
-        self.block_m, self.block_n, self.block_r, self.num_warps = block_m, block_n, block_r, num_warps
+        if self.seg < self.block_r or self.seg % self.block_r:
+            raise ValueError(f"seg={self.seg} must be a positive multiple of block_r={self.block_r}")
+
+
+def default_bwd_tiles(D: int, dtype: torch.dtype, device: torch.device) -> BwdTiles:
+    """Tiles by head dim and device; the interpreter (CPU) gets small tiles and many queries per program."""
+    if device.type != "cuda":
+        return BwdTiles(block_m=16, block_n=16, block_r=16, block_q=16, seg=64, num_warps=1, num_warps_long=1)
+    if D > 64:
+        return BwdTiles(block_m=64, block_n=64, block_r=32, num_warps=8, num_warps_long=8)
+    return BwdTiles()
 
 
 def _pow2(x: int, floor: int = 1) -> int:
@@ -485,6 +556,34 @@ def inverted_selection(idx: torch.Tensor, num_kv_heads: int, cell: int) -> tuple
     return readers, offsets
 
 
+def segment_plan(offsets: torch.Tensor, num_entries: int, seg: int):
+    """Work items of the cell kernel: each cell's readers cut into segments of `seg` (no host sync).
+
+    Args:
+        offsets: int64 [NCELLS + 1] from `inverted_selection`; num_entries: B*T*Hq*K (a bound on readers).
+    Returns:
+        work_cell int64 [W]: cell key of each work item (NCELLS: idle), W = NCELLS + ceil(num_entries / seg);
+        work_seg int64 [W]: segment index inside the cell;
+        nseg int64 [NCELLS]: segments per cell (>= 1: an unread cell writes zeros);
+        part_base int64 [NCELLS]: first partial slot of a cell of nseg > 1 segments;
+        num_slots: partial slots to allocate (static bound 2 * ceil(num_entries / seg) + 1).
+    """
+    ncells = offsets.numel() - 1
+    counts = offsets[1:] - offsets[:-1]
+    nseg = torch.clamp((counts + seg - 1) // seg, min=1)
+    incl = torch.cumsum(nseg, 0)
+    W = ncells + -(-num_entries // seg)
+    w = torch.arange(W, device=offsets.device, dtype=torch.int64)
+    cell = torch.searchsorted(incl, w, right=True)  # first cell whose inclusive end exceeds w
+    safe = cell.clamp(max=max(ncells - 1, 0))
+    work_seg = w - (incl[safe] - nseg[safe])
+    work_cell = torch.where(cell < ncells, cell, torch.full_like(cell, ncells))
+    multi = torch.where(nseg > 1, nseg, torch.zeros_like(nseg))
+    part_base = torch.cumsum(multi, 0) - multi
+    num_slots = 2 * -(-num_entries // seg) + 1  # cells of > 1 segments have > seg readers each
+    return work_cell, work_seg, nseg, part_base, num_slots
+
+
 def attention_backward(
     do: torch.Tensor,
     q: torch.Tensor,
@@ -515,7 +614,7 @@ def attention_backward(
         cfg: FreeSoloConfig (window, cell, top_k, eps are read).
         deterministic: True: inverted selection, no atomics, same bits run to run (default);
             False: the long branch's dk / dv by tl.atomic_add into fp32 buffers.
-        tiles: BwdTiles (default: 64 x 64 tiles on the GPU, 16 x 16 under the interpreter).
+        tiles: BwdTiles (default `default_bwd_tiles(D, dtype, device)`).
     Returns:
         dq [B, T, Hq, D] q.dtype; dk, dv [B, T, Hkv, D] k.dtype; dbeta fp32 [Hq].
     """
@@ -537,9 +636,8 @@ def attention_backward(
             raise ValueError(f"{name} must be fp32 [B={B}, Hq={Hq}, T={T}], got {x.dtype} {tuple(x.shape)}")
     if cos.shape != (T, D // 2) or sin.shape != (T, D // 2):
         raise ValueError(f"cos / sin must be [T={T}, D/2={D // 2}], got {tuple(cos.shape)}, {tuple(sin.shape)}")
-    interp = q.device.type != "cuda"
     if tiles is None:
-        tiles = BwdTiles(16, 16, 16, 4) if interp else BwdTiles()
+        tiles = default_bwd_tiles(D, q.dtype, q.device)
     dev = q.device
     q, k, v, o, do = (x.contiguous() for x in (q, k, v, o, do))
     idx = idx.contiguous()
@@ -569,7 +667,7 @@ def attention_backward(
         dk_long = dv_long = d_olong  # placeholders, never read (HAS_LONG False)
     ieee = q.dtype == torch.float32
     if B * T * Hq > 0:
-        bq = 16 if interp else 1
+        bq = tiles.block_q
         _bwd_long_query_kernel[(triton.cdiv(B * T, bq), Hq)](
             do,
             q,
@@ -599,11 +697,16 @@ def attention_backward(
             BLOCK_KS=_pow2(K * s),
             BLOCK_Q=bq,
             ATOMIC=(not deterministic) and has_long,
-            num_warps=4,
+            num_warps=tiles.num_warps_long,
         )
     if has_long and deterministic:
         readers, offsets = inverted_selection(idx, Hkv, s)
-        _bwd_long_cell_kernel[(B * Hkv * C,)](
+        ncells = B * Hkv * C
+        work_cell, work_seg, nseg, part_base, num_slots = segment_plan(offsets, B * T * Hq * K, tiles.seg)
+        part_dk = torch.empty(num_slots, s, D, **f32)
+        part_dv = torch.empty(num_slots, s, D, **f32)
+        blocks = dict(BLOCK_D=_pow2(D, 16), BLOCK_C=_pow2(s, 16))
+        _bwd_long_cell_kernel[(work_cell.numel(),)](
             q,
             k,
             v,
@@ -612,20 +715,30 @@ def attention_backward(
             delta_long,
             readers,
             offsets,
+            work_cell,
+            work_seg,
+            nseg,
+            part_base,
             dk_long,
             dv_long,
+            part_dk,
+            part_dv,
             T,
             C,
+            ncells,
             scale,
             HQ=Hq,
             HKV=Hkv,
             D=D,
             CELL=s,
-            BLOCK_D=_pow2(D, 16),
-            BLOCK_C=_pow2(s, 16),
             BLOCK_R=tiles.block_r,
+            SEG=tiles.seg,
             IEEE=ieee,
-            num_warps=4,
+            num_warps=tiles.num_warps_long,
+            **blocks,
+        )
+        _bwd_long_reduce_kernel[(ncells,)](
+            nseg, part_base, part_dk, part_dv, dk_long, dv_long, T, C, HKV=Hkv, D=D, CELL=s, num_warps=1, **blocks
         )
     half = D // 2
     common = dict(
