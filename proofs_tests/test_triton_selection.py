@@ -1,0 +1,355 @@
+"""The Triton selection kernels (`freesolo.backends.triton.selection`): cell statistics, FS-L
+candidate pools, scoring + per-query top-K (spec §3, §4, §5, §7; lemmas L2, L3, L8, L12).
+
+- `cell_stats` against a float64 torch computation (awkward T, D, cell, strided k);
+- FS-L pools (`fsl_candidates`) exactly equal to the oracle's block candidates, with ties in a_c;
+- `select_cells` (FS, FS-L) against the float64 oracle, tie-aware (a swap only at a near-tie),
+  awkward T, GQA groups 1 / 2 / 3, small configs where pruning bites, per-head sigma / lam, exact
+  score ties (larger cell first), the default config once;
+- L12 bitwise: a row alone == the row in a batch; a prefix == the same rows of the full sequence;
+  other queries of the tile and later tokens change no selected cell.
+Outputs are allocated with torch.empty: a fixture poisons it (NaN / -2^30) so that an unwritten
+element fails.
+
+On a CPU machine the kernels run under Triton's interpreter (TRITON_INTERPRET=1) in float32 on
+tiny shapes; the CUDA tests (bf16 / fp16 / fp32, D 64 / 128, long T, int64 offsets) skip without a
+GPU. On the H200:
+    python -m pytest -q proofs_tests/test_triton_selection.py
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton decorates any kernel
+pytest.importorskip("triton", reason="triton is not installed: the Triton selection kernels cannot run")
+
+from freesolo import FreeSoloConfig  # noqa: E402
+from freesolo.backends.triton.selection import cell_stats, fsl_candidates, select_cells  # noqa: E402
+from freesolo.reference import oracle  # noqa: E402
+from freesolo.reference.primitives import available_cells  # noqa: E402
+
+from .helpers import assert_selection_matches, random_qkv  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+DEVICE = "cuda" if CUDA else "cpu"
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (bf16 / fp16, D 64 / 128, long T run on the H200)")
+pytestmark = pytest.mark.skipif(
+    not (CUDA or INTERPRETED),
+    reason="no CUDA device and TRITON_INTERPRET is not set: the Triton kernels cannot run here",
+)
+# fp32 scores vs float64: |score| <= ~10 here, fp32 dot / erf errors are ~1e-6 of that.
+TOL32 = 1e-4
+
+
+@pytest.fixture(autouse=True)
+def nan_poison(monkeypatch):
+    """torch.empty returns NaN-filled float / -2^30-filled integer tensors: unwritten output fails."""
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        x = empty(*args, **kwargs)
+        return x.fill_(float("nan")) if x.is_floating_point() else x.fill_(-(2**30))
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
+def _cfg(variant="fsl", **kw) -> FreeSoloConfig:
+    base = dict(variant=variant, window=16, cell=4, block=8, pool=3, recent=2, top_k=3)
+    base.update(kw)
+    return FreeSoloConfig(**base)
+
+
+def _t(x, dtype=torch.float32, device=DEVICE):
+    return torch.as_tensor(np.ascontiguousarray(x)).to(device=device, dtype=dtype)
+
+
+def _select(q, k, cfg, dtype=torch.float32, device=DEVICE) -> np.ndarray:
+    idx = select_cells(_t(q, dtype, device), _t(k, dtype, device), cfg)
+    assert idx.dtype == torch.int64 and idx.device.type == torch.device(device).type, (idx.dtype, idx.device)
+    return idx.cpu().numpy()
+
+
+def _tied_keys(seed: int, B: int, T: int, Hkv: int, D: int) -> np.ndarray:
+    """k [B, T, Hkv, D] whose rows are v * e_d with v in {1, 2, 3}: every norm is an exact
+    integer, so many cells share a_c (ties decided by the larger c)."""
+    rng = np.random.default_rng(seed)
+    k = np.zeros((B, T, Hkv, D))
+    dims = rng.integers(0, D, size=(B, T, Hkv))
+    vals = rng.integers(1, 4, size=(B, T, Hkv)).astype(np.float64)
+    np.put_along_axis(k, dims[..., None], vals[..., None], axis=-1)
+    return k
+
+
+# ---- cell statistics -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "B,T,Hkv,D,cell",
+    [(1, 1, 1, 8, 4), (2, 31, 2, 8, 4), (1, 33, 3, 16, 8), (2, 63, 1, 32, 4), (1, 129, 2, 16, 12), (1, 200, 1, 8, 64)],
+    ids=lambda x: str(x),
+)
+def test_cell_stats_match_float64(B, T, Hkv, D, cell):
+    """kbar (mean key) and amax (max key norm) of every complete cell, from a strided k."""
+    rng = np.random.default_rng(T * 7 + D)
+    k = rng.standard_normal((B, Hkv, T, D)) * 2.0
+    k_strided = _t(k).transpose(1, 2)  # [B, T, Hkv, D], not contiguous
+    assert not k_strided.is_contiguous() or T == 1 or Hkv == 1
+    kbar, amax = cell_stats(k_strided, cell)
+    C = T // cell
+    assert kbar.shape == (B, Hkv, C, D) and amax.shape == (B, Hkv, C), (kbar.shape, amax.shape)
+    assert kbar.dtype == torch.float32 and amax.dtype == torch.float32, (kbar.dtype, amax.dtype)
+    k64 = torch.from_numpy(k.astype(np.float32).astype(np.float64))[:, :, : C * cell].reshape(B, Hkv, C, cell, D)
+    ref_kbar = k64.mean(dim=3)
+    ref_amax = torch.sqrt((k64 * k64).sum(-1)).amax(-1) if C else torch.zeros(B, Hkv, 0, dtype=torch.float64)
+    err_kbar = (kbar.cpu().double() - ref_kbar).abs().max().item() if C else 0.0
+    err_amax = ((amax.cpu().double() - ref_amax).abs() / ref_amax).max().item() if C else 0.0
+    assert err_kbar <= 1e-6, f"kbar max-abs error {err_kbar:.2e} (B={B}, T={T}, Hkv={Hkv}, D={D}, cell={cell})"
+    assert err_amax <= 1e-6, f"amax max-rel error {err_amax:.2e} (B={B}, T={T}, Hkv={Hkv}, D={D}, cell={cell})"
+
+
+# ---- FS-L candidate pools (L3) ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "T,cell,block,pool,recent,tied",
+    [
+        (200, 4, 8, 3, 2, False),
+        (200, 4, 8, 3, 2, True),
+        (129, 4, 16, 2, 1, True),
+        (97, 4, 4, 4, 2, True),  # block == cell: one cell leaves the recent window per block
+        (150, 2, 32, 3, 1, True),  # 16 cells per block: the pool takes new cells in chunks
+        (63, 4, 8, 64, 2, False),  # pool larger than every older set
+    ],
+    ids=lambda x: str(x),
+)
+def test_fsl_pools_equal_oracle(T, cell, block, pool, recent, tied):
+    """cand[b, g, j] == oracle.block_candidates(a, n_j) as sets, every block, pools exactly."""
+    B, Hkv, D = 2, 2, 8
+    cfg = _cfg(cell=cell, block=block, window=block, pool=pool, recent=recent)
+    k = _tied_keys(T, B, T, Hkv, D) if tied else random_qkv(T, B, T, 1, Hkv, D)[1]
+    _, amax = cell_stats(_t(k), cell)
+    cand = fsl_candidates(amax, T, cfg).cpu().numpy()
+    nblocks = -(-T // block)
+    assert cand.shape == (B, Hkv, nblocks, pool + recent) and cand.dtype == np.int32, (cand.shape, cand.dtype)
+    ties = 0
+    for b in range(B):
+        for g in range(Hkv):
+            a = np.sqrt((k[b, : (T // cell) * cell, g] ** 2).sum(-1)).reshape(-1, cell).max(-1)
+            ties += len(a) - len(np.unique(a))
+            for j in range(nblocks):
+                expected = oracle.block_candidates(a, available_cells(j, block, cell), cfg)
+                row = cand[b, g, j]
+                got = np.sort(row[row >= 0])
+                assert (row[row < 0] == -1).all(), f"(b={b}, g={g}, j={j}): pads must be -1, got {row}"
+                assert len(np.unique(got)) == len(got), f"(b={b}, g={g}, j={j}): duplicate cells {row}"
+                assert np.array_equal(got, expected), f"(b={b}, g={g}, j={j}): pool {got.tolist()} != {expected.tolist()}"
+                assert len(got) <= pool + recent
+    if tied:
+        assert ties > 0, "the tied-keys input must produce equal a_c"
+
+
+# ---- selection against the oracle (L8) -------------------------------------------------------
+
+# (variant, B, T, Hq, Hkv, D, config overrides): awkward T, GQA groups 1 / 2 / 3, pruning bites.
+SELECT_CASES = [
+    ("fsl", 1, 1, 2, 1, 8, dict(top_k=2)),
+    ("fsl", 2, 31, 2, 1, 8, dict(pool=2, recent=1, top_k=1)),
+    ("fs", 2, 33, 3, 1, 16, dict(top_k=3)),
+    ("fsl", 1, 63, 2, 2, 32, dict(cell=8, block=16, pool=3, recent=2, top_k=4, sigma=(2.0, 6.0), lam=(0.5, 2.0))),
+    ("fs", 1, 129, 3, 1, 8, dict(top_k=4, sigma=(1.0, 4.0, 8.0), lam=(0.0, 1.0, 3.0))),
+    ("fsl", 2, 129, 3, 1, 16, dict(pool=4, recent=2, top_k=2)),
+    ("fs", 1, 200, 2, 2, 8, dict(block=16, top_k=4)),
+    ("fsl", 1, 200, 4, 2, 16, dict(cell=8, block=16, window=32, pool=2, recent=1, top_k=3)),
+]
+
+
+@pytest.mark.parametrize("variant,B,T,Hq,Hkv,D,kw", SELECT_CASES, ids=lambda x: str(x))
+def test_selection_matches_oracle(variant, B, T, Hq, Hkv, D, kw):
+    """float32 selections == the float64 oracle's except at near-ties (gap <= TOL32)."""
+    cfg = _cfg(variant, **kw)
+    q, k, _ = random_qkv(T + D, B, T, Hq, Hkv, D)
+    q, k = q.astype(np.float32).astype(np.float64), k.astype(np.float32).astype(np.float64)
+    idx = _select(q, k, cfg)
+    ref = oracle.select_cells(q, k, cfg)
+    differ = assert_selection_matches(idx, ref, q, k, cfg, TOL32)
+    assert differ <= max(1, idx.size // (cfg.top_k * 100)), f"{differ} rows differ at near-ties: too many"
+    assert (idx[:, : min(T, cfg.block)] == -1).all(), "block 0 has no available cell"
+
+
+def test_selection_default_config_once():
+    """The defaults of spec §1 (cell 32, block 128, pool 64, recent 8, top_k 4) at T = 1100."""
+    cfg = FreeSoloConfig(variant="fsl")
+    q, k, _ = random_qkv(11, 1, 1100, 2, 1, 16)
+    q, k = q.astype(np.float32).astype(np.float64), k.astype(np.float32).astype(np.float64)
+    idx = _select(q, k, cfg)
+    assert_selection_matches(idx, oracle.select_cells(q, k, cfg), q, k, cfg, TOL32)
+    assert (idx[:, 128:] >= 0).all(), "past block 0, every query has >= 4 available cells"
+
+
+@pytest.mark.parametrize("variant", ["fs", "fsl"])
+def test_exact_score_ties_prefer_larger_cell(variant):
+    """q = 0 and lam = 0 make every score exactly 0: the K largest candidates, descending (spec §7).
+    With tied a_c, the FS-L pool keeps the more recent cells too (spec §5): exact equality."""
+    B, T, Hq, Hkv, D = 1, 96, 2, 1, 8
+    cfg = _cfg(variant, lam=0.0, top_k=4)
+    q = np.zeros((B, T, Hq, D))
+    k = _tied_keys(5, B, T, Hkv, D)
+    idx = _select(q, k, cfg)
+    ref = oracle.select_cells(q, k, cfg)
+    assert np.array_equal(idx, ref), f"tie rule: first differing row {np.argwhere((idx != ref).any(-1))[:1].tolist()}"
+    # independent statement for FS: the available cells n_j-1, n_j-2, ... in that order
+    if variant == "fs":
+        for i in range(cfg.block, T):
+            n = (i // cfg.block) * cfg.block // cfg.cell
+            expected = [c for c in range(n - 1, n - 1 - cfg.top_k, -1)]
+            expected = [c if c >= 0 else -1 for c in expected]
+            assert idx[0, i, 0].tolist() == expected, (i, idx[0, i, 0].tolist(), expected)
+
+
+def test_fewer_candidates_than_k_pad_with_minus_one():
+    """Block 1 of a block-8 / cell-4 config has 2 available cells: top_k = 4 lists 2 cells then -1, -1."""
+    cfg = _cfg("fs", top_k=4)
+    q, k, _ = random_qkv(3, 1, 16, 1, 1, 8)
+    idx = _select(q, k, cfg)
+    assert (idx[0, :8] == -1).all(), idx[0, :8]
+    assert (idx[0, 8:, 0, 2:] == -1).all() and set(idx[0, 8, 0, :2].tolist()) == {0, 1}, idx[0, 8:]
+
+
+# ---- L12 (and L2): bitwise row independence --------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", ["fs", "fsl"])
+def test_row_independence_bitwise(variant):
+    """A row alone == the row in a batch; a prefix == the same rows of the full sequence; changing
+    the other queries, or any token after i, changes no selected cell of query i."""
+    cfg = _cfg(variant, top_k=3)
+    B, T, Hq, Hkv, D = 3, 70, 2, 1, 8
+    q, k, _ = random_qkv(21, B, T, Hq, Hkv, D)
+    full = _select(q, k, cfg)
+    alone = _select(q[1:2], k[1:2], cfg)
+    assert np.array_equal(alone[0], full[1]), "row 1 alone != row 1 in a batch of 3"
+    T0 = 37  # mid-block prefix
+    prefix = _select(q[:, :T0], k[:, :T0], cfg)
+    assert np.array_equal(prefix, full[:, :T0]), "prefix rows != the same rows of the full sequence"
+    i = 45  # query in block 5 (tile shared with queries 40..47)
+    q2, k2 = q.copy(), k.copy()
+    rng = np.random.default_rng(0)
+    q2[:, np.arange(T) != i] = rng.standard_normal(q2[:, np.arange(T) != i].shape) * 3  # every other query
+    k2[:, i + 1 :] = rng.standard_normal(k2[:, i + 1 :].shape) * 3  # every later key
+    changed = _select(q2, k2, cfg)
+    assert np.array_equal(changed[:, i], full[:, i]), "query i's cells depend on other queries or later keys"
+    assert not np.array_equal(changed, full), "the perturbation must change some other row (else the test is void)"
+
+
+# ---- errors ----------------------------------------------------------------------------------
+
+
+def test_errors_name_the_field():
+    q = _t(np.zeros((1, 16, 2, 8)))
+    k = _t(np.zeros((1, 16, 1, 8)))
+    with pytest.raises(ValueError, match="variant"):
+        select_cells(q, k, _cfg("fsb", tau=(1.0,)))
+    with pytest.raises(ValueError, match="pool"):
+        select_cells(q, k, _cfg("fsl", pool=5000))
+    with pytest.raises(ValueError, match="Hq"):
+        select_cells(_t(np.zeros((1, 16, 3, 8))), _t(np.zeros((1, 16, 2, 8))), _cfg("fs"))
+
+
+# ---- CUDA: bf16 / fp16 / fp32, D 64 / 128, long T, int64 offsets -----------------------------
+
+
+def _score_tol(dtype) -> float:
+    """fp32 scoring of inputs exactly representable in fp32: the tolerance does not grow with dtype."""
+    return 2e-4
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("variant,T,Hq,Hkv,D", [("fsl", 1000, 4, 2, 64), ("fs", 777, 3, 1, 128), ("fsl", 555, 2, 2, 128)])
+def test_cuda_selection_matches_oracle(variant, T, Hq, Hkv, D, dtype):
+    """CUDA kernels on bf16 / fp16 / fp32 inputs vs the oracle on float64 copies of the same rounded inputs."""
+    cfg = FreeSoloConfig(variant=variant, window=64, cell=8, block=32, pool=6, recent=2, top_k=4)
+    q, k, _ = random_qkv(T, 1, T, Hq, Hkv, D)
+    qt, kt = _t(q, dtype, "cuda"), _t(k, dtype, "cuda")
+    q64, k64 = qt.double().cpu().numpy(), kt.double().cpu().numpy()
+    idx = select_cells(qt, kt, cfg).cpu().numpy()
+    ref = oracle.select_cells(q64, k64, cfg)
+    differ = assert_selection_matches(idx, ref, q64, k64, cfg, _score_tol(dtype))
+    assert differ <= idx.size // 400, f"{differ} rows differ at near-ties: too many"
+
+
+@needs_cuda
+@pytest.mark.parametrize("variant", ["fs", "fsl"])
+def test_cuda_row_independence_bitwise(variant):
+    """L12 on the GPU with default tile sizes: alone vs batch, prefix vs full (bf16)."""
+    cfg = FreeSoloConfig(variant=variant)
+    q, k, _ = random_qkv(1, 3, 2000, 4, 2, 64)
+    qt, kt = _t(q, torch.bfloat16, "cuda"), _t(k, torch.bfloat16, "cuda")
+    full = select_cells(qt, kt, cfg)
+    assert torch.equal(select_cells(qt[2:3], kt[2:3], cfg)[0], full[2]), "row alone != row in batch"
+    assert torch.equal(select_cells(qt[:, :1111], kt[:, :1111], cfg), full[:, :1111]), "prefix != full"
+
+
+def _reference_rows(q, k, cfg, rows):
+    """float64 selection of a few (b, i, h) rows from spec §3-§5, §7 with torch on the GPU.
+    q [B, T, Hq, D], k [B, T, Hkv, D] (any float dtype). Returns {row: (cells list, scores of cells fn)}."""
+    B, T, Hq, D = q.shape
+    Hkv, s = k.shape[2], cfg.cell
+    C = T // s
+    sigma, lam = cfg.per_head("sigma", Hq), cfg.per_head("lam", Hq)
+    out = {}
+    for b, i, h in rows:
+        g = h // (Hq // Hkv)
+        kk = k[b, : C * s, g].double().view(C, s, D)
+        kbar, a = kk.mean(1), kk.norm(dim=-1).amax(1)  # [C, D], [C]
+        n = (i // cfg.block) * cfg.block // s
+        if cfg.variant == "fsl":
+            m = max(0, n - cfg.recent)
+            older = torch.arange(m, device=a.device)
+            # (a desc, c desc): sort by c desc, then stable sort by a desc
+            rev = older.flip(0)
+            order = torch.sort(a[rev], descending=True, stable=True).indices
+            cand = torch.cat([rev[order][: cfg.pool], torch.arange(m, n, device=a.device)])
+        else:
+            cand = torch.arange(n, device=a.device)
+
+        def score(cells, b=b, i=i, h=h, kbar=kbar, a=a):
+            cells = torch.as_tensor(cells, device=a.device, dtype=torch.int64)
+            dist = (i - cells * s).double()
+            return kbar[cells] @ q[b, i, h].double() / math.sqrt(D) + lam[h] * a[cells] * torch.erf(
+                sigma[h] * dist / (2.0 * s)
+            )
+
+        sc = score(cand)
+        order = sorted(range(len(cand)), key=lambda n_: (sc[n_].item(), cand[n_].item()), reverse=True)[: cfg.top_k]
+        out[(b, i, h)] = ([int(cand[n_]) for n_ in order], score)
+    return out
+
+
+@needs_cuda
+def test_cuda_int64_offsets_fsl_at_1m():
+    """T * Hq * D = 2^31 + ...: int64 offsets. FS-L, defaults, bf16, T = 2^20 + 33, Hq = Hkv = 16,
+    D = 128; sampled rows (first block, last block, around 2^31 / (Hq D)) against float64 torch."""
+    torch.manual_seed(0)
+    T, H, D = 2**20 + 33, 16, 128
+    assert T * H * D > 2**31
+    cfg = FreeSoloConfig(variant="fsl")
+    q = torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16)
+    idx = select_cells(q, k, cfg)
+    rows = [(0, 5, 0), (0, 200, 3), (0, T - 1, 15), (0, T - 300, 7), (0, 2**20 - 1, 9), (0, 2**20 + 32, 15)]
+    for (b, i, h), (cells, score) in _reference_rows(q, k, cfg, rows).items():
+        got = [int(c) for c in idx[b, i, h].tolist()]
+        if got != cells + [-1] * (cfg.top_k - len(cells)):
+            real = [c for c in got if c >= 0]
+            assert len(real) == len(cells), f"(b={b}, i={i}, h={h}): {got} vs {cells}"
+            gap = (torch.sort(score(real)).values - torch.sort(score(cells)).values).abs().max().item()
+            assert gap <= 2e-4, f"(b={b}, i={i}, h={h}): {got} vs {cells}, score gap {gap:.2e}"
