@@ -455,8 +455,14 @@ class DecodeGraph:
     block boundary, i.e. the pool update, then the token). `graph(q, k, v)` with q [B, 1, Hq, D],
     k / v [B, 1, Hkv, D] copies the inputs into static buffers, replays the right graph (the host
     knows T) and returns the static output [B, 1, Hq, D], overwritten by the next call (clone it
-    to keep it). Inputs are not validated (no finite check). Needs the steady state when built:
-    T >= w and |C_j| >= K, so that every later step runs the same kernels.
+    to keep it). Inputs are not validated (no finite check). With the torch step it needs the
+    steady state when built: T >= w and |C_j| >= K, so that every later step runs the same kernels.
+
+    With the fused Triton step (`decode_kernel="triton"`), the kernel reads T from the device, so
+    the graph can be built at any T >= 1, and FS is captured too: its step graph is replayed
+    inside blocks; at a block boundary the archive append (`_advance`, torch ops, no sync) runs
+    eagerly before the replay, and when the archive grows (capacity doubles, host-known) the step
+    is captured again.
     """
 
     def __init__(self, state: TorchCacheState, beta: Optional[torch.Tensor] = None):
@@ -464,23 +470,33 @@ class DecodeGraph:
         self._check(state)
         t = state.length
         n_avail = (t // cfg.block) * cfg.block // cfg.cell
-        if t < cfg.window or fsl_candidate_count(cfg, n_avail) < cfg.top_k:
+        fused = bool(getattr(state, "_fused", False))
+        if fused and t < 1:
+            raise ValueError("decode_graph needs at least one token in the cache (T=0): decode one eagerly first")
+        if not fused and (t < cfg.window or fsl_candidate_count(cfg, n_avail) < cfg.top_k):
             raise ValueError(
                 f"decode_graph needs the steady state (T >= window={cfg.window}, at least top_k={cfg.top_k} "
                 f"held cells); T={t}: decode eagerly a few tokens first"
             )
         self.state = state
+        self.archive = cfg.variant != "fsl"  # FS: boundaries eager, step re-captured when the store grows
         B, Hq, Hkv, D = state.B, state.Hq, state.Hkv, state.D
         self.q = torch.zeros(B, 1, Hq, D, dtype=state.dtype, device=state.device)
         self.k = torch.zeros(B, 1, Hkv, D, dtype=state.dtype, device=state.device)
         self.v = torch.zeros_like(self.k)
         self.beta = (state.ones_beta if beta is None else beta).detach().clone()
+        self._build()
+
+    def _build(self) -> None:
+        state = self.state
         snapshot = state.state_dict()
-        self._warmup((self._step, self._boundary_step))
+        self._warmup((self._step,) if self.archive else (self._step, self._boundary_step))
         state.load_state_dict(snapshot)
         self.graph, self.out = self._capture(self._step, None)
-        self.boundary_graph, self.boundary_out = self._capture(self._boundary_step, self.graph)
+        if not self.archive:
+            self.boundary_graph, self.boundary_out = self._capture(self._boundary_step, self.graph)
         state.load_state_dict(snapshot)  # capture records without running; restore anyway
+        self.capacity = state.cell_ids.shape[2]
 
     def _step(self) -> torch.Tensor:
         return self.state._piece(self.q, self.k, self.v, self.beta)
@@ -496,9 +512,10 @@ class DecodeGraph:
     def _check(state: TorchCacheState) -> None:
         if not state.allocated or state.device.type != "cuda":
             raise ValueError("decode_graph needs an allocated cache on a CUDA device")
-        if state.cfg.variant != "fsl":
+        if state.cfg.variant != "fsl" and not (state.cfg.variant == "fs" and getattr(state, "_fused", False)):
             raise ValueError(
-                f"decode_graph captures the FS-L step, not variant={state.cfg.variant!r} (its store grows)"
+                f"decode_graph captures the FS-L step (and FS with decode_kernel='triton'), not "
+                f"variant={state.cfg.variant!r} with the torch step (its store grows)"
             )
 
     def _warmup(self, fns) -> None:
@@ -523,7 +540,15 @@ class DecodeGraph:
         self.q.copy_(q)
         self.k.copy_(k)
         self.v.copy_(v)
-        if state.length % state.cfg.block == 0:
+        if self.archive:
+            cfg = state.cfg
+            if state.length % cfg.block == 0:  # FS: append the block's cells eagerly (no sync)
+                state._advance(state.block_k, state.block_v, state.length // cfg.cell)
+                if state.cell_ids.shape[2] != self.capacity:  # the archive grew: new buffers
+                    self._build()
+            self.graph.replay()
+            out = self.out
+        elif state.length % state.cfg.block == 0:
             self.boundary_graph.replay()
             out = self.boundary_out
         else:

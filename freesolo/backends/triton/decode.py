@@ -336,13 +336,14 @@ def _float32_params(state):
     return cached
 
 
-def decode_step(state, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+def decode_step(state, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, out=None) -> torch.Tensor:
     """The fused one-token step of a `TorchCacheState` (FS-L or FS), without host sync.
 
     Args:
         state: an allocated `TorchCacheState` whose block boundary (if any) was applied already.
         q: [B, 1, Hq, D]; k, v: [B, 1, Hkv, D] (storage dtype, last dim contiguous).
         beta: [Hq] long-range mixing coefficient (any float dtype, same device).
+        out: optional [B, 1, Hq, D] tensor of the storage dtype to write (default: a new one).
     Returns:
         o [B, 1, Hq, D] in the storage dtype. Writes the token into the ring and block buffers;
         does not advance `state.pos` (the caller does: `state.pos += 1`).
@@ -360,7 +361,10 @@ def decode_step(state, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: 
         raise ValueError(f"cell statistics dtype {state.cell_kbar.dtype}: the fused decode reads float32")
     beta = beta.contiguous()
     sigma, lam = _float32_params(state)
-    out = torch.empty(B, 1, Hq, D, dtype=state.dtype, device=state.device)
+    if out is None:
+        out = torch.empty(B, 1, Hq, D, dtype=state.dtype, device=state.device)
+    elif out.shape != (B, 1, Hq, D) or out.dtype != state.dtype or out.stride(-1) != 1:
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} must be ({B}, 1, {Hq}, {D}) {state.dtype}, last dim contiguous")
     slots = state.cell_ids.shape[2]
     fs = cfg.variant == "fs"
     BLOCK_D = _pow2(D)

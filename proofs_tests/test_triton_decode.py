@@ -1,0 +1,325 @@
+"""Fused Triton decode step (freesolo.backends.triton.decode) over the torch FreeSoloCache state.
+
+CPU: the kernels run under the Triton interpreter (TRITON_INTERPRET=1, float32 CPU tensors,
+small shapes); without it these tests skip with the reason. CUDA: paper sizes, bf16 / fp16,
+`torch.cuda.set_sync_debug_mode("error")` around the steps, CUDA graphs (skipped without a GPU).
+
+Checks: L6 token by token (fused decode == the parallel op, `freesolo_attention(backend="torch")`,
+and == the torch cache's own decode step), every element of the output written (NaN-poisoned
+buffers), the state left by the kernel (ring, block buffer) == the torch step's, the tie rule
+(score desc, then larger c) on exact ties, the state round trip, DecodeGraph bookkeeping
+(FS-L boundary graph, FS eager boundaries and re-capture when the archive grows), and errors.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import freesolo
+from freesolo import FreeSoloCache, FreeSoloConfig
+
+from .helpers import assert_close, random_qkv
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+needs_kernels = pytest.mark.skipif(
+    not INTERPRET, reason="CPU run of Triton kernels needs TRITON_INTERPRET=1 (set by .ci/run)"
+)
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (fused decode on the GPU)")
+
+
+def tensors(seed, B, T, Hq, Hkv, D, device="cpu", dtype=torch.float32):
+    """q [B, T, Hq, D], k / v [B, T, Hkv, D] and beta [Hq]."""
+    q, k, v = (torch.from_numpy(x).to(device, dtype) for x in random_qkv(seed, B, T, Hq, Hkv, D))
+    beta = torch.linspace(0.5, 1.5, Hq, device=device)
+    return q, k, v, beta
+
+
+def decode_both(cfg, q, k, v, beta, t0: int, fused_only: bool = False):
+    """Caches fed [0, t0) as one chunk (torch ops), then one token at a time up to T with the fused
+    step ("triton") and, unless fused_only, the torch step. Returns (fused, torch) outputs
+    [B, T - t0, Hq, D] and the two caches."""
+    B, T, Hq, D = q.shape
+    Hkv = k.shape[2]
+    caches = {}
+    outs = {}
+    for kind in ("triton",) if fused_only else ("triton", "torch"):
+        cache = FreeSoloCache(cfg, B, Hq, Hkv, D, backend="torch", decode_kernel=kind)
+        if t0 > 0:
+            cache.extend(q[:, :t0], k[:, :t0], v[:, :t0], beta=beta)
+        steps = [cache.extend(q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], beta=beta) for t in range(t0, T)]
+        outs[kind] = torch.cat(steps, 1)
+        caches[kind] = cache
+    return outs.get("triton"), outs.get("torch"), caches
+
+
+# Small configs (cell 4-6, block 8-12, window 16-24, pool 2-3, recent 1-2), awkward D, GQA 1/2/3,
+# B 1-3; t0 = 0 covers T < w, no available cell and fewer candidates than K.
+CASES = [
+    # id, variant, cfg changes, B, T, t0, Hq, Hkv, D
+    ("fsl-B1-H1-D8-from0", "fsl", dict(window=16, cell=4, block=8, pool=2, recent=1, top_k=2), 1, 30, 0, 1, 1, 8),
+    ("fs-B1-G3-D6-from0", "fs", dict(window=16, cell=4, block=8, top_k=2), 1, 27, 0, 3, 1, 6),
+    ("fsl-B3-G2-w20-c6", "fsl", dict(window=20, cell=6, block=12, pool=3, recent=2, top_k=3), 3, 59, 44, 4, 2, 8),
+    ("fs-B2-MHA-w24", "fs", dict(window=24, cell=4, block=8, top_k=3), 2, 53, 40, 2, 2, 8),
+]
+
+
+@needs_kernels
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_fused_decode_equals_parallel_op_and_torch_step(case):
+    """L6 token by token: fused decode == the parallel op (torch backend, float32) and == the torch
+    cache's decode step; afterwards the two caches hold the same state."""
+    _, variant, changes, B, T, t0, Hq, Hkv, D = case
+    cfg = FreeSoloConfig(variant=variant, **changes)
+    q, k, v, beta = tensors(CASES.index(case), B, T, Hq, Hkv, D)
+    fused, eager, caches = decode_both(cfg, q, k, v, beta, t0)
+    parallel = freesolo.freesolo_attention(q, k, v, cfg, beta=beta, backend="torch")[:, t0:]
+    assert torch.isfinite(fused).all(), "fused decode wrote non-finite values"
+    assert_close(fused.double().numpy(), parallel.double().numpy(), rtol=1e-5, name=f"{case[0]} fused vs parallel")
+    torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-5, msg=lambda m: f"{case[0]} fused vs torch step: {m}")
+    a, b = caches["triton"].state.buffers(), caches["torch"].state.buffers()
+    for name in ("ring_k", "ring_v", "block_k", "block_v", "cell_k", "cell_kbar", "cell_a", "pos"):
+        torch.testing.assert_close(a[name], b[name], rtol=1e-6, atol=1e-6, msg=lambda m: f"state {name}: {m}")
+    assert torch.equal(a["cell_ids"], b["cell_ids"]), "held cells differ"
+
+
+@needs_kernels
+@pytest.mark.parametrize("variant", ["fsl", "fs"])
+def test_fused_decode_tie_rule_prefers_larger_cell(variant):
+    """Exact ties: lam = 0 and every cell holds the same (dyadic) keys, so every cell has the same
+    score; the spec keeps the K largest c. Values differ per token, so picking other cells changes o."""
+    cfg = FreeSoloConfig(variant=variant, window=16, cell=4, block=8, pool=2, recent=1, top_k=2, lam=0.0)
+    B, T, Hq, Hkv, D, t0 = 1, 52, 2, 1, 8, 46
+    q, _, v, beta = tensors(3, B, T, Hq, Hkv, D)
+    q = torch.round(q * 8) / 8  # dyadic q and keys: every cell mean and score is exact in any order
+    pattern = torch.round(torch.from_numpy(np.random.default_rng(4).standard_normal((cfg.cell, D))).float() * 4) / 4
+    k = pattern.repeat(T // cfg.cell + 1, 1)[:T].view(1, T, 1, D).contiguous()  # token t: pattern[t % s]
+    fused, _, caches = decode_both(cfg, q, k, v, beta, t0, fused_only=True)
+    parallel = freesolo.freesolo_attention(q, k, v, cfg, beta=beta, backend="torch")[:, t0:]
+    idx = np.asarray(freesolo.select_cells(q, k, cfg, backend="numpy"))[0, t0:, 0]  # [T - t0, K]
+    n_avail = (np.arange(t0, T) // cfg.block) * cfg.block // cfg.cell
+    assert (idx[:, 0] == n_avail - 1).all(), "reference does not break ties to the larger cell"  # the test bites
+    assert_close(fused.double().numpy(), parallel.double().numpy(), rtol=1e-5, name=f"{variant} exact ties")
+
+
+@needs_kernels
+def test_fused_step_writes_every_element():
+    """decode_step on NaN-poisoned output (and FS partial-candidate) buffers: all overwritten."""
+    from freesolo.backends.triton.decode import decode_step
+
+    cfg = FreeSoloConfig(variant="fs", window=16, cell=4, block=8, top_k=2)
+    B, T, Hq, Hkv, D = 2, 21, 2, 1, 6
+    q, k, v, beta = tensors(5, B, T + 1, Hq, Hkv, D)
+    cache = FreeSoloCache(cfg, B, Hq, Hkv, D, backend="torch", decode_kernel="triton")
+    cache.extend(q[:, :T], k[:, :T], v[:, :T], beta=beta)
+    twin = FreeSoloCache(cfg, B, Hq, Hkv, D, backend="torch")
+    twin.load_state_dict(cache.state_dict())
+    state = cache.state
+    out = torch.full((B, 1, Hq, D), float("nan"))
+    decode_step(state, q[:, T : T + 1], k[:, T : T + 1], v[:, T : T + 1], beta)  # allocates the FS scratch
+    cache.load_state_dict(twin.state_dict())
+    for buf in state._triton_fs_scratch:
+        buf.fill_(-7 if buf.dtype == torch.int64 else float("nan"))
+    decode_step(state, q[:, T : T + 1], k[:, T : T + 1], v[:, T : T + 1], beta, out=out)
+    expected = twin.extend(q[:, T : T + 1], k[:, T : T + 1], v[:, T : T + 1], beta=beta)
+    assert not torch.isnan(out).any(), "fused step left output elements unwritten"
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+def test_fused_state_round_trip_bit_identical():
+    """state_dict -> load_state_dict mid-stream: the restored cache continues with identical bits."""
+    cfg = FreeSoloConfig(variant="fsl", window=16, cell=4, block=8, pool=2, recent=1, top_k=2)
+    B, T, t0, Hq, Hkv, D = 1, 36, 33, 2, 2, 8
+    q, k, v, beta = tensors(6, B, T, Hq, Hkv, D)
+    a = FreeSoloCache(cfg, B, Hq, Hkv, D, backend="torch", decode_kernel="triton")
+    a.extend(q[:, :t0], k[:, :t0], v[:, :t0])
+    b = FreeSoloCache(cfg, B, Hq, Hkv, D, backend="torch", decode_kernel="triton")
+    b.load_state_dict(a.state_dict())
+    for t in range(t0, T):
+        step = (q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1])
+        assert torch.equal(a.extend(*step, beta=beta), b.extend(*step, beta=beta)), f"t={t}"
+
+
+@needs_kernels
+@pytest.mark.parametrize("variant", ["fsl", "fs"])
+def test_decode_graph_bookkeeping_with_fused_step(monkeypatch, variant):
+    """DecodeGraph over the fused step with each CUDA graph replaced by a direct call of the
+    function it would capture: FS-L (step + boundary graphs, built before the steady state) and
+    FS (eager boundaries, re-capture when the archive grows from 16 to 32 slots) == eager decode."""
+    from freesolo.streaming import torch_state
+
+    class FakeGraph:
+        def __init__(self, fn):
+            self.fn, self.out = fn, None
+
+        def replay(self):
+            self.out.copy_(self.fn())
+
+    def fake_capture(self, fn, share_with):
+        graph = FakeGraph(fn)
+        snapshot = self.state.state_dict()
+        graph.out = fn().clone()
+        self.state.load_state_dict(snapshot)
+        return graph, graph.out
+
+    monkeypatch.setattr(torch_state.DecodeGraph, "_warmup", lambda self, fns: [fn() for fn in fns])
+    monkeypatch.setattr(torch_state.DecodeGraph, "_capture", fake_capture)
+    monkeypatch.setattr(torch_state.DecodeGraph, "_check", staticmethod(lambda state: None))
+    cfg = FreeSoloConfig(variant=variant, window=16, cell=4, block=8, pool=2, recent=1, top_k=2)
+    B, Hq, Hkv, D = 1, 2, 1, 8
+    T0, T = (5, 19) if variant == "fsl" else (61, 75)  # FS: the archive grows at t = 72 (18 cells > 16)
+    q, k, v, beta = tensors(7, B, T, Hq, Hkv, D)
+    eager = FreeSoloCache(cfg, B, Hq, Hkv, D, backend="torch")
+    eager.extend(q[:, :T0], k[:, :T0], v[:, :T0], beta=beta)
+    graphed = FreeSoloCache(cfg, B, Hq, Hkv, D, backend="torch", decode_kernel="triton")
+    graphed.load_state_dict(eager.state_dict())
+    step = graphed.decode_graph(beta)
+    capacity = graphed.state.cell_ids.shape[2]
+    for t in range(T0, T):
+        expected = eager.extend(q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], beta=beta)
+        got = step(q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1])
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=lambda m: f"t={t}: {m}")
+    assert graphed.length == eager.length == T
+    assert torch.equal(graphed.state.pos, eager.state.pos)
+    assert torch.equal(graphed.state.cell_ids, eager.state.cell_ids)
+    if variant == "fs":
+        assert graphed.state.cell_ids.shape[2] > capacity == 16, "the test must cross an archive growth"
+
+
+def test_decode_kernel_errors():
+    cfg = FreeSoloConfig(variant="fsl", window=16, cell=4, block=8, pool=2, recent=1)
+    with pytest.raises(ValueError, match="decode_kernel='fast'"):
+        FreeSoloCache(cfg, 1, 2, 1, 8, backend="torch", decode_kernel="fast")
+    with pytest.raises(ValueError, match="needs backend='torch'"):
+        FreeSoloCache(cfg, 1, 2, 1, 8, backend="numpy", decode_kernel="triton")
+    with pytest.raises(ValueError, match="not 'fsb'"):
+        FreeSoloCache(cfg.replace(variant="fsb", tau=1.0), 1, 2, 1, 8, backend="torch", decode_kernel="triton")
+    with pytest.raises(ValueError, match="dtype=torch.float64"):
+        FreeSoloCache(cfg, 1, 2, 1, 8, backend="torch", decode_kernel="triton", dtype=torch.float64, device="cpu")
+    auto = FreeSoloCache(cfg, 1, 2, 1, 8, backend="torch", decode_kernel="auto", dtype=torch.float32, device="cpu")
+    assert auto.state._fused is False, "auto must pick the torch step off CUDA"
+
+
+# ---- CUDA (H200): paper sizes, low precision, no host sync, CUDA graphs --------------------------
+def cuda_tensors(seed, B, T, Hq, Hkv, D, dtype):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(B, T, Hq, D, device="cuda", generator=g).to(dtype)
+    k = torch.randn(B, T, Hkv, D, device="cuda", generator=g).to(dtype)
+    v = torch.randn(B, T, Hkv, D, device="cuda", generator=g).to(dtype)
+    return q, k, v, torch.linspace(0.5, 1.5, Hq, device="cuda")
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["fsl", "fs"])
+@pytest.mark.parametrize("heads", [(8, 2), (4, 4)], ids=["GQA4", "MHA"])
+def test_cuda_fused_decode_paper_sizes_float32(variant, heads):
+    """Default (paper) config, fp32: decode 300 tokens from T0 = 1800 (crosses block boundaries),
+    == the parallel op (torch backend) and == the torch step, RMS-relative 1e-5."""
+    cfg = FreeSoloConfig(variant=variant)
+    Hq, Hkv = heads
+    B, T0, T, D = 2, 1800, 2100, 64
+    q, k, v, beta = cuda_tensors(11, B, T, Hq, Hkv, D, torch.float32)
+    fused, eager, _ = decode_both(cfg, q, k, v, beta, T0)
+    parallel = freesolo.freesolo_attention(q, k, v, cfg, beta=beta, backend="torch")[:, T0:]
+    assert_close(fused.double().cpu().numpy(), parallel.double().cpu().numpy(), rtol=1e-5, name="fused vs parallel")
+    assert_close(fused.double().cpu().numpy(), eager.double().cpu().numpy(), rtol=1e-5, name="fused vs torch step")
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("variant", ["fsl", "fs"])
+def test_cuda_fused_decode_low_precision(variant, dtype):
+    """bf16 / fp16: the fused step's error against the float64 oracle on the same rounded inputs
+    is within 2x the torch step's error (+ a floor of one storage ulp)."""
+    cfg = FreeSoloConfig(variant=variant, window=64, cell=8, block=32, pool=6, recent=2, top_k=3)
+    B, T0, T, Hq, Hkv, D = 3, 150, 230, 6, 2, 64
+    q, k, v, beta = cuda_tensors(12, B, T, Hq, Hkv, D, dtype)
+    fused, eager, _ = decode_both(cfg, q, k, v, beta, T0)
+    ref = freesolo.freesolo_attention(
+        *(x.double().cpu().numpy() for x in (q, k, v)), cfg, beta=beta.double().cpu().numpy(), backend="numpy"
+    )[:, T0:]
+    from .helpers import rms_rel_error
+
+    err_fused = rms_rel_error(fused.double().cpu().numpy(), ref)
+    err_torch = rms_rel_error(eager.double().cpu().numpy(), ref)
+    floor = float(torch.finfo(dtype).eps)
+    assert err_fused <= 2 * err_torch + floor, f"{dtype}: fused error {err_fused:.3e} vs torch step {err_torch:.3e}"
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["fsl", "fs"])
+def test_cuda_fused_decode_has_no_host_sync(variant):
+    """Every step from T = 0 (T < w, no cells, block boundaries, FS archive growth) with
+    check_finite=False under sync debug mode "error": a host sync would raise."""
+    cfg = FreeSoloConfig(variant=variant, window=32, cell=4, block=16, pool=4, recent=3, top_k=3)
+    B, T, Hq, Hkv, D = 2, 3 * 16 + 32 + 7, 4, 2, 64
+    q, k, v, beta = cuda_tensors(13, B, T, Hq, Hkv, D, torch.bfloat16)
+    cache = FreeSoloCache(cfg, B, Hq, Hkv, D, backend="torch", dtype=torch.bfloat16, device="cuda", decode_kernel="triton")
+    outs = []
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for t in range(T):
+            outs.append(cache.extend(q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], beta=beta, check_finite=False))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert cache.state._fused
+    out = torch.cat(outs, 1)
+    assert torch.isfinite(out).all()
+    expected = freesolo.freesolo_attention(q.float(), k.float(), v.float(), cfg, beta=beta, backend="torch")
+    assert_close(out.double().cpu().numpy(), expected.double().cpu().numpy(), rtol=3e-2, name="bf16 fused decode")
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["fsl", "fs"])
+def test_cuda_graph_fused_decode(variant):
+    """CUDA graph of the fused step (FS-L: step + boundary graphs; FS: step graph, eager
+    boundaries, re-captured when the archive grows) == eager fused decode, no host sync in the
+    replays, same state afterwards."""
+    cfg = FreeSoloConfig(variant=variant, window=32, cell=4, block=16, pool=4, recent=3, top_k=3)
+    B, Hq, Hkv, D = 3, 4, 1, 64
+    T0, steps = 40, 60 if variant == "fsl" else 40  # FS: 16 slots hold 64 tokens; grows at t = 80
+    q, k, v, beta = cuda_tensors(14, B, T0 + steps, Hq, Hkv, D, torch.float32)
+    eager = FreeSoloCache(cfg, B, Hq, Hkv, D, backend="torch", decode_kernel="triton")
+    eager.extend(q[:, :T0], k[:, :T0], v[:, :T0])
+    graphed = FreeSoloCache(cfg, B, Hq, Hkv, D, backend="torch", decode_kernel="triton")
+    graphed.load_state_dict(eager.state_dict())
+    step = graphed.decode_graph(beta)
+    outs_eager, outs_graph = [], []
+    for t in range(T0, T0 + steps):
+        sl = slice(t, t + 1)
+        outs_eager.append(eager.extend(q[:, sl], k[:, sl], v[:, sl], beta=beta, check_finite=False))
+        check = variant == "fsl" or t != 80  # FS re-captures its graph when the archive grows (t = 80)
+        if check:
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            outs_graph.append(step(q[:, sl], k[:, sl], v[:, sl]).clone())
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for t, (a, b) in enumerate(zip(outs_eager, outs_graph)):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6, msg=lambda m: f"step {t}: {m}")
+    assert graphed.length == eager.length == T0 + steps
+    for name, x in eager.state.buffers().items():
+        assert torch.equal(graphed.state.buffers()[name], x), f"state {name} differs after graph replay"
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_cuda_fused_decode_batch_64():
+    """B = 64, GQA, bf16 at paper sizes: the fused step == the torch step (bf16 tolerance)."""
+    cfg = FreeSoloConfig(variant="fsl")
+    B, T0, T, Hq, Hkv, D = 64, 700, 720, 8, 2, 64
+    q, k, v, beta = cuda_tensors(15, B, T, Hq, Hkv, D, torch.bfloat16)
+    fused, eager, _ = decode_both(cfg, q, k, v, beta, T0)
+    assert_close(fused.double().cpu().numpy(), eager.double().cpu().numpy(), rtol=2e-2, name="B=64 bf16")
