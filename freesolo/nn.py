@@ -20,7 +20,9 @@ This module imports torch (it is not imported by `import freesolo`).
 
 from __future__ import annotations
 
+import json
 import math
+from dataclasses import asdict
 from typing import Optional, Sequence, Union
 
 import torch
@@ -83,6 +85,71 @@ def positions_from_cu_seqlens(cu_seqlens: torch.Tensor, T: int) -> tuple[torch.T
     seq = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)  # (T,)
     pos = torch.arange(T) - cu[:-1][seq]
     return pos, seq
+
+
+# ---- torch.compile: FreeSolo attention as one opaque custom op -------------------------------
+# Under torch.compile the module calls these ops instead of `freesolo_attention` directly: the
+# validation and the backends (Python loops over query blocks, host-side checks) stay outside the
+# graph, so `torch.compile(model, fullgraph=True)` traces the model without graph breaks on any
+# backend. Backward recomputes the forward with autograd inside `attention_opaque_bwd`.
+
+
+def _cfg_json(cfg: FreeSoloConfig) -> str:
+    return json.dumps(asdict(cfg))
+
+
+def _cfg_from_json(text: str) -> FreeSoloConfig:
+    fields = {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(text).items()}
+    return FreeSoloConfig(**fields)
+
+
+@torch.library.custom_op("freesolo::attention_opaque", mutates_args=())
+def attention_opaque(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, cfg_json: str, backend: str
+) -> torch.Tensor:
+    """freesolo_attention(q, k, v, cfg, beta, backend) as a custom op: q [B, T, Hq, D] -> [B, T, Hq, D]."""
+    with torch.no_grad():
+        o = freesolo_attention(q, k, v, _cfg_from_json(cfg_json), beta=beta, backend=backend or None)
+    return o.contiguous()
+
+
+@attention_opaque.register_fake
+def _attention_opaque_fake(q, k, v, beta, cfg_json, backend):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("freesolo::attention_opaque_bwd", mutates_args=())
+def attention_opaque_bwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, grad: torch.Tensor, cfg_json: str, backend: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (dq, dk, dv, dbeta) of attention_opaque, by recomputing its forward with autograd."""
+    # a custom op's body runs with autograd excluded from dispatch: include it again for the recompute
+    exclude = torch._C._dispatch_tls_local_exclude_set().remove(torch._C.DispatchKey.AutogradFunctionality)
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude), torch.enable_grad():
+        inputs = [x.detach().requires_grad_(True) for x in (q, k, v, beta)]
+        o = freesolo_attention(*inputs[:3], _cfg_from_json(cfg_json), beta=inputs[3], backend=backend or None)
+        grads = torch.autograd.grad(o, inputs, grad)
+    return tuple(g.contiguous() for g in grads)
+
+
+@attention_opaque_bwd.register_fake
+def _attention_opaque_bwd_fake(q, k, v, beta, grad, cfg_json, backend):
+    return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v, beta))
+
+
+def _opaque_setup(ctx, inputs, output):
+    q, k, v, beta, cfg_json, backend = inputs
+    ctx.save_for_backward(q, k, v, beta)
+    ctx.cfg_json, ctx.backend = cfg_json, backend
+
+
+def _opaque_backward(ctx, grad):
+    q, k, v, beta = ctx.saved_tensors
+    dq, dk, dv, dbeta = attention_opaque_bwd(q, k, v, beta, grad.contiguous(), ctx.cfg_json, ctx.backend)
+    return dq, dk, dv, dbeta, None, None
+
+
+attention_opaque.register_autograd(_opaque_backward, setup_context=_opaque_setup)
 
 
 def _sizes(hidden_size, num_heads, num_kv_heads, head_dim) -> tuple[int, int, int, int]:
@@ -192,6 +259,18 @@ class FreeSoloAttention(_Projections):
         self.backend = backend
         self.beta = nn.Parameter(torch.full((self.num_heads,), float(beta_init)))
 
+    @property
+    def cfg(self) -> FreeSoloConfig:
+        """The layer's FreeSoloConfig (FS-B: with this layer's tau)."""
+        return self._cfg
+
+    @cfg.setter
+    def cfg(self, cfg: FreeSoloConfig) -> None:
+        if not isinstance(cfg, FreeSoloConfig):
+            raise TypeError(f"cfg must be a freesolo.FreeSoloConfig, got {type(cfg).__name__}")
+        self._cfg = cfg
+        self._cfg_json = _cfg_json(cfg)  # the compiled path passes the config as a string
+
     # ---- FS-B threshold -------------------------------------------------------------------
     @property
     def tau(self) -> Optional[tuple]:
@@ -237,6 +316,10 @@ class FreeSoloAttention(_Projections):
         """The attention alone on projected q [B, T, Hq, D], k / v [B, T, Hkv, D] -> o [B, T, Hq, D]."""
         self._check_ready()
         if cache is None:
+            if torch.compiler.is_compiling():
+                if cu_seqlens is not None:
+                    raise ValueError("cu_seqlens is not supported under torch.compile (pad or run sequences apart)")
+                return attention_opaque(q, k, v, self.beta.to(q.dtype), self._cfg_json, self.backend or "")
             kwargs = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
             return freesolo_attention(q, k, v, self.cfg, beta=self.beta, backend=self.backend, **kwargs)
         if cu_seqlens is not None:

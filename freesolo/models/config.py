@@ -40,6 +40,7 @@ class LMConfig:
     d_ff: Optional[int] = None  # SwiGLU hidden size (default: 8/3 d_model rounded up to a multiple of 16)
     tie_embeddings: bool = True  # lm_head shares the embedding matrix
     qkv_bias: bool = False  # biases on q / k / v projections (Qwen2)
+    o_bias: bool = False  # bias on the output projection (Llama with attention_bias=True)
     norm_eps: float = 1e-6  # RMSNorm epsilon of the model's norms
     beta_init: float = 1.0  # FreeSolo: initial beta of every head (0: starts as a sliding-window model)
     init_std: float = 0.02  # normal init of linear and embedding weights
@@ -73,7 +74,7 @@ class LMConfig:
         if self.attention in FREESOLO_ATTENTIONS and cfg.variant != self.attention:
             cfg = cfg.replace(variant=self.attention)
         object.__setattr__(self, "freesolo", cfg)
-        for name in ("tie_embeddings", "qkv_bias"):
+        for name in ("tie_embeddings", "qkv_bias", "o_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
         for name in ("norm_eps", "beta_init", "init_std"):

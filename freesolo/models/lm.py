@@ -53,9 +53,11 @@ def make_attention(cfg: LMConfig) -> nn.Module:
     fs = cfg.freesolo
     common = dict(hidden_size=cfg.d_model, num_heads=cfg.n_heads, num_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim)
     if cfg.attention in FREESOLO_ATTENTIONS:
-        return FreeSoloAttention(**common, cfg=fs, beta_init=cfg.beta_init, bias=cfg.qkv_bias, backend=cfg.backend)
+        return FreeSoloAttention(
+            **common, cfg=fs, beta_init=cfg.beta_init, bias=cfg.qkv_bias, o_bias=cfg.o_bias, backend=cfg.backend
+        )
     window = fs.window if cfg.attention == "window" else None
-    return SDPAAttention(**common, window=window, rope_theta=fs.rope_theta, bias=cfg.qkv_bias)
+    return SDPAAttention(**common, window=window, rope_theta=fs.rope_theta, bias=cfg.qkv_bias, o_bias=cfg.o_bias)
 
 
 class DecoderLayer(nn.Module):
