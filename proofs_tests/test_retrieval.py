@@ -271,3 +271,47 @@ def test_cli_train_then_eval_smoke(tmp_path):
     assert main(args[:6] + ["--lengths", "128", "256", "--n", "4", "--depths", "2", "--quiet", "--backend", "torch", "--device", "cpu", "--out", out]) == 0
     again = {(r["task"], r["length"]): r["accuracy"] for r in json.load(open(out))["results"]}
     assert again == first  # same seed, same samples, same model: the merged file is unchanged
+
+
+def test_fsl_candidates_hand_case():
+    from freesolo.retrieval.diagnose import _fsl_candidates
+
+    a = np.array([5.0, 1.0, 5.0, 0.5, 9.0, 0.1, 0.2, 0.3])
+    # 8 available cells, recent 2 -> {6, 7}; pool 2 of the older [0, 6) by (a, c): 4 (9.0), then 2 (5.0, more recent than 0)
+    assert _fsl_candidates(a, 8, pool=2, recent=2) == {4, 2, 6, 7}
+    assert _fsl_candidates(a, 3, pool=5, recent=1) == {0, 1, 2}
+
+
+def test_diagnose_tiny_model_consistent_with_selection():
+    """Diagnosis of a random tiny FS-L model: shapes, masses in [0, 1], and FS-L's selection is inside the
+    candidate set the diagnosis computes from the spec (a head that reads a needle cell implies the cell is a candidate)."""
+    torch = pytest.importorskip("torch")
+    from freesolo import FreeSoloConfig
+    from freesolo.models import FreeSoloLM, LMConfig
+    from freesolo.retrieval.diagnose import diagnose_sample, summarize
+
+    torch.manual_seed(0)
+    cfg = FreeSoloConfig(variant="fsl", window=32, cell=8, block=32, top_k=2, pool=3, recent=2)
+    model = FreeSoloLM(LMConfig(vocab_size=VOCAB.vocab_size, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, attention="fsl", freesolo=cfg, backend="torch"))
+    model.eval()
+    diags = []
+    for i, depth in enumerate((0.0, 0.3, 0.6, 1.0)):
+        s = generate("s-niah-2", 400, depth, sample_seed(0, "s-niah-2", 400, i))
+        d = diagnose_sample(model, s, torch.device("cpu"))
+        assert d["p"] == s.answer_start - 1
+        assert len(d["selected"]) == len(d["mass"]) == len(d["in_candidates"]) == len(d["norm_pct"]) == 2
+        for layer in range(2):
+            assert len(d["selected"][layer]) == 4 and len(d["in_candidates"][layer]) == 2
+            for h in range(4):
+                m = d["mass"][layer][h]
+                assert 0.0 <= m <= 1.0 + 1e-6 and (m == 0.0 or d["selected"][layer][h])
+                if d["selected"][layer][h]:
+                    assert d["in_candidates"][layer][h // 2], (depth, layer, h)
+        if depth == 0.0:
+            assert d["available"] and not d["local"]
+        if depth == 1.0:
+            assert d["local"]
+        diags.append({**d, "correct": i % 2 == 0})
+    assert any(any(x for row in d["selected"] for x in row) for d in diags)  # the implication was exercised
+    summ = summarize(diags)
+    assert summ["failed"]["n"] == 2 and summ["correct"]["n"] == 2

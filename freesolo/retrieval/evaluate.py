@@ -49,11 +49,15 @@ def evaluate(
     deadline: float | None = None,
     quiet: bool = False,
     on_record=None,
+    diagnose: int = 0,
+    diagnoses: list | None = None,
 ) -> tuple[list, list]:
     """Score `model` on every (task, length); returns (records, grid records).
 
     `meta` holds `model`, `variant`, `train_length` (copied into each record). `deadline`
     (time.perf_counter() value): cells not started by then are skipped (and reported).
+    `diagnose` > 0 (FreeSolo models): up to that many failed and as many correct samples per cell are
+    diagnosed (`diagnose.diagnose_sample`) and appended to the list `diagnoses`.
     """
     from tqdm import tqdm
 
@@ -68,21 +72,31 @@ def evaluate(
             samples = [generate(task, length, float(depths[i]), sample_seed(seed, task, length, i)) for i in range(n)]
             bar = tqdm(total=n, desc=f"{meta['variant']} {task} L={length}", unit="sample", disable=quiet, leave=False)
             start = time.perf_counter()
-            ok = score_samples(forward, samples, max(1, batch_tokens // length), progress=bar.update)
+            ok = score_samples(forward, samples, max(1, batch_tokens // length), progress=bar.update, deadline=deadline)
             bar.close()
+            if len(ok) < n:
+                print(f"  {task} @ {length}: deadline after {len(ok)} of {n} samples")
+                depths = depths[: len(ok)]
             rec = {
                 **meta,
                 "task": task,
                 "length": int(length),
                 "accuracy": float(ok.mean()),
-                "n": int(n),
+                "n": int(len(ok)),
                 "seconds": round(time.perf_counter() - start, 2),
                 "seed": int(seed),
             }
             records.append(rec)
             if on_record is not None:
                 on_record(rec)
-            print(f"  {meta['model']:<16} {meta['variant']:<6} {task:<9} L={length:<7} acc={rec['accuracy']:.3f} n={n}  ({rec['seconds']} s)")
+            print(f"  {meta['model']:<16} {meta['variant']:<6} {task:<9} L={length:<7} acc={rec['accuracy']:.3f} n={rec['n']}  ({rec['seconds']} s)")
+            if diagnose > 0 and diagnoses is not None and meta["variant"] in ("fs", "fsl", "fsb"):
+                from .diagnose import diagnose_sample
+
+                picks = [i for i in range(len(ok)) if not ok[i]][:diagnose] + [i for i in range(len(ok)) if ok[i]][:diagnose]
+                for i in picks:
+                    d = diagnose_sample(model, samples[i], device)
+                    diagnoses.append({**meta, "task": task, "length": int(length), "depth": float(depths[i]), "index": i, "correct": bool(ok[i]), **d})
             if task in grid_tasks:
                 for d in np.unique(depths):
                     sel = depths == d
@@ -140,10 +154,18 @@ def cmd_eval(args) -> int:
         meta = {"model": args.name or os.path.basename(os.path.normpath(args.ckpt)), "variant": kind, "train_length": train_length}
         print(f"freesolo eval: {meta['model']} attention={kind} backend={backend} device={device} tasks={tasks} lengths={lengths} n={args.n}")
         deadline = time.perf_counter() + args.minutes * 60 if args.minutes else None
+        diagnoses: list = []
         records, grid = evaluate(
             model, device, tasks, lengths, args.n, args.depths, args.seed, args.batch_tokens, meta,
             grid_tasks=("s-niah-1",) if args.grid else (), deadline=deadline, quiet=args.quiet,
+            diagnose=args.diagnose, diagnoses=diagnoses,
         )
+        if diagnoses:
+            from .diagnose import summarize
+
+            for length in lengths:
+                summ = summarize([d for d in diagnoses if d["length"] == length])
+                print(f"  diagnosis L={length}: {json.dumps(summ)}")
     if args.out:
         data = {"results": [], "grid": []}
         if os.path.exists(args.out):
@@ -151,6 +173,8 @@ def cmd_eval(args) -> int:
                 data = json.load(f)
         data["results"] = merge_records(data.get("results", []), records)
         data["grid"] = merge_records(data.get("grid", []), grid)
+        if diagnoses:
+            data["diagnosis"] = merge_records(data.get("diagnosis", []), diagnoses, keys=("model", "variant", "task", "length", "index"))
         data.setdefault("env", {})[meta["model"] + "/" + kind] = {"backend": backend, "device": str(device), "torch": torch.__version__}
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
@@ -169,6 +193,7 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--attention", choices=["dense", "window", "fs", "fsl", "fsb"], default=None, help="override the checkpoint's attention (fsb: tau calibrated on training-like sequences)")
     p.add_argument("--beam", type=int, default=None, help="FS-B beam override")
     p.add_argument("--radius-weight", type=float, default=None, help="FS-B radius_weight override")
+    p.add_argument("--diagnose", type=int, default=0, help="FreeSolo models: diagnose up to N failed and N correct samples per cell")
     p.add_argument("--grid", action="store_true", help="also record S-NIAH-1 accuracy per depth (heat map)")
     p.add_argument("--name", default=None, help="model name in the records (default: the folder name)")
     p.add_argument("--out", default=None, help="JSON file to merge the records into ({results: [...], grid: [...]})")

@@ -9,6 +9,7 @@ So one forward over the whole sample decides exact match.
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Sequence
 
 import numpy as np
@@ -46,13 +47,18 @@ def exact_match(logits, tokens, answer_start: int, answer_len: int):
 
 
 def score_samples(
-    forward: Callable, samples: Sequence[Sample], batch_size: int = 1, progress: Callable | None = None
+    forward: Callable,
+    samples: Sequence[Sample],
+    batch_size: int = 1,
+    progress: Callable | None = None,
+    deadline: float | None = None,
 ) -> np.ndarray:
-    """Exact match of each sample: bool [n].
+    """Exact match of each sample: bool [n] (or [m], m < n: the first m, when `deadline` passed).
 
     `forward(tokens)` maps an int64 NumPy array [B, T] to logits [B, T, V] (torch or NumPy);
     samples are batched `batch_size` at a time and must share length and answer span (one task
     and length). `progress(k)` is called after each batch with the number of samples scored.
+    `deadline` (a `time.perf_counter()` value): stop before a batch that would start after it.
     """
     if not samples:
         return np.zeros(0, dtype=bool)
@@ -65,6 +71,8 @@ def score_samples(
             )
     out = np.zeros(len(samples), dtype=bool)
     for i in range(0, len(samples), batch_size):
+        if deadline is not None and i > 0 and time.perf_counter() > deadline:
+            return out[:i]
         chunk = samples[i : i + batch_size]
         tokens = np.stack([s.tokens for s in chunk])  # [b, T]
         logits = forward(tokens)

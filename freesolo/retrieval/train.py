@@ -129,7 +129,7 @@ def cmd_train(args) -> int:
     log, step, tokens_seen = [], 0, 0
     bar = tqdm(total=args.steps or None, desc=f"train {args.attention}", unit="step", disable=args.quiet)
     start = time.perf_counter()
-    ema_loss, ema_acc = None, None
+    ema_loss, ema_acc, last_print = None, None, 0.0
     with backend_scope(backend):
         while True:
             elapsed = time.perf_counter() - start
@@ -164,6 +164,9 @@ def cmd_train(args) -> int:
                 el = time.perf_counter() - start
                 log.append({"step": step, "seconds": round(el, 2), "loss": lv, "answer_acc": av, "lr": lr, "tokens": tokens_seen})
                 bar.set_postfix(loss=f"{ema_loss:.3f}", ans_acc=f"{(ema_acc or 0):.3f}", tok_s=f"{tokens_seen / el:,.0f}")
+                if args.quiet and el - last_print >= 30:  # no bar: a plain line every 30 s
+                    last_print = el
+                    print(f"  step {step}  {el:.0f} s  loss {ema_loss:.3f}  answer-token acc {(ema_acc or 0):.3f}  {tokens_seen / el:,.0f} tok/s", flush=True)
             bar.update(1)
     bar.close()
     elapsed = time.perf_counter() - start
