@@ -29,7 +29,8 @@ All pointer offsets are int64 (program ids and indices are cast before any multi
 from __future__ import annotations
 
 import math
-from typing import Tuple
+from dataclasses import dataclass
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -38,7 +39,7 @@ import triton.language as tl
 from ...config import FreeSoloConfig
 from . import _common  # noqa: F401  (its import patches the interpreter's dynamic loop bounds for NumPy >= 2.4)
 
-__all__ = ["cell_stats", "fsl_candidates", "select_cells", "MAX_POOL"]
+__all__ = ["MAX_POOL", "ScoreTiles", "cell_stats", "fsl_candidates", "score_tiles", "select_cells"]
 
 # The FS-L pool lives in registers: P rounded up to a power of two lanes per program.
 MAX_POOL = 1024
@@ -56,6 +57,7 @@ _SUM = tl.standard._sum_combine
 # score and, among equal scores, the larger cell (spec §7). _EMPTY = key of (-inf, cell -1).
 _EMPTY = ((-8388608) ^ 0x7FFFFFFF) << 32
 _INT64_MAX = 2**63 - 1
+_INT64_MIN = -(2**63)
 
 
 # ---- kernels ---------------------------------------------------------------------------------
@@ -194,6 +196,7 @@ def _score_topk_kernel(
     K_PAD: tl.constexpr,
     FSL: tl.constexpr,
     N_CAND: tl.constexpr,
+    SPLIT_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -215,16 +218,20 @@ def _score_topk_kernel(
         Q + b * stride_qb + i[:, None] * stride_qt + h * stride_qh + d_off[None, :] * stride_qd,
         mask=row_ok[:, None] & d_ok[None, :],
         other=0.0,
-    ).to(tl.float32)
+    )
+    if not SPLIT_DOT:
+        q = q.to(tl.float32)
     sigma = tl.load(SIGMA + h)
     lam = tl.load(LAM + h)
     coef = sigma / (2.0 * CELL)
     i_f = i.to(tl.float32)
     kv_row = (b * HKV + g) * C  # first cell row of (b, g) in KBAR / AMAX
     n_j = j * (QBLOCK // CELL)  # available cells
-    # running top-K per query: keys (see _EMPTY), lanes >= TOP_K stay _EMPTY
+    # running top-K per query as keys (see _EMPTY)
     k_lane = tl.arange(0, K_PAD)
-    top = tl.full([BLOCK_M, K_PAD], _EMPTY, tl.int64)
+    top = tl.full([BLOCK_M, K_PAD], _EMPTY, tl.int64)  # sorted descending in lanes < TOP_K
+    kth = tl.full([BLOCK_M], _EMPTY, tl.int64)  # top[:, TOP_K - 1]
+    shift_1 = k_lane[:, None] - 1 == k_lane[None, :]  # [K_PAD, K_PAD]: lane l reads lane l - 1
     n_off = tl.arange(0, BLOCK_N).to(tl.int64)
     if FSL:
         n_items = N_CAND
@@ -246,7 +253,14 @@ def _score_topk_kernel(
             other=0.0,
         )  # [BLOCK_N, BLOCK_D]
         a = tl.load(AMAX + kv_row + c_safe, mask=c_ok, other=0.0)  # [BLOCK_N]
-        dot = tl.dot(q, tl.trans(kb), input_precision="ieee")  # [BLOCK_M, BLOCK_N] fp32
+        if SPLIT_DOT:
+            # 16-bit q is exact; kbar = hi + lo in q's dtype (+ ~2^-17 relative residual): two
+            # tensor-core dots with fp32 accumulation, as accurate as an fp32 dot for selection.
+            kb_hi = kb.to(q.dtype)
+            kb_lo = (kb - kb_hi.to(tl.float32)).to(q.dtype)
+            dot = tl.dot(q, tl.trans(kb_lo), acc=tl.dot(q, tl.trans(kb_hi)))
+        else:
+            dot = tl.dot(q, tl.trans(kb), input_precision="ieee")  # [BLOCK_M, BLOCK_N] fp32
         dist = i_f[:, None] - (c_safe * CELL).to(tl.float32)[None, :]
         score = scale * dot + lam * a[None, :] * tl.math.erf(coef * dist)
         score = score + 0.0  # -0.0 -> +0.0: equal scores get equal keys
@@ -254,16 +268,19 @@ def _score_topk_kernel(
         bits = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # integer order == float order
         key = (bits.to(tl.int64) << 32) | (cells + 1)[None, :]
         key = tl.where(c_ok[None, :], key, _EMPTY)
-        # a chunk changes a row's list only if one of its keys beats the row's K-th key
-        kth = tl.reduce(tl.where(k_lane[None, :] < TOP_K, top, _INT64_MAX), 1, _MIN)
-        if tl.reduce((key > kth[:, None]).to(tl.int32), None, _MAX) > 0:
-            new = tl.full([BLOCK_M, K_PAD], _EMPTY, tl.int64)
-            for r in tl.static_range(TOP_K):
-                best = tl.maximum(tl.reduce(key, 1, _MAX), tl.reduce(top, 1, _MAX))  # [BLOCK_M]
-                new = tl.where(k_lane[None, :] == r, best[:, None], new)
-                key = tl.where(key == best[:, None], _EMPTY, key)
-                top = tl.where(top == best[:, None], _EMPTY, top)
-            top = new
+        # Insert the chunk's best key of every row into the row's sorted list while it beats the
+        # row's K-th key: at most TOP_K rounds, each stops as soon as no row of the tile improves.
+        # Lanes >= TOP_K of `top` hold junk and are never read.
+        cmax = tl.reduce(key, 1, _MAX)  # [BLOCK_M]
+        for r in tl.static_range(TOP_K):
+            if tl.reduce((cmax > kth).to(tl.int32), 0, _MAX) > 0:
+                # sorted insertion: new[l] = max(top[l], min(top[l-1], x)), top[-1] = +inf
+                prev = tl.reduce(tl.where(shift_1[None, :, :], top[:, None, :], _INT64_MIN), 2, _MAX)
+                prev = tl.where(k_lane[None, :] == 0, _INT64_MAX, prev)
+                top = tl.maximum(top, tl.minimum(prev, cmax[:, None]))
+                kth = tl.reduce(tl.where(k_lane[None, :] == TOP_K - 1, top, _INT64_MIN), 1, _MAX)
+                key = tl.where(key == cmax[:, None], _EMPTY, key)
+                cmax = tl.reduce(key, 1, _MAX)
     cell_out = (top & 0xFFFFFFFF) - 1  # _EMPTY -> -1
     out = IDX + ((b * T + i) * HQ + h)[:, None] * TOP_K + k_lane[None, :]
     tl.store(out, cell_out, mask=row_ok[:, None] & (k_lane[None, :] < TOP_K))
@@ -283,9 +300,15 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig) -> None
     if cfg.variant not in ("fs", "fsl"):
         raise ValueError(f"the triton selection kernels serve variant 'fs' and 'fsl', not {cfg.variant!r}")
     if cfg.variant == "fsl" and cfg.pool > MAX_POOL:
-        raise ValueError(f"pool={cfg.pool} exceeds the triton FS-L kernel's register pool ({MAX_POOL}); use backend='torch'")
+        raise ValueError(
+            f"pool={cfg.pool} exceeds the triton FS-L kernel's register pool ({MAX_POOL}); use backend='torch'"
+        )
     if q.device != k.device:
         raise ValueError(f"k is on {k.device} but q is on {q.device}")
+    if q.dtype != k.dtype:
+        raise ValueError(f"k dtype {k.dtype} differs from q dtype {q.dtype}")
+    if D > 256:
+        raise ValueError(f"head dim D={D} exceeds the triton selection kernels' limit 256")
 
 
 def cell_stats(k: torch.Tensor, cell: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -356,21 +379,34 @@ def fsl_candidates(amax: torch.Tensor, T: int, cfg: FreeSoloConfig) -> torch.Ten
     return cand
 
 
-def _tiles(cfg: FreeSoloConfig, D: int, n_cand: int) -> Tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_D): functions of the config and D only (L12)."""
-    BLOCK_D = max(16, triton.next_power_of_2(D))
-    BLOCK_M = min(64, max(16, triton.next_power_of_2(cfg.block)))
-    BLOCK_N = 64 if not n_cand else min(64, max(16, triton.next_power_of_2(n_cand)))
-    return BLOCK_M, BLOCK_N, BLOCK_D
+@dataclass(frozen=True)
+class ScoreTiles:
+    """Tile sizes of the scoring + top-K kernel. They may depend on the config, D and the dtype,
+    never on B, T or the data (L12: a query's bits must not depend on other rows)."""
+
+    block_m: int  # queries per program (power of two >= 16), inside one query block
+    block_n: int  # candidate cells scored per step (power of two >= 16)
+    num_warps: int = 4
 
 
-def select_cells(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig) -> torch.Tensor:
+def score_tiles(cfg: FreeSoloConfig, D: int, dtype: torch.dtype) -> ScoreTiles:
+    """Default tiles: BLOCK_M = the query block (16..64); BLOCK_N = 64 (FS-L: fewer when P + W is small)."""
+    block_m = min(64, max(16, triton.next_power_of_2(cfg.block)))
+    n_cand = cfg.pool + cfg.recent if cfg.variant == "fsl" else 0
+    block_n = 64 if not n_cand else min(64, max(16, triton.next_power_of_2(n_cand)))
+    return ScoreTiles(block_m, block_n, 4)
+
+
+def select_cells(
+    q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig, tiles: Optional[ScoreTiles] = None
+) -> torch.Tensor:
     """FS / FS-L selection (spec §3-§5, §7) by the Triton kernels.
 
     Args:
         q: [B, T, Hq, D] unrotated queries; k: [B, T, Hkv, D] unrotated keys (fp16 / bf16 / fp32
             on CUDA, or CPU float32 under TRITON_INTERPRET=1). Scores are computed in fp32.
         cfg: variant "fs" or "fsl"; sigma / lam scalars or per query head [Hq].
+        tiles: scoring tile sizes (default `score_tiles(cfg, D, q.dtype)`; benchmarks sweep them).
     Returns:
         int64 [B, T, Hq, top_k]: cells by descending score (ties: larger c first), -1 padded.
     """
@@ -389,7 +425,8 @@ def select_cells(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig) -> torch
     sigma = torch.as_tensor(cfg.per_head("sigma", Hq), dtype=torch.float32, device=q.device)
     lam = torch.as_tensor(cfg.per_head("lam", Hq), dtype=torch.float32, device=q.device)
     idx = torch.empty((B, T, Hq, K), dtype=torch.int64, device=q.device)
-    BLOCK_M, BLOCK_N, BLOCK_D = _tiles(cfg, D, n_cand)
+    tiles = tiles or score_tiles(cfg, D, q.dtype)
+    BLOCK_M, BLOCK_N, BLOCK_D = tiles.block_m, tiles.block_n, max(16, triton.next_power_of_2(D))
     tiles_per_block = triton.cdiv(cfg.block, BLOCK_M)
     grid = (nblocks * tiles_per_block, B * Hq)
     _score_topk_kernel[grid](
@@ -412,12 +449,13 @@ def select_cells(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig) -> torch
         QBLOCK=cfg.block,
         TILES_PER_BLOCK=tiles_per_block,
         TOP_K=K,
-        K_PAD=triton.next_power_of_2(K),
+        K_PAD=max(2, triton.next_power_of_2(K)),
         FSL=fsl,
         N_CAND=max(n_cand, 1),
+        SPLIT_DOT=q.dtype in (torch.float16, torch.bfloat16),
         BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N,
         BLOCK_D=BLOCK_D,
-        num_warps=4,
+        num_warps=tiles.num_warps,
     )
     return idx
