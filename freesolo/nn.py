@@ -294,8 +294,9 @@ class FreeSoloAttention(_Projections):
         backend = self.backend if self.backend is not None else get_backend()
         return "torch" if backend == "triton" else backend
 
-    def new_cache(self, batch: int, dtype=None, device=None) -> FreeSoloCache:
-        """A FreeSoloCache for this layer (dtype / device: the torch cache's storage; default: the weights')."""
+    def new_cache(self, batch: int, dtype=None, device=None, check_finite: bool = True) -> FreeSoloCache:
+        """A FreeSoloCache for this layer (dtype / device: the torch cache's storage; default: the
+        weights'; check_finite=False: no host sync per call, see FreeSoloCache)."""
         self._check_ready()
         backend = self.cache_backend()
         if backend == "torch":
@@ -310,6 +311,7 @@ class FreeSoloAttention(_Projections):
             backend=backend,
             dtype=dtype if backend == "torch" else None,
             device=device if backend == "torch" else None,
+            check_finite=check_finite,
         )
 
     def attend(self, q, k, v, cu_seqlens=None, cache=None) -> torch.Tensor:
@@ -326,9 +328,18 @@ class FreeSoloAttention(_Projections):
             raise ValueError("cu_seqlens and cache cannot be combined: a cache streams one sequence per row")
         beta = self.beta.detach()
         if isinstance(cache, FreeSoloCache):
-            return cache.extend(q, k, v, beta=beta)
+            return self._extend(cache, q, k, v, beta)
         rows = _row_caches(cache, q.shape[0], FreeSoloCache)
-        return torch.cat([c.extend(q[b : b + 1], k[b : b + 1], v[b : b + 1], beta=beta) for b, c in enumerate(rows)])
+        return torch.cat([self._extend(c, q[b : b + 1], k[b : b + 1], v[b : b + 1], beta) for b, c in enumerate(rows)])
+
+    def _extend(self, cache: FreeSoloCache, q, k, v, beta) -> torch.Tensor:
+        """Stream a chunk through the cache. A first chunk of several tokens (a prompt) runs the
+        parallel op and `cache.prefill` (the state `extend` would leave; outputs equal by L6)."""
+        if cache.length == 0 and q.shape[1] > 1:
+            o = freesolo_attention(q, k, v, self.cfg, beta=beta, backend=self.backend)
+            cache.prefill(k, v)
+            return o
+        return cache.extend(q, k, v, beta=beta)
 
     def forward(
         self,
@@ -362,21 +373,61 @@ class KVCache:
 
     def __init__(self, window: Optional[int] = None):
         self.window = window
-        self.k: Optional[torch.Tensor] = None
-        self.v: Optional[torch.Tensor] = None
+        self._k: Optional[torch.Tensor] = None  # (B, capacity, Hkv, D); dense: grown by doubling
+        self._v: Optional[torch.Tensor] = None
+        self._held = 0  # tokens held in the buffers
         self.length = 0  # tokens consumed
 
+    @property
+    def k(self) -> Optional[torch.Tensor]:
+        """Held keys [B, L, Hkv, D] (rotated), L = length (dense) or min(length, window)."""
+        return None if self._k is None else self._k[:, : self._held]
+
+    @property
+    def v(self) -> Optional[torch.Tensor]:
+        return None if self._v is None else self._v[:, : self._held]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor):
+        """Add k (rotated) / v [B, n, Hkv, D]; return the keys / values the chunk's queries read."""
+        n = k.shape[1]
+        if self._k is not None and self._k.shape[0] != k.shape[0]:
+            raise ValueError(f"the KV cache holds B={self._k.shape[0]} rows, the chunk has {k.shape[0]}")
+        if self.window is not None:  # bounded: the last `window` tokens before the chunk, then the chunk
+            keys = k if self._k is None else torch.cat([self.k, k], dim=1)
+            values = v if self._v is None else torch.cat([self.v, v], dim=1)
+            keep = min(keys.shape[1], self.window)
+            self._k, self._v = keys[:, -keep:].detach().clone(), values[:, -keep:].detach().clone()
+            self._held = keep
+        else:
+            need = self._held + n
+            if self._k is None or need > self._k.shape[1]:
+                cap = max(need, 2 * (0 if self._k is None else self._k.shape[1]), 16)
+                new_k = k.new_empty((k.shape[0], cap) + tuple(k.shape[2:]))
+                new_v = v.new_empty((v.shape[0], cap) + tuple(v.shape[2:]))
+                if self._k is not None:
+                    new_k[:, : self._held] = self.k
+                    new_v[:, : self._held] = self.v
+                self._k, self._v = new_k, new_v
+            self._k[:, self._held : need] = k.detach()
+            self._v[:, self._held : need] = v.detach()
+            self._held = need
+            keys, values = self.k, self.v
+        self.length += n
+        return keys, values
+
     def memory_bytes(self) -> int:
-        """Bytes of the cached keys and values."""
-        if self.k is None:
+        """Bytes of the key / value buffers (allocated capacity)."""
+        if self._k is None:
             return 0
-        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+        return self._k.numel() * self._k.element_size() + self._v.numel() * self._v.element_size()
 
     def state_dict(self) -> dict:
         return {"window": self.window, "length": self.length, "k": self.k, "v": self.v}
 
     def load_state_dict(self, state: dict) -> None:
-        self.window, self.length, self.k, self.v = state["window"], state["length"], state["k"], state["v"]
+        self.window, self.length = state["window"], state["length"]
+        self._k, self._v = state["k"], state["v"]
+        self._held = 0 if self._k is None else self._k.shape[1]
 
 
 class SDPAAttention(_Projections):
@@ -453,21 +504,18 @@ class SDPAAttention(_Projections):
         return self._sdpa(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, mask)
 
     def _extend(self, cache: KVCache, q, k, v) -> torch.Tensor:
-        n = q.shape[1]
-        pos = torch.arange(cache.length, cache.length + n, device=q.device)
+        n, t0 = q.shape[1], cache.length
+        pos = torch.arange(t0, t0 + n, device=q.device)
         cos, sin = rope_cos_sin(pos[None], self.head_dim, self.rope_theta, q.dtype)
-        k = apply_rope(k, cos, sin)
-        if cache.k is not None:
-            if cache.k.shape[0] != q.shape[0]:
-                raise ValueError(f"the KV cache holds B={cache.k.shape[0]} rows, the chunk has {q.shape[0]}")
-            k = torch.cat([cache.k, k], dim=1)
-            v = torch.cat([cache.v, v], dim=1)
-        kpos = torch.arange(cache.length + n - k.shape[1], cache.length + n, device=q.device)
-        o = self._sdpa(apply_rope(q, cos, sin), k, v, self._mask(pos, kpos))
-        keep = k.shape[1] if self.window is None else min(k.shape[1], self.window)
-        cache.k, cache.v = k[:, -keep:].detach(), v[:, -keep:].detach()
-        cache.length += n
-        return o
+        keys, values = cache.append(apply_rope(k, cos, sin), v)  # (B, L, Hkv, D)
+        L = keys.shape[1]
+        if L == n and (self.window is None or self.window >= n):
+            mask = None  # a first chunk: plain causal
+        elif n == 1 and (self.window is None or self.window >= L):
+            mask = torch.ones(1, L, dtype=torch.bool, device=q.device)  # one query sees every held key
+        else:
+            mask = self._mask(pos, torch.arange(t0 + n - L, t0 + n, device=q.device))
+        return self._sdpa(apply_rope(q, cos, sin), keys, values, mask)
 
     def forward(self, x: torch.Tensor, cu_seqlens=None, cache=None) -> torch.Tensor:
         """x [B, T, hidden] -> [B, T, hidden]; `cu_seqlens` / `cache` as FreeSoloAttention's."""

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import FreeSoloConfig
-from ..nn import FreeSoloAttention, KVCache, RMSNorm, SDPAAttention
+from ..nn import FreeSoloAttention, RMSNorm, SDPAAttention
 from .config import FREESOLO_ATTENTIONS, LMConfig
 
 __all__ = ["FreeSoloLM", "SwiGLU", "DecoderLayer", "calibrate_tau"]
@@ -142,9 +142,17 @@ class FreeSoloLM(nn.Module):
         return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), ignore_index=-100)
 
     # ---- caches and generation ------------------------------------------------------------
-    def new_cache(self, batch: int = 1, dtype=None, device=None) -> list:
-        """One cache per layer for `batch` rows at the same length (FreeSoloCache or KVCache)."""
-        return [layer.self_attn.new_cache(batch, dtype=dtype, device=device) for layer in self.layers]
+    def new_cache(self, batch: int = 1, dtype=None, device=None, check_finite: bool = True) -> list:
+        """One cache per layer for `batch` rows at the same length (FreeSoloCache or KVCache);
+        check_finite=False skips FreeSoloCache's per-call finite check (a host sync on CUDA)."""
+        out = []
+        for layer in self.layers:
+            attn = layer.self_attn
+            if isinstance(attn, FreeSoloAttention):
+                out.append(attn.new_cache(batch, dtype=dtype, device=device, check_finite=check_finite))
+            else:
+                out.append(attn.new_cache(batch))
+        return out
 
     def cache_memory_bytes(self, cache: list) -> int:
         """Bytes held by a cache from `new_cache` (or by per-row lists of them)."""
@@ -201,7 +209,7 @@ class FreeSoloLM(nn.Module):
             if int(p.min()) < 0 or int(p.max()) >= V:
                 raise ValueError(f"prompt {b} has token ids outside [0, vocab_size={V})")
         # one batch-1 cache per row and layer: rows stand at different lengths
-        rows = [self.new_cache(1) for _ in range(B)]  # rows[b][layer]
+        rows = [self.new_cache(1, check_finite=False) for _ in range(B)]  # rows[b][layer]
         last = []
         for b, p in enumerate(prompts):
             chunk = p.numel() if prefill_chunk is None else prefill_chunk
