@@ -1,21 +1,32 @@
-"""Per-token decode latency and cache memory: FS-L `FreeSoloCache` vs SDPA over a full KV cache.
+"""Per-token decode latency and cache memory: FreeSoloCache (FS-L, FS) vs SDPA over a full KV cache.
 
 Contexts 4k, 64k, 256k, 1M; batch 1 and 32; H = 16 heads (MHA), D = 64, bf16, on one GPU.
 For each (B, T) in the same run:
 
-- FS-L: a cache is brought to context T with `prefill` (state only, chunked: the real state, the
-  one `extend` would leave: tested in proofs_tests/test_cache.py), then `--steps` one-token decode
-  steps are timed back to back (CUDA events), eagerly (`extend(check_finite=False)`) and through
-  a CUDA graph (`decode_graph()`; block boundaries run eagerly inside). Memory: `memory_bytes()`.
+- FS-L, torch step: a cache is brought to context T with `prefill` (state only, chunked: the
+  real state, the one `extend` would leave: tested in proofs_tests/test_cache.py), then `--steps`
+  one-token decode steps are timed back to back (CUDA events), eagerly
+  (`extend(check_finite=False)`) and through a CUDA graph (`decode_graph()`). Memory: `memory_bytes()`.
   The eager step also runs `block + 1` times under `torch.cuda.set_sync_debug_mode("error")`
   (`fsl_sync_free` in the JSON: True, or the error a host sync raised).
+- FS-L, fused Triton step (`decode_kernel="triton"`, freesolo/backends/triton/decode.py): the
+  same state loaded into a triton cache; `block + 1` steps checked against the torch step on the
+  same state (`fsl_triton_vs_torch_rms`, RMS-relative) under sync debug "error"
+  (`fsl_triton_sync_free`), then eager and CUDA-graph steps timed (`fsl_triton_eager_us`,
+  `fsl_triton_graph_us`).
+- FS, fused Triton step: an FS cache (the whole archive) prefilled to T, checked against the
+  torch step like FS-L (`fs_triton_vs_torch_rms`, `fs_triton_sync_free`), then eager and graph
+  steps timed (`fs_triton_eager_us`, `fs_triton_graph_us`); the archive is grown to its final
+  capacity first so that the timed steps do not re-capture. Skipped (with the reason) when the
+  archive does not fit in free GPU memory (B = 32 at 1M needs 128 GiB).
 - SDPA: `scaled_dot_product_attention(q [B, H, 1, D], K [B, H, T, D], V)` (1 query vs T cached
   keys, flash kernel), timed the same way. Memory: K and V. Skipped (with the reason) when the
   full KV cache does not fit in free GPU memory (B = 32 at 1M needs 128 GiB).
 
-Writes benchmarks/results/gpu_decode.json and gpu_decode.png. Takes ~2-4 minutes on an H200.
+Writes benchmarks/results/gpu_decode.json and gpu_decode.png. Takes ~1-3 minutes on an H200.
     python benchmarks/gpu_decode.py            # full run (GPU)
-    python benchmarks/gpu_decode.py --quick    # small CPU / GPU smoke run
+    python benchmarks/gpu_decode.py --quick    # small CPU / GPU smoke run (triton parts: GPU only)
+    python benchmarks/gpu_decode.py --no-triton  # torch step and SDPA only
 """
 
 from __future__ import annotations
@@ -132,6 +143,114 @@ def fsl_run(cfg, B, H, D, T, dtype, device, steps, chunk, timer) -> dict:
         prefill_s=prefill_s,
         fsl_T_end=cache.length,
     )
+    return out, cache
+
+
+def _decode_inputs(B, H, D, n, dtype, device):
+    """q [B, n, H, D], k / v [B, n, H, D]: decode inputs, made before timing."""
+    return tuple(torch.randn(B, n, H, D, device=device, dtype=dtype) for _ in range(3))
+
+
+def check_against_torch_step(cache, q, k, v, n: int, prefix: str) -> dict:
+    """n fused steps, each compared with the torch step on the same state (the small buffers the
+    step writes are restored between the two; block boundaries are applied once, before both,
+    with the torch ops both paths use). The fused steps run under sync debug "error"."""
+    state = cache.state
+    names = ("ring_k", "ring_v", "block_k", "block_v", "pos")
+    errs, sync = [], True
+    for i in range(n):
+        t = cache.length
+        if t > 0 and t % state.cfg.block == 0:
+            state._advance(state.block_k, state.block_v, t // state.cfg.cell)
+        small = {name: getattr(state, name).clone() for name in names}
+        step = (q[:, i : i + 1], k[:, i : i + 1], v[:, i : i + 1])
+        state._fused = False
+        ref = state._piece(*step, state.ones_beta).float()  # torch step
+        for name, x in small.items():
+            getattr(state, name).copy_(x)
+        state._fused = True
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = state._piece(*step, state.ones_beta).float()  # fused step
+        except RuntimeError as error:
+            sync, got = f"host sync detected: {error}", None
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        state.length = t + 1
+        if got is None:
+            break
+        errs.append(float(((got - ref).pow(2).mean() / ref.pow(2).mean().clamp_min(1e-30)).sqrt()))
+    return {f"{prefix}_triton_vs_torch_rms": max(errs) if errs else None, f"{prefix}_triton_sync_free": sync}
+
+
+def time_fused(cache, prefix: str, steps: int, timer, dtype, device) -> dict:
+    """Eager and CUDA-graph timing of the fused step of `cache` (decode_kernel="triton")."""
+    B, H, D = cache.batch, cache.num_heads, cache.head_dim
+    q, k, v = _decode_inputs(B, H, D, 2 * steps + 8, dtype, device)
+    out = {}
+
+    def eager(i):
+        return cache.extend(q[:, i : i + 1], k[:, i : i + 1], v[:, i : i + 1], check_finite=False)
+
+    for i in range(2):
+        o = eager(i)
+    assert torch.isfinite(o).all(), f"non-finite {prefix} fused decode output"
+    out[f"{prefix}_triton_eager_us"] = timer(lambda i: eager(2 + i), steps) * 1e6
+    try:
+        graph = cache.decode_graph()
+        base = 2 + steps
+
+        def replay(i):
+            return graph(q[:, base + i : base + i + 1], k[:, base + i : base + i + 1], v[:, base + i : base + i + 1])
+
+        replay(0)
+        out[f"{prefix}_triton_graph_us"] = timer(lambda i: replay(1 + i), steps - 1) * 1e6
+    except Exception as error:  # noqa: BLE001 - record why, keep the eager numbers
+        out[f"{prefix}_triton_graph_us"] = None
+        out[f"{prefix}_triton_graph_error"] = f"{type(error).__name__}: {error}"
+        print(f"  {prefix} fused CUDA graph failed: {out[f'{prefix}_triton_graph_error']}")
+    return out
+
+
+def fsl_triton_run(torch_cache, cfg, steps, timer, dtype, device) -> dict:
+    """The FS-L state of `torch_cache` in a fused-step cache: check vs the torch step, time it."""
+    B, H, D = torch_cache.batch, torch_cache.num_heads, torch_cache.head_dim
+    cache = FreeSoloCache(cfg, B, H, H, D, backend="torch", dtype=dtype, device=device, decode_kernel="triton")
+    cache.load_state_dict(torch_cache.state_dict())
+    q, k, v = _decode_inputs(B, H, D, cfg.block + 1, dtype, device)
+    out = check_against_torch_step(cache, q, k, v, cfg.block + 1, "fsl")
+    out.update(time_fused(cache, "fsl", steps, timer, dtype, device))
+    return out
+
+
+def fs_triton_run(cfg, B, H, D, T, dtype, device, steps, chunk, timer) -> dict:
+    """An FS cache (archive) prefilled to T: check the fused step vs the torch step, time it."""
+    cfg = cfg.replace(variant="fs")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    end_cells = (T + 3 * steps + cfg.block + 16) // cfg.cell
+    cap = 1 << (end_cells - 1).bit_length()
+    need = B * H * cap * (2 * cfg.cell * D * itemsize + 4 * D + 12)  # cell k / v, kbar, a, ids
+    free, _ = torch.cuda.mem_get_info()
+    if 1.6 * need > 0.9 * free:  # growth copies: old + new stores
+        return {"fs_triton_skipped": f"FS archive needs {need / 2**30:.1f} GiB (+ growth), {free / 2**30:.1f} GiB free"}
+    cache = FreeSoloCache(cfg, B, H, H, D, backend="torch", dtype=dtype, device=device, decode_kernel="triton")
+    t0 = time.perf_counter()
+    for start in range(0, T, chunk):
+        n = min(chunk, T - start)
+        cache.prefill(
+            torch.randn(B, n, H, D, device=device, dtype=dtype),
+            torch.randn(B, n, H, D, device=device, dtype=dtype),
+            check_finite=False,
+        )
+    cache.state._grow_store(end_cells)  # final capacity now: no growth (re-capture) while timing
+    torch.cuda.synchronize()
+    out = {"fs_prefill_s": time.perf_counter() - t0, "fs_memory_bytes": cache.memory_bytes()}
+    q, k, v = _decode_inputs(B, H, D, 8, dtype, device)
+    out.update(check_against_torch_step(cache, q, k, v, 8, "fs"))
+    out.update(time_fused(cache, "fs", steps, timer, dtype, device))
+    out["fs_capacity_cells"] = int(cache.state.cell_ids.shape[2])
+    del cache
     return out
 
 
@@ -171,8 +290,9 @@ def plot(rows, path, title: str):
         sub = [r for r in rows if r["B"] == B]
         Ts = [r["T"] for r in sub]
         for key, label, color in (
-            ("fsl_graph_us", "FS-L (CUDA graph)", "C0"),
-            ("fsl_eager_us", "FS-L (eager)", "C2"),
+            ("fsl_graph_us", "FS-L torch step (CUDA graph)", "C0"),
+            ("fsl_triton_graph_us", "FS-L fused Triton (CUDA graph)", "C1"),
+            ("fs_triton_graph_us", "FS fused Triton (CUDA graph)", "C4"),
             ("sdpa_us", "SDPA full KV", "C3"),
         ):
             pts = [(r["T"], r[key]) for r in sub if r.get(key)]
@@ -184,6 +304,9 @@ def plot(rows, path, title: str):
         ax_m.plot(
             Ts, [r["sdpa_memory_bytes"] / 2**20 for r in sub], style, marker="o", color="C3", label=f"full KV, B={B}"
         )
+        fs_pts = [(r["T"], r["fs_memory_bytes"] / 2**20) for r in sub if r.get("fs_memory_bytes")]
+        if fs_pts:
+            ax_m.plot(*zip(*fs_pts), style, marker="o", color="C4", label=f"FS archive, B={B}")
     for ax, ylabel in ((ax_t, "decode latency per token (us)"), (ax_m, "cache memory (MiB)")):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -209,6 +332,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default=RESULTS)
     p.add_argument("--quick", action="store_true", help="small sizes (smoke test, CPU friendly)")
+    p.add_argument("--no-triton", action="store_true", help="skip the fused Triton decode (FS-L, FS)")
     args = p.parse_args(argv)
     if args.quick:
         args.contexts, args.batches, args.heads, args.steps, args.chunk = [1024, 4096], [1, 2], 4, 16, 2048
@@ -220,14 +344,30 @@ def main(argv=None) -> int:
     print(f"gpu_decode: {info}")
     print(f"config: {cfg}")
     timer = Timer(args.device)
+    triton_on = args.device.startswith("cuda") and not args.no_triton
+    if triton_on:
+        try:
+            import triton  # noqa: F401
+        except ImportError as error:
+            print(f"fused Triton decode skipped: {error}")
+            triton_on = False
     rows = []
-    header = f"{'B':>3} {'T':>8} | {'FS-L graph us':>13} {'FS-L eager us':>13} {'SDPA us':>9} | {'FS-L MiB':>9} {'full KV MiB':>12} | prefill s"
+    header = (
+        f"{'B':>3} {'T':>8} | {'FS-L graph':>10} {'eager':>7} | {'FS-L tri graph':>14} {'eager':>7} | "
+        f"{'FS tri graph':>12} {'eager':>7} | {'SDPA us':>9} | {'FS-L MiB':>9} {'FS MiB':>8} {'full KV MiB':>12}"
+    )
     print(header)
     t_start = time.perf_counter()
     for B in args.batches:
         for T in args.contexts:
             row = {"B": B, "T": T, "H": args.heads, "D": args.dim, "dtype": str(dtype)}
-            row.update(fsl_run(cfg, B, args.heads, args.dim, T, dtype, args.device, args.steps, args.chunk, timer))
+            fsl, cache = fsl_run(cfg, B, args.heads, args.dim, T, dtype, args.device, args.steps, args.chunk, timer)
+            row.update(fsl)
+            if triton_on:
+                row.update(fsl_triton_run(cache, cfg, args.steps, timer, dtype, args.device))
+                torch.cuda.empty_cache()
+                row.update(fs_triton_run(cfg, B, args.heads, args.dim, T, dtype, args.device, args.steps, args.chunk, timer))
+            del cache
             if args.device.startswith("cuda"):
                 torch.cuda.empty_cache()
             row.update(sdpa_run(B, args.heads, args.dim, T, dtype, args.device, args.steps, timer))
@@ -239,13 +379,40 @@ def main(argv=None) -> int:
                 return "-" if x is None else format(x, spec)
 
             print(
-                f"{B:>3} {T:>8} | {fmt(row.get('fsl_graph_us'), '13.1f')} {row['fsl_eager_us']:>13.1f} "
+                f"{B:>3} {T:>8} | {fmt(row.get('fsl_graph_us'), '10.1f')} {row['fsl_eager_us']:>7.0f} | "
+                f"{fmt(row.get('fsl_triton_graph_us'), '14.1f')} {fmt(row.get('fsl_triton_eager_us'), '7.0f')} | "
+                f"{fmt(row.get('fs_triton_graph_us'), '12.1f')} {fmt(row.get('fs_triton_eager_us'), '7.0f')} | "
                 f"{fmt(row['sdpa_us'], '9.1f')} | {row['fsl_memory_bytes'] / 2**20:>9.2f} "
-                f"{row['sdpa_memory_bytes'] / 2**20:>12.1f} | {row['prefill_s']:.2f}"
-                + f"  sync-free: {row.get('fsl_sync_free', 'n/a')}"
-                + (f"  (SDPA skipped: {row['sdpa_skipped']})" if row.get("sdpa_skipped") else ""),
+                f"{fmt(row['fs_memory_bytes'] / 2**20 if row.get('fs_memory_bytes') else None, '8.0f')} "
+                f"{row['sdpa_memory_bytes'] / 2**20:>12.1f}"
+                + f"  sync-free: torch {row.get('fsl_sync_free', 'n/a')}, fused FS-L {row.get('fsl_triton_sync_free', 'n/a')}"
+                + f" FS {row.get('fs_triton_sync_free', 'n/a')}; fused vs torch rms FS-L "
+                + f"{fmt(row.get('fsl_triton_vs_torch_rms'), '.1e')} FS {fmt(row.get('fs_triton_vs_torch_rms'), '.1e')}"
+                + (f"  (SDPA skipped: {row['sdpa_skipped']})" if row.get("sdpa_skipped") else "")
+                + (f"  (FS skipped: {row['fs_triton_skipped']})" if row.get("fs_triton_skipped") else ""),
                 flush=True,
             )
+    summary = []
+    for r in rows:
+        if r.get("sdpa_us") and r.get("fs_triton_graph_us"):
+            r["fs_speedup_vs_sdpa"] = r["sdpa_us"] / r["fs_triton_graph_us"]
+        if r.get("sdpa_us") and r.get("fsl_triton_graph_us"):
+            r["fsl_speedup_vs_sdpa"] = r["sdpa_us"] / r["fsl_triton_graph_us"]
+    for B in args.batches:
+        fused = [r["fsl_triton_graph_us"] for r in rows if r["B"] == B and r.get("fsl_triton_graph_us")]
+        if fused:
+            mean = sum(fused) / len(fused)
+            line = (
+                f"FS-L fused graph at B={B}: {min(fused):.1f} .. {max(fused):.1f} us over contexts "
+                f"(spread {100 * (max(fused) - min(fused)) / mean:.0f} % of the mean)"
+            )
+            summary.append(line)
+            print(line)
+        for r in rows:
+            if r["B"] == B and r.get("fs_speedup_vs_sdpa"):
+                line = f"FS fused graph at B={B}, T={r['T']}: {r['fs_speedup_vs_sdpa']:.1f}x faster than SDPA"
+                summary.append(line)
+                print(line)
     for B in args.batches:
         mems = {r["fsl_memory_bytes"] for r in rows if r["B"] == B}
         print(
@@ -260,9 +427,11 @@ def main(argv=None) -> int:
         "device": args.device,
         "steps": args.steps,
         "rows": rows,
+        "summary": summary,
         "wall_s": time.perf_counter() - t_start,
-        "notes": "latency = mean per token over back-to-back steps (CUDA events); FS-L state reached by "
-        "chunked prefill of random bf16 keys/values; SDPA = 1 query vs T cached keys",
+        "notes": "latency = mean per token over back-to-back steps (CUDA events); FS-L / FS state reached by "
+        "chunked prefill of random bf16 keys/values; SDPA = 1 query vs T cached keys; *_triton_* = fused "
+        "Triton step (decode_kernel='triton'), *_graph_us = CUDA graph replay incl. the input copies",
     }
     with open(os.path.join(args.out, f"{name}.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)
