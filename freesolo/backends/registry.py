@@ -52,14 +52,28 @@ def _check_name(name: str) -> str:
     return name
 
 
+def _import_module(name: str):
+    """The module of backend `name`, by import statements (torch.compile traces these, not importlib)."""
+    if name == "numpy":
+        from . import numpy_backend as module
+    elif name == "numba":
+        from . import numba_backend as module
+    elif name == "torch":
+        from . import torch as module
+    elif name == "triton":
+        from . import triton as module
+    else:
+        module = importlib.import_module(f"freesolo.backends.{BACKENDS[name][0]}")
+    return module
+
+
 def load_backend(name: str) -> Backend:
     """The backend object for `name`; raises BackendUnavailableError if it cannot load here."""
     _check_name(name)
     if name not in _loaded:
         module_name, class_name = BACKENDS[name]
         try:
-            module = importlib.import_module(f"freesolo.backends.{module_name}")
-            backend = getattr(module, class_name)()
+            backend = getattr(_import_module(name), class_name)()
         except ImportError as error:
             raise BackendUnavailableError(f"backend {name!r} cannot load: {error}.\n{_report(None, None)}") from error
         reason = backend.unavailable_reason()

@@ -83,9 +83,26 @@ def deterministic(flag: bool = True) -> Iterator[None]:
         _deterministic = previous
 
 
+_CONFIG_FIELDS = tuple(field.name for field in dataclasses.fields(FreeSoloConfig))
+
+
+def _json_value(value) -> str:
+    """JSON text of one config value (None, str, bool, int, finite float or a tuple of floats)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value + '"'
+    if isinstance(value, tuple):
+        return "[" + ", ".join(_json_value(x) for x in value) + "]"
+    return repr(value)  # int or float: the config holds finite values only
+
+
 def config_to_json(cfg: FreeSoloConfig) -> str:
-    """The config as a JSON string (an operator argument: custom ops take no dataclasses)."""
-    return json.dumps(dataclasses.asdict(cfg), sort_keys=True)
+    """The config as a JSON string (an operator argument: custom ops take no dataclasses).
+    Written without the json module so that torch.compile can trace it (a constant string)."""
+    return "{" + ", ".join(f'"{name}": {_json_value(getattr(cfg, name))}' for name in _CONFIG_FIELDS) + "}"
 
 
 def config_from_json(text: str) -> FreeSoloConfig:

@@ -1,0 +1,185 @@
+"""The `triton` backend through the public API (spec §12, §13; lemmas L2, L8, L12).
+
+On a CPU machine the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set by
+conftest.py when no CUDA device exists) on float32 tensors; on the H200 the same tests run on
+CUDA, plus bf16 / fp16. The kernels' own tests (selection, readout, backward) live in
+test_triton_selection.py, test_triton_attention.py and test_triton_backward.py; this file checks
+the integrated backend: dispatch, the custom ops (fake + autograd), torch.compile, errors.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton", reason="triton is not installed")
+
+import freesolo  # noqa: E402
+from freesolo import FreeSoloConfig  # noqa: E402
+from freesolo.backends.registry import BackendUnavailableError  # noqa: E402
+from freesolo.reference import oracle  # noqa: E402
+
+from .helpers import SMALL, assert_close, assert_selection_matches, off_grid_tau, random_qkv  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+pytestmark = pytest.mark.skipif(
+    "triton" not in freesolo.available_backends(),
+    reason="triton backend unavailable here: " + "; ".join(freesolo.backends.registry._why_not("triton", None, None)),
+)
+
+# (variant, B, T, Hq, Hkv, D): awkward lengths, GQA groups 1, 2, 3, several blocks so pruning bites.
+CASES = [
+    ("fsl", 1, 1, 2, 1, 8),
+    ("fsl", 2, 61, 3, 1, 16),
+    ("fs", 1, 77, 4, 2, 8),
+    ("fsb", 1, 70, 2, 2, 8),
+    ("fsl", 1, 130, 2, 2, 32),
+]
+
+
+def _cfg(variant: str, k: np.ndarray) -> FreeSoloConfig:
+    cfg = FreeSoloConfig(variant=variant, top_k=2, **SMALL)
+    if variant == "fsb":
+        cfg = cfg.replace(tau=off_grid_tau(k, cfg) if k.shape[1] >= cfg.cell else (0.0,) * k.shape[2])
+    return cfg
+
+
+def _oracle_output(q, k, v, idx, cfg, beta):
+    """float64 output of spec §7 for a given selection idx [B, T, Hq, K]."""
+    o_loc = oracle.local_attention(q, k, v, cfg)
+    o_long = oracle.long_range_readout(q, k, v, idx, cfg)
+    return oracle.combine(o_loc, o_long, beta, cfg.eps)
+
+
+def _tensors(q, k, v, dtype=torch.float32, grad=False):
+    return [torch.tensor(x, dtype=dtype, device=DEVICE).requires_grad_(grad) for x in (q, k, v)]
+
+
+@pytest.mark.parametrize("variant,B,T,Hq,Hkv,D", CASES, ids=lambda x: str(x))
+def test_forward_matches_oracle(variant, B, T, Hq, Hkv, D):
+    q, k, v = random_qkv(11 + T, B, T, Hq, Hkv, D)
+    q, k, v = (x.astype(np.float32).astype(np.float64) for x in (q, k, v))  # exactly representable in fp32
+    cfg = _cfg(variant, k)
+    beta = np.linspace(0.5, 1.5, Hq)
+    qt, kt, vt = _tensors(q, k, v)
+    idx = freesolo.select_cells(qt, kt, cfg, backend="triton").cpu().numpy()
+    assert idx.dtype == np.int64 and idx.shape == (B, T, Hq, cfg.top_k)
+    if variant == "fsb":
+        from freesolo.reference.fsb import select_cells_fsb
+
+        from .test_torch_backend import rho_scores
+
+        assert_selection_matches(idx, select_cells_fsb(q, k, cfg), q, k, cfg, tol=2e-5, score_fn=rho_scores)
+    else:
+        assert_selection_matches(idx, oracle.select_cells(q, k, cfg), q, k, cfg, tol=2e-5)
+    o = freesolo.freesolo_attention(qt, kt, vt, cfg, beta=torch.tensor(beta, dtype=torch.float32, device=DEVICE), backend="triton")
+    assert o.dtype == torch.float32 and o.device.type == DEVICE and tuple(o.shape) == (B, T, Hq, D)
+    assert_close(o.cpu().numpy(), _oracle_output(q, k, v, idx, cfg, beta), rtol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["fs", "fsl"])
+def test_row_independence_bitwise(variant):
+    """L12: a row's output and selection are the same bits alone, in a batch, and with later tokens changed."""
+    B, T, Hq, Hkv, D = 3, 70, 2, 1, 8
+    q, k, v = random_qkv(5, B, T, Hq, Hkv, D)
+    cfg = _cfg(variant, k)
+    qt, kt, vt = _tensors(q, k, v)
+    full = freesolo.freesolo_attention(qt, kt, vt, cfg, backend="triton")
+    alone = freesolo.freesolo_attention(qt[1:2], kt[1:2], vt[1:2], cfg, backend="triton")
+    assert torch.equal(full[1:2], alone)
+    cut = 37
+    q2, k2, v2 = (x.clone() for x in (qt, kt, vt))
+    for x in (q2, k2, v2):
+        x[:, cut:] = 1e3 * torch.randn_like(x[:, cut:])
+    changed = freesolo.freesolo_attention(q2, k2, v2, cfg, backend="triton")
+    assert torch.equal(full[:, :cut], changed[:, :cut])
+    sel = freesolo.select_cells(qt, kt, cfg, backend="triton")
+    sel2 = freesolo.select_cells(q2, k2, cfg, backend="triton")
+    assert torch.equal(sel[:, :cut], sel2[:, :cut])
+
+
+def test_gradients_match_torch_backend_same_selection():
+    """Gradients of the custom op (registered autograd) equal the torch backend's on the same selection."""
+    from freesolo.backends.torch import attention as torch_attention
+
+    B, T, Hq, Hkv, D = 1, 45, 4, 2, 8
+    q, k, v = random_qkv(3, B, T, Hq, Hkv, D)
+    cfg = _cfg("fsl", k)
+    beta0 = torch.tensor([0.5, 1.0, 1.5, 2.0], device=DEVICE)
+    qt, kt, vt = _tensors(q, k, v, grad=True)
+    bt = beta0.clone().requires_grad_(True)
+    o = freesolo.freesolo_attention(qt, kt, vt, cfg, beta=bt, backend="triton")
+    g = torch.randn_like(o)
+    o.backward(g)
+    idx = freesolo.select_cells(qt.detach(), kt.detach(), cfg, backend="triton")
+    q2, k2, v2 = _tensors(q, k, v, grad=True)
+    b2 = beta0.clone().requires_grad_(True)
+    o2 = torch_attention(q2, k2, v2, cfg, b2, idx=idx)
+    o2.backward(g)
+    assert_close(o.detach().cpu().numpy(), o2.detach().cpu().numpy(), 1e-5, "o")
+    for name, a, b in (("dq", qt, q2), ("dk", kt, k2), ("dv", vt, v2), ("dbeta", bt, b2)):
+        assert_close(a.grad.cpu().numpy(), b.grad.cpu().numpy(), 1e-5, name)
+
+
+def test_deterministic_backward_is_reproducible():
+    from freesolo.backends.triton.backend import deterministic
+
+    B, T, Hq, Hkv, D = 1, 50, 2, 1, 8
+    q, k, v = random_qkv(8, B, T, Hq, Hkv, D)
+    cfg = _cfg("fsl", k)
+    grads = []
+    with deterministic(True):
+        for _ in range(2):
+            qt, kt, vt = _tensors(q, k, v, grad=True)
+            freesolo.freesolo_attention(qt, kt, vt, cfg, backend="triton").square().sum().backward()
+            grads.append([x.grad.clone() for x in (qt, kt, vt)])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+def test_torch_compile_fullgraph():
+    """torch.compile(fullgraph=True) of a function calling the public API: one opaque op, no graph break."""
+    B, T, Hq, Hkv, D = 1, 40, 2, 1, 8
+    q, k, v = random_qkv(2, B, T, Hq, Hkv, D)
+    cfg = _cfg("fsl", k)
+
+    def f(q, k, v):
+        return freesolo.freesolo_attention(q * 1.0, k, v, cfg, backend="triton").sum(-1)
+
+    compiled = torch.compile(f, fullgraph=True, backend="inductor" if CUDA else "aot_eager")
+    qt, kt, vt = _tensors(q, k, v, grad=True)
+    out = compiled(qt, kt, vt)
+    out.sum().backward()
+    q2, k2, v2 = _tensors(q, k, v, grad=True)
+    ref = f(q2, k2, v2)
+    ref.sum().backward()
+    assert torch.equal(out, ref)
+    assert_close(qt.grad.cpu().numpy(), q2.grad.cpu().numpy(), 1e-6, "dq")
+
+
+def test_opcheck_forward():
+    """torch.library.opcheck: schema, fake tensor and autograd registration are consistent."""
+    from freesolo.backends.triton.backend import config_to_json
+
+    B, T, Hq, Hkv, D = 1, 20, 2, 1, 8
+    q, k, v = random_qkv(4, B, T, Hq, Hkv, D)
+    cfg = _cfg("fsl", k)
+    qt, kt, vt = _tensors(q, k, v, grad=True)
+    beta = torch.ones(Hq, device=DEVICE)
+    torch.library.opcheck(
+        torch.ops.freesolo.triton_forward.default,
+        (qt, kt, vt, beta, config_to_json(cfg)),
+        test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
+    )
+
+
+def test_refuses_what_it_cannot_run():
+    q, k, v = random_qkv(1, 1, 8, 2, 1, 8)
+    cfg = FreeSoloConfig(**SMALL)
+    with pytest.raises(BackendUnavailableError, match="triton runs on torch tensors"):
+        freesolo.freesolo_attention(q, k, v, cfg, backend="triton")
+    q64, k64, v64 = (torch.tensor(x, device=DEVICE) for x in (q, k, v))
+    with pytest.raises(BackendUnavailableError, match="float64|float32"):
+        freesolo.freesolo_attention(q64, k64, v64, cfg, backend="triton")
