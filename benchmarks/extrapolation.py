@@ -75,11 +75,14 @@ def train(which: str, out_dir: str, minutes: float, train_length: int, backend: 
     args += ["--backend", backend, "--log-every", "25", "--quiet"]
     if which == "fsl":
         src = os.path.join(out_dir, "ckpt_fs")
+        committed = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "checkpoints", "ckpt_fs")
+        if not os.path.isdir(src) and os.path.isdir(committed):
+            src = committed
         if not os.path.isdir(src):
             raise FileNotFoundError(f"FS-L continues from {src}: train --which fs first")
         args += ["--init-from", src, "--warmup", "20", "--lr", "5e-4"]
     else:
-        args += MODEL_ARGS + FS_ARGS
+        args += MODEL_ARGS + FS_ARGS + ["--batch-tokens", "16384"]
     args += list(extra)
     log(f"train {which}: {' '.join(args)}")
     start = time.perf_counter()
@@ -256,18 +259,34 @@ def _table(records, task: str, lengths, train_length: int) -> list[str]:
     return lines
 
 
+def load_results(paths) -> dict:
+    """Merge result files (later files replace earlier records with the same key)."""
+    data = {"results": [], "grid": [], "diagnosis": [], "env": {}}
+    for path in paths:
+        with open(path) as f:
+            d = json.load(f)
+        data["results"] = merge_records(data["results"], d.get("results", []))
+        data["grid"] = merge_records(data["grid"], d.get("grid", []))
+        data["diagnosis"] = merge_records(data["diagnosis"], d.get("diagnosis", []), keys=("model", "variant", "task", "length", "index"))
+        data["env"].update(d.get("env", {}))
+    return data
+
+
 def cmd_report(args) -> int:
-    with open(args.results) as f:
-        data = json.load(f)
+    data = load_results(args.results)
+    if args.merged:
+        with open(args.merged, "w") as f:
+            json.dump(data, f, indent=1)
     records, grid = data.get("results", []), data.get("grid", [])
     if not records:
-        print(f"{args.results} holds no records")
+        print(f"{args.results} hold no records")
         return 1
     train_length = min(r["train_length"] for r in records)
     lengths = [train_length * m for m in MULTIPLES]
     tasks = [t for t in TASK_NAMES if any(r["task"] == t for r in records)]
     md = ["# Extrapolation: retrieval accuracy vs sequence length", ""]
-    md.append(f"Trained at {train_length} tokens; exact match of every answer token (teacher-forced argmax = greedy decoding), needle depths spread evenly over 10 depths. Source: `{os.path.basename(args.results)}`; environment: `{json.dumps(data.get('env', {}).get('device', {}))}`.")
+    sources = ", ".join(os.path.basename(p) for p in args.results)
+    md.append(f"Trained at {train_length} tokens; exact match of every answer token (teacher-forced argmax = greedy decoding), needle depths spread evenly over 10 depths. Source: `{sources}`; environment: `{json.dumps(data.get('env', {}).get('device', {}))}`.")
     md.append("")
     for task in tasks:
         md += [f"## {task}", ""] + _table(records, task, lengths, train_length) + [""]
@@ -279,8 +298,13 @@ def cmd_report(args) -> int:
                 if not any(r["model"] == model and r["variant"] == variant and r["task"] == task and r["length"] == L for r in records):
                     missing.append(f"{model}/{variant} {task} {L}")
     md += _diagnosis_section(data.get("diagnosis", []), lengths, train_length)
-    if missing:
-        md += ["## Not measured (deadline or failure)", "", ", ".join(missing), ""]
+    absent = [VARIANT_LABEL[v] for v in VARIANT_LABEL if not any(r["variant"] == v for r in records)]
+    if missing or absent:
+        md += ["## Not measured (deadline, failure or not trained)", ""]
+        if absent:
+            md += [f"No record at all: {', '.join(absent)}.", ""]
+        if missing:
+            md += [", ".join(missing), ""]
     os.makedirs(args.out_dir, exist_ok=True)
     plots = _plots(records, grid, tasks, lengths, train_length, args.out_dir)
     md += [f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in plots]
@@ -358,7 +382,7 @@ def _plots(records, grid, tasks, lengths, train_length, out_dir) -> list:
     out.append(p)
     variants = sorted({(g["model"], g["variant"]) for g in grid})
     if variants:
-        fig, axes = plt.subplots(1, len(variants), figsize=(3.6 * len(variants), 3.4), squeeze=False)
+        fig, axes = plt.subplots(1, len(variants), figsize=(4.6 * len(variants), 3.6), squeeze=False)
         depths = sorted({g["depth"] for g in grid})
         for ax, (model, variant) in zip(axes[0], variants):
             img = np.full((len(depths), len(lengths)), np.nan)
@@ -401,7 +425,8 @@ def main(argv=None) -> int:
     o.add_argument("--reserve", type=float, default=25.0, help="seconds kept after the last evaluation")
     o.set_defaults(func=cmd_oneshot)
     r = sub.add_parser("report", help="markdown table and plots from the JSON")
-    r.add_argument("--results", required=True)
+    r.add_argument("--results", nargs="+", required=True, help="result files, merged in order")
+    r.add_argument("--merged", default=None, help="also write the merged JSON here")
     r.add_argument("--out-dir", required=True)
     r.set_defaults(func=cmd_report)
     args = parser.parse_args(argv)

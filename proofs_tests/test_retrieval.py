@@ -135,6 +135,8 @@ def test_depth_places_the_asked_needle(task):
 
 def test_depths_for_and_errors():
     np.testing.assert_allclose(depths_for(5, 3), [0.0, 0.5, 1.0, 0.0, 0.5])
+    np.testing.assert_allclose(depths_for(3, 10), [0.0, 0.5, 1.0])  # fewer samples than depths: still spread
+    np.testing.assert_allclose(depths_for(50, 10)[:11], [i / 9 for i in range(10)] + [0.0])
     with pytest.raises(ValueError, match="length=10"):
         generate("mv-niah", 10, 0.5, 0)
     with pytest.raises(ValueError, match="depth=1.5"):

@@ -327,9 +327,10 @@ def generate(
 
 
 def depths_for(n: int, n_depths: int) -> np.ndarray:
-    """Depth of each of `n` samples: `n_depths` evenly spaced depths in [0, 1], cycled. float64 [n]."""
+    """Depth of each of `n` samples: `min(n, n_depths)` evenly spaced depths in [0, 1], cycled. float64 [n]."""
     if n_depths < 1:
         raise ValueError(f"n_depths={n_depths} must be >= 1")
+    n_depths = max(1, min(n_depths, n))  # fewer samples than depths: still spread over [0, 1]
     grid = np.linspace(0.0, 1.0, n_depths) if n_depths > 1 else np.array([0.5])
     return grid[np.arange(n) % n_depths]
 
