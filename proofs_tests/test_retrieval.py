@@ -317,3 +317,25 @@ def test_diagnose_tiny_model_consistent_with_selection():
     assert any(any(x for row in d["selected"] for x in row) for d in diags)  # the implication was exercised
     summ = summarize(diags)
     assert summ["failed"]["n"] == 2 and summ["correct"]["n"] == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU (bf16 autocast, fused AdamW, triton backend)")
+def test_cli_train_then_eval_cuda(tmp_path):
+    """The GPU path of `freesolo train` / `eval` (backend auto = triton where it runs, bf16 autocast), tiny sizes."""
+    from freesolo.cli import main
+
+    ckpt = str(tmp_path / "fs_cuda")
+    rc = main(
+        ["train", "--out", ckpt, "--attention", "fs", "--train-length", "256", "--steps", "10", "--batch-tokens", "2048"]
+        + ["--d-model", "64", "--n-layers", "2", "--n-heads", "2", "--n-kv-heads", "1", "--quiet", "--prefetch", "2"]
+        + ["--window", "64", "--cell", "16", "--block", "64", "--pool", "4", "--recent", "2"]
+    )
+    assert rc == 0 and read_task_json(ckpt)["train"]["device"].startswith("cuda")
+    out = str(tmp_path / "r.json")
+    for attention in ("fs", "fsl", "fsb"):
+        assert main(["eval", "--ckpt", ckpt, "--attention", attention, "--task", "all", "--lengths", "256", "2048"]
+                    + ["--n", "3", "--diagnose", "1", "--quiet", "--out", out]) == 0
+    data = json.load(open(out))
+    assert len(data["results"]) == 3 * 2 * len(TASK_NAMES)
+    assert {d["variant"] for d in data["diagnosis"]} == {"fs", "fsl", "fsb"}

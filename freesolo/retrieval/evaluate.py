@@ -139,6 +139,8 @@ def cmd_eval(args) -> int:
     device = pick_device(args.device)
     backend = pick_backend(args.backend, device)
     tasks = args.task or ["s-niah-1"]
+    if tasks == ["all"]:
+        tasks = list(TASKS)
     for t in tasks:
         if t not in TASKS:
             raise ValueError(f"--task {t!r} is not one of {list(TASKS)}")
@@ -186,7 +188,7 @@ def cmd_eval(args) -> int:
 def add_eval_parser(sub) -> None:
     p = sub.add_parser("eval", help="exact-match accuracy of a checkpoint on retrieval tasks at given lengths")
     p.add_argument("--ckpt", required=True, help="checkpoint folder written by `freesolo train`")
-    p.add_argument("--task", nargs="+", default=None, help=f"tasks (default s-niah-1): {list(TASKS)}")
+    p.add_argument("--task", nargs="+", default=None, help=f"tasks (default s-niah-1; 'all' for every one): {list(TASKS)}")
     p.add_argument("--lengths", nargs="+", type=int, default=None, help="sequence lengths (default 1x..64x the training length)")
     p.add_argument("--n", type=int, default=50, help="samples per task and length")
     p.add_argument("--depths", type=int, default=10, help="needle depths, evenly spaced in [0, 1], cycled over samples")
