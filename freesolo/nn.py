@@ -364,6 +364,9 @@ class FreeSoloAttention(_Projections):
         )
 
 
+_SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")  # torch >= 2.5
+
+
 class KVCache:
     """KV cache of one baseline layer: keys (rotated at their position) and values [B, L, Hkv, D].
 
@@ -462,16 +465,18 @@ class SDPAAttention(_Projections):
         return KVCache(self.window)
 
     def _sdpa(self, q, k, v, mask):
-        """q [B, n, Hq, D] (rotated), k / v [B, L, Hkv, D], mask bool [n, L] or None (causal) -> [B, n, Hq, D]."""
-        G = self.num_heads // self.num_kv_heads
+        """q [B, n, Hq, D] (rotated), k / v [B, L, Hkv, D] -> [B, n, Hq, D]. mask: bool [n, L], None
+        (causal) or "all" (every key visible: one decode query)."""
         qh = q.transpose(1, 2)  # (B, Hq, n, D)
-        kh = k.transpose(1, 2).repeat_interleave(G, dim=1)  # (B, Hq, L, D)
-        vh = v.transpose(1, 2).repeat_interleave(G, dim=1)
-        if mask is None:
-            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
-        else:
-            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask)
-        return o.transpose(1, 2)  # (B, n, Hq, D)
+        kh, vh = k.transpose(1, 2), v.transpose(1, 2)  # (B, Hkv, L, D)
+        kwargs = dict(is_causal=True) if mask is None else dict(attn_mask=None if isinstance(mask, str) else mask)
+        if self.num_heads != self.num_kv_heads:
+            if _SDPA_GQA:
+                kwargs["enable_gqa"] = True  # no copy of the cache per query head
+            else:
+                G = self.num_heads // self.num_kv_heads
+                kh, vh = kh.repeat_interleave(G, dim=1), vh.repeat_interleave(G, dim=1)  # (B, Hq, L, D)
+        return F.scaled_dot_product_attention(qh, kh, vh, **kwargs).transpose(1, 2)  # (B, n, Hq, D)
 
     def _mask(self, qpos: torch.Tensor, kpos: torch.Tensor) -> torch.Tensor:
         """bool [n, L]: key t visible from query i (t <= i, and i - window < t with a window)."""
@@ -512,7 +517,7 @@ class SDPAAttention(_Projections):
         if L == n and (self.window is None or self.window >= n):
             mask = None  # a first chunk: plain causal
         elif n == 1 and (self.window is None or self.window >= L):
-            mask = torch.ones(1, L, dtype=torch.bool, device=q.device)  # one query sees every held key
+            mask = "all"  # one query sees every held key
         else:
             mask = self._mask(pos, torch.arange(t0 + n - L, t0 + n, device=q.device))
         return self._sdpa(apply_rope(q, cos, sin), keys, values, mask)
