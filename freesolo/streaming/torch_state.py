@@ -537,9 +537,7 @@ class DecodeGraph:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         state = self.state
-        self.q.copy_(q)
-        self.k.copy_(k)
-        self.v.copy_(v)
+        torch._foreach_copy_((self.q, self.k, self.v), (q, k, v))  # one launch where it can (host time)
         if self.archive:
             cfg = state.cfg
             if state.length % cfg.block == 0:  # FS: append the block's cells eagerly (no sync)

@@ -16,7 +16,7 @@ One decode step = one kernel (FS-L) or two kernels (FS), plus `pos += 1`:
      pos % w still holds token pos-w, outside the window: masked) plus the new token (registers);
   3. long branch: scores the candidates (FS-L: the <= P+W cells held in the store, which are
      exactly C_j; FS: the partial candidates of `_fs_score_kernel`), takes the top-K with K
-     argmax passes (ties: larger c), reads the selected cells' raw tokens (NoPE) with an online
+     argmax passes (ties: larger c), reads the selected cells' raw tokens (NoPE) as one tile with a
      softmax, RMSNorm, beta, and writes o = o_loc + beta * rmsnorm(o_long).
   Rounding points follow the torch path: rotated q / k and the two branch outputs are rounded to
   the storage dtype (the torch path runs SDPA in the storage dtype), everything else is float32.
@@ -147,6 +147,7 @@ def _decode_kernel(
     QBLOCK: tl.constexpr,
     CELL: tl.constexpr,
     TOPK: tl.constexpr,
+    TOPK_P2: tl.constexpr,
     SLOTS: tl.constexpr,
     FS: tl.constexpr,
     NPART: tl.constexpr,
@@ -199,18 +200,10 @@ def _decode_kernel(
     k_rot = k_rot.to(tl.float32)
     v_new = v_new.to(tl.float32)
 
-    # FS-L candidates (shared by the G query heads): the held cells
-    if not FS:
-        slots = tl.arange(0, BLOCK_S)
-        smask = slots < SLOTS
-        ids = tl.load(ids_ptr + pid * SLOTS + slots, mask=smask, other=-1)
-        held = ids >= 0
-        kbar = tl.load(
-            kbar_ptr + (pid * SLOTS + slots)[:, None] * D + d[None, :], mask=held[:, None] & dmask[None, :], other=0.0
-        )
-        a = tl.load(a_ptr + pid * SLOTS + slots, mask=held, other=0.0)
-        dist = (pos - ids * CELL).to(tl.float32)
-    tok = tl.arange(0, BLOCK_CELL)
+    slots = tl.arange(0, BLOCK_S)
+    rows = tl.arange(0, TOPK_P2 * BLOCK_CELL)
+    row_cell = rows // BLOCK_CELL  # which chosen cell (0 .. TOPK-1; >= TOPK: padding)
+    row_tok = rows % BLOCK_CELL  # token inside it
 
     for g in range(G):
         h = kvh * G + g
@@ -242,23 +235,31 @@ def _decode_kernel(
 
         # ---- long branch: candidates' scores, top-K, sparse NoPE readout -------------------------
         if FS:
-            cand = tl.arange(0, BLOCK_S)
             pbase = (b * (HKV * G) + h) * NPART
-            sc = tl.load(part_score_ptr + pbase + cand, mask=cand < NPART, other=float("-inf"))
-            cid = tl.load(part_id_ptr + pbase + cand, mask=cand < NPART, other=-1)
-        else:
+            sc = tl.load(part_score_ptr + pbase + slots, mask=slots < NPART, other=float("-inf"))
+            cid = tl.load(part_id_ptr + pbase + slots, mask=slots < NPART, other=-1)
+        else:  # FS-L: the held cells (loaded per head: fewer live registers in the window loop)
+            ids = tl.load(ids_ptr + pid * SLOTS + slots, mask=slots < SLOTS, other=-1)
+            held = ids >= 0
+            kbar = tl.load(
+                kbar_ptr + (pid * SLOTS + slots)[:, None] * D + d[None, :],
+                mask=held[:, None] & dmask[None, :],
+                other=0.0,
+            )
+            a = tl.load(a_ptr + pid * SLOTS + slots, mask=held, other=0.0)
+            dist = (pos - ids * CELL).to(tl.float32)
             sigma = tl.load(sigma_ptr + h)
             lam = tl.load(lam_ptr + h)
             dots = tl.reduce(kbar * q[None, :], 1, _ADD)
             prior = tl.math.erf(sigma * dist / (2.0 * CELL))
             sc = tl.where(held, dots * scale + lam * a * prior, float("-inf"))
             cid = ids
-        q_s = q_raw.to(tl.float32)  # the readout's query: unrotated, storage dtype
-        m_l = tl.full([], -1.0e30, tl.float32)
-        l_l = tl.full([], 0.0, tl.float32)
-        acc_l = tl.zeros([BLOCK_D], tl.float32)
+        # selection: TOPK argmax passes; the chosen cells' slots go to the rows of one token tile
+        # (row r = token r % BLOCK_CELL of the (r // BLOCK_CELL)-th chosen cell), read in one load
+        row_slot = tl.zeros([TOPK_P2 * BLOCK_CELL], tl.int64)
+        row_len = tl.zeros([TOPK_P2 * BLOCK_CELL], tl.int32)  # tokens of the row's cell: CELL, 0 = none
         for kk in tl.static_range(TOPK):
-            best = tl.reduce(sc, 0, _MAX)  # argmax pass: best score, then the larger cell
+            best = tl.reduce(sc, 0, _MAX)  # best score, then the larger cell
             best_id = tl.reduce(tl.where(sc == best, cid, -1), 0, _MAX)
             sc = tl.where((cid == best_id) & (sc == best), float("-inf"), sc)
             ok = best > float("-inf")
@@ -266,19 +267,19 @@ def _decode_kernel(
                 slot = best_id
             else:
                 slot = tl.reduce(tl.where(cid == best_id, slots.to(tl.int64), -1), 0, _MAX)
-            slot = tl.where(ok, slot, 0)
-            off = ((pid * SLOTS + slot) * CELL + tok)[:, None] * D + d[None, :]
-            live = tok < tl.where(ok, CELL, 0)  # the cell's tokens, none when nothing is left to select
-            lmask = live[:, None] & dmask[None, :]
-            kt = tl.load(cell_k_ptr + off, mask=lmask, other=0.0).to(tl.float32)
-            vt = tl.load(cell_v_ptr + off, mask=lmask, other=0.0).to(tl.float32)
-            logit = tl.where(live, tl.reduce(kt * q_s[None, :], 1, _ADD) * scale, float("-inf"))
-            m_new = tl.maximum(m_l, tl.reduce(logit, 0, _MAX))
-            alpha = tl.exp(m_l - m_new)
-            p = tl.exp(logit - m_new)
-            l_l = l_l * alpha + tl.reduce(p, 0, _ADD)
-            acc_l = acc_l * alpha + tl.reduce(p[:, None] * vt, 0, _ADD)
-            m_l = m_new
+            row_slot = tl.where(row_cell == kk, tl.where(ok, slot, 0), row_slot)
+            row_len = tl.where(row_cell == kk, tl.where(ok, CELL, 0), row_len)
+        # sparse NoPE readout of the chosen cells' raw tokens (query unrotated, storage dtype)
+        live = row_tok < row_len
+        off = ((pid * SLOTS + row_slot) * CELL + row_tok)[:, None] * D + d[None, :]
+        lmask = live[:, None] & dmask[None, :]
+        kt = tl.load(cell_k_ptr + off, mask=lmask, other=0.0).to(tl.float32)
+        vt = tl.load(cell_v_ptr + off, mask=lmask, other=0.0).to(tl.float32)
+        logit = tl.where(live, tl.reduce(kt * q[None, :], 1, _ADD) * scale, float("-inf"))
+        m_l = tl.maximum(tl.reduce(logit, 0, _MAX), -1.0e30)  # finite when no cell is chosen
+        p = tl.exp(logit - m_l)
+        l_l = tl.reduce(p, 0, _ADD)
+        acc_l = tl.reduce(p[:, None] * vt, 0, _ADD)
         o_long = tl.where(l_l > 0.0, acc_l / tl.maximum(l_l, 1e-30), 0.0).to(dtype).to(tl.float32)
         ms = tl.reduce(o_long * o_long, 0, _ADD) / D
         normed = o_long / tl.sqrt(ms + eps)
@@ -438,14 +439,15 @@ def decode_step(state, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: 
         QBLOCK=cfg.block,
         CELL=cfg.cell,
         TOPK=cfg.top_k,
+        TOPK_P2=_pow2(cfg.top_k),
         SLOTS=slots,
         FS=fs,
         NPART=n_part,
         BLOCK_D=BLOCK_D,
-        BLOCK_W=min(_pow2(cfg.window), max(16, 4096 // BLOCK_D)),
+        BLOCK_W=min(_pow2(cfg.window), max(16, 8192 // BLOCK_D)),
         BLOCK_S=block_s,
         BLOCK_CELL=_pow2(cfg.cell),
-        num_warps=4 if block_s * BLOCK_D <= 8192 else 8,
+        num_warps=8,
     )
     return out
 
