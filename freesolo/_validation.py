@@ -142,7 +142,8 @@ def check_cu_seqlens(cu_seqlens, info: InputInfo) -> tuple[int, ...]:
         info: the validated inputs of the call (`check_inputs`): B must be 1; a torch tensor
             must be on q's device (nothing is moved).
     Returns:
-        The boundaries as a tuple of N+1 python ints.
+        The boundaries as a tuple of N+1 python ints (a CUDA tensor is read back to the host:
+        one synchronisation per call, since the split into sequences is done on the host).
     Raises:
         ValueError naming the rule that broke (dtype, rank, device, B = 1, starts at 0, strictly
         increasing, last entry T) and showing the offending values.
