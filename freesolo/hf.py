@@ -38,7 +38,7 @@ def _load(model_or_dir):
     if isinstance(model_or_dir, (str, bytes)) or hasattr(model_or_dir, "__fspath__"):
         from transformers import AutoModelForCausalLM
 
-        return AutoModelForCausalLM.from_pretrained(model_or_dir, local_files_only=True, torch_dtype=torch.float32)
+        return AutoModelForCausalLM.from_pretrained(model_or_dir, local_files_only=True)
     if not isinstance(model_or_dir, torch.nn.Module) or not hasattr(model_or_dir, "config"):
         raise TypeError(f"expected a transformers causal LM or a local directory, got {type(model_or_dir).__name__}")
     return model_or_dir

@@ -120,7 +120,13 @@ def _attention_opaque_fake(q, k, v, beta, cfg_json, backend):
 
 @torch.library.custom_op("freesolo::attention_opaque_bwd", mutates_args=())
 def attention_opaque_bwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, grad: torch.Tensor, cfg_json: str, backend: str
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    grad: torch.Tensor,
+    cfg_json: str,
+    backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv, dbeta) of attention_opaque, by recomputing its forward with autograd."""
     # a custom op's body runs with autograd excluded from dispatch: include it again for the recompute
@@ -321,7 +327,7 @@ class FreeSoloAttention(_Projections):
             if torch.compiler.is_compiling():
                 if cu_seqlens is not None:
                     raise ValueError("cu_seqlens is not supported under torch.compile (pad or run sequences apart)")
-                return attention_opaque(q, k, v, self.beta.to(q.dtype), self._cfg_json, self.backend or "")
+                return attention_opaque(q, k, v, self.beta, self._cfg_json, self.backend or "")
             kwargs = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
             return freesolo_attention(q, k, v, self.cfg, beta=self.beta, backend=self.backend, **kwargs)
         if cu_seqlens is not None:

@@ -21,7 +21,8 @@ from .helpers import assert_close  # noqa: E402
 
 T = 64
 FS = FreeSoloConfig(cell=8, block=16, window=T, pool=4, recent=2, top_k=2)  # window >= T: dense
-SIZES = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+SIZES = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2)
+SIZES.update(num_attention_heads=4, num_key_value_heads=2)
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(attention_bias=True, rope_theta=500.0)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None)),

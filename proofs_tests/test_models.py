@@ -34,7 +34,8 @@ HAS_CU_SEQLENS = "cu_seqlens" in inspect.signature(freesolo.freesolo_attention).
 def make_lm(attention: str, seed: int = 0, **fields) -> FreeSoloLM:
     """A tiny FreeSoloLM; FS-B is calibrated on random sequences (so it can run)."""
     torch.manual_seed(seed)
-    cfg = LMConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, attention=attention, freesolo=FS, **fields)
+    sizes = dict(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2)
+    cfg = LMConfig(**sizes, attention=attention, freesolo=FS, **fields)
     model = FreeSoloLM(cfg).eval()
     with torch.no_grad():  # a random model whose beta is not 1 everywhere and whose norms are not all ones
         for name, p in model.named_parameters():
@@ -71,7 +72,9 @@ def test_module_equals_functional_op(variant):
     torch.manual_seed(1)
     B, T, hidden = 2, 70, 48
     cfg = FS.replace(variant=variant)
-    attn = FreeSoloAttention(hidden, num_heads=6, num_kv_heads=2, head_dim=8, cfg=cfg, beta_init=0.7, bias=True, backend="torch")
+    attn = FreeSoloAttention(
+        hidden, num_heads=6, num_kv_heads=2, head_dim=8, cfg=cfg, beta_init=0.7, bias=True, backend="torch"
+    )
     x = torch.randn(B, T, hidden)
     if variant == "fsb":
         with pytest.raises(ValueError, match="no tau"):
@@ -169,10 +172,13 @@ def test_generate_sampling_and_eos():
     model = make_lm("window")  # the sampling logic does not depend on the attention kind
     rows = prompts(4)[:2]
     greedy = model.generate([r.tolist() for r in rows], max_new_tokens=5)
-    one = model.generate([r.tolist() for r in rows], max_new_tokens=5, do_sample=True, top_k=1, generator=torch.Generator().manual_seed(0))
+    lists = [r.tolist() for r in rows]
+    seeded = lambda seed: torch.Generator().manual_seed(seed)  # noqa: E731
+    one = model.generate(lists, max_new_tokens=5, do_sample=True, top_k=1, generator=seeded(0))
     assert torch.equal(one, greedy)
     runs = [
-        model.generate([r.tolist() for r in rows], max_new_tokens=5, do_sample=True, top_k=5, temperature=2.0, return_logits=True, generator=torch.Generator().manual_seed(9))
+        model.generate(lists, max_new_tokens=5, do_sample=True, top_k=5, temperature=2.0, return_logits=True,
+                       generator=seeded(9))
         for _ in range(2)
     ]
     assert torch.equal(runs[0][0], runs[1][0])
@@ -185,7 +191,8 @@ def test_generate_sampling_and_eos():
     eos = int(greedy[0, n0 + 1])  # row 0 emits it at its second new token (or at its first)
     at = int((greedy[0, n0:] == eos).nonzero()[0])
     out = model.generate([r.tolist() for r in rows], max_new_tokens=5, eos_token_id=eos, pad_token_id=VOCAB - 1)
-    assert torch.equal(out[0, : n0 + at + 1], greedy[0, : n0 + at + 1]) and (out[0, n0 + at + 1 : n0 + 5] == VOCAB - 1).all()
+    assert torch.equal(out[0, : n0 + at + 1], greedy[0, : n0 + at + 1])
+    assert (out[0, n0 + at + 1 : n0 + 5] == VOCAB - 1).all()
 
 
 def test_cache_memory_fsl_bounded_dense_grows():
@@ -356,7 +363,8 @@ def test_torch_compile_triton_cuda(attention):
     if "triton" not in freesolo.available_backends():
         pytest.fail("the triton backend is not available on this CUDA machine")
     torch.manual_seed(0)
-    cfg = LMConfig(vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, attention=attention, freesolo=FS, backend="triton")
+    sizes = dict(vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2)
+    cfg = LMConfig(**sizes, attention=attention, freesolo=FS, backend="triton")
     model = FreeSoloLM(cfg).cuda()
     ids = torch.randint(0, VOCAB, (2, 256), device="cuda")
     torch._dynamo.reset()
@@ -382,7 +390,8 @@ def test_bad_configs_and_inputs_name_the_problem():
             LMConfig(**fields)
     with pytest.raises(TypeError, match="freesolo must be a FreeSoloConfig"):
         LMConfig(vocab_size=VOCAB, d_model=32, n_layers=1, n_heads=4, freesolo="fsl")
-    assert LMConfig(vocab_size=VOCAB, d_model=32, n_layers=1, n_heads=4, attention="fs", freesolo=FS).freesolo.variant == "fs"
+    fs_model = LMConfig(vocab_size=VOCAB, d_model=32, n_layers=1, n_heads=4, attention="fs", freesolo=FS)
+    assert fs_model.freesolo.variant == "fs"  # the attention kind sets the variant
     with pytest.raises(ValueError, match="num_heads=4 must be a multiple of num_kv_heads=3"):
         FreeSoloAttention(32, 4, 3, cfg=FS)
     attn = FreeSoloAttention(32, 4, 2, cfg=FS, backend="torch")

@@ -112,7 +112,9 @@ def bench_generate(
     }
 
 
-def convert_train(steps: int, backend: str, T: int = 1024, batch: int = 4, compile: bool = True, lr: float = 3e-3) -> dict:
+def convert_train(
+    steps: int, backend: str, T: int = 1024, batch: int = 4, compile: bool = True, lr: float = 3e-3
+) -> dict:
     """Convert a tiny random Llama (no download) and train it on a copy task under torch.compile."""
     import transformers
 
@@ -142,7 +144,8 @@ def convert_train(steps: int, backend: str, T: int = 1024, batch: int = 4, compi
         opt.step()
         _sync(device)
         beta = torch.cat([layer.self_attn.beta.detach().float() for layer in model.layers])
-        entry = {"step": step, "loss": loss.item(), "step_s": time.perf_counter() - t0, "beta_abs_mean": beta.abs().mean().item()}
+        elapsed = time.perf_counter() - t0
+        entry = {"step": step, "loss": loss.item(), "step_s": elapsed, "beta_abs_mean": beta.abs().mean().item()}
         log.append(entry)
         print(json.dumps(entry), flush=True)
     return {"env": _env(device), "backend": backend, "compiled": compile, "T": T, "batch": batch, "log": log}

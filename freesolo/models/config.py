@@ -35,7 +35,7 @@ class LMConfig:
     n_heads: int
     n_kv_heads: Optional[int] = None  # GQA: kv heads (default n_heads)
     attention: str = "fsl"  # "fs" | "fsl" | "fsb" | "dense" | "window"
-    freesolo: FreeSoloConfig = None  # FreeSolo hyper-parameters (default FreeSoloConfig()); window / rope_theta for baselines
+    freesolo: FreeSoloConfig = None  # default FreeSoloConfig(); the baselines read window, rope_theta
     head_dim: Optional[int] = None  # default d_model // n_heads
     d_ff: Optional[int] = None  # SwiGLU hidden size (default: 8/3 d_model rounded up to a multiple of 16)
     tie_embeddings: bool = True  # lm_head shares the embedding matrix

@@ -139,7 +139,8 @@ class FreeSoloLM(nn.Module):
         if cu_seqlens is not None:
             starts = torch.as_tensor(cu_seqlens, device=input_ids.device)[1:-1]
             targets[:, starts - 1] = -100  # the last token of a sequence does not predict the next one's first
-        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), ignore_index=-100)
+        flat = logits[:, :-1].reshape(-1, logits.shape[-1]).float()  # (B * (T-1), V)
+        return F.cross_entropy(flat, targets.reshape(-1), ignore_index=-100)
 
     # ---- caches and generation ------------------------------------------------------------
     def new_cache(self, batch: int = 1, dtype=None, device=None, check_finite: bool = True) -> list:
@@ -270,7 +271,8 @@ class FreeSoloLM(nn.Module):
         with open(config_path) as f:
             meta = json.load(f)
         if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
-            raise ValueError(f"{config_path}: format={meta.get('format') if isinstance(meta, dict) else None!r}, expected {_FORMAT!r}")
+            found = meta.get("format") if isinstance(meta, dict) else None
+            raise ValueError(f"{config_path}: format={found!r}, expected {_FORMAT!r}")
         config = LMConfig.from_dict(meta["config"])
         if overrides:
             config = config.replace(**overrides)
@@ -325,12 +327,14 @@ def _split_prompts(input_ids, attention_mask, device) -> tuple[list, str]:
             raise ValueError("input_ids as a list must hold at least one non-empty list of token ids per row")
         return prompts, "right"
     if input_ids.ndim != 2 or input_ids.shape[1] == 0 or input_ids.dtype.is_floating_point:
-        raise ValueError(f"input_ids must be an integer tensor [B, T] with T >= 1, got {tuple(input_ids.shape)} {input_ids.dtype}")
+        shape, dtype = tuple(input_ids.shape), input_ids.dtype
+        raise ValueError(f"input_ids must be an integer tensor [B, T] with T >= 1, got {shape} {dtype}")
     ids = input_ids.to(device=device, dtype=torch.int64)
     if attention_mask is None:
         return list(ids), "left"
     if tuple(attention_mask.shape) != tuple(input_ids.shape):
-        raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}")
+        shapes = tuple(attention_mask.shape), tuple(input_ids.shape)
+        raise ValueError(f"attention_mask shape {shapes[0]} != input_ids shape {shapes[1]}")
     mask = attention_mask.to(device="cpu", dtype=torch.int64)
     if bool(((mask != 0) & (mask != 1)).any()):
         raise ValueError("attention_mask must hold only 0 and 1")
