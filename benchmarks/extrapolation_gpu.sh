@@ -8,7 +8,7 @@
 #
 # oneshot trains dense RoPE, FS, and FS-L (continued from FS), then evaluates S-NIAH-1 at 1x..64x the
 # training length for every model, FS-B on the FS weights (tau calibrated on training-like sequences),
-# the other tasks, until the deadline. Knobs: TOTAL_MINUTES (8.3), MODELS ("dense:1.8 fs:2.6 fsl:0.6",
+# the other tasks, until the deadline. Knobs: TOTAL_MINUTES (8.3), MODELS ("dense:1.5 fs:3.0 fsl:0.6",
 # which:minutes of training), TRAIN_MINUTES (model mode, 4.5), N (50), N_FSB (20), BACKEND (auto: triton on
 # CUDA where it runs the variant, else torch), TRAIN_LENGTH (1024).
 #
@@ -24,7 +24,7 @@ mkdir -p "$OUT" "$WORK"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 MODE=${MODE:-oneshot}
 TOTAL_MINUTES=${TOTAL_MINUTES:-8.3}
-MODELS=${MODELS:-"dense:1.8 fs:2.6 fsl:0.6"}
+MODELS=${MODELS:-"dense:1.5 fs:3.0 fsl:0.6"}
 TRAIN_MINUTES=${TRAIN_MINUTES:-4.5}
 BACKEND=${BACKEND:-auto}
 TRAIN_LENGTH=${TRAIN_LENGTH:-1024}
