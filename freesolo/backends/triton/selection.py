@@ -16,8 +16,9 @@ Three kernels, launched in this order by `select_cells`:
    block). Streams over the block's candidates in chunks of BLOCK_N (FS: every available cell
    [0, n_j), FS-L: the P + W cand entries), scores [BLOCK_M, BLOCK_N] in fp32
    (score = scale * q . kbar + lam_h * a_c * erf(sigma_h * (i - c*s) / (2s)); the dot is an fp32
-   `tl.dot` with input_precision="ieee") and keeps a running top-K per query, sorted by
-   (score desc, c desc) (spec §7's tie rule). No [T, cells] tensor exists.
+   `tl.dot` with input_precision="ieee"; 16-bit inputs: a split tensor-core dot, see below) and
+   keeps a running top-K per query on keys that order by (score desc, c desc) (spec §7's tie
+   rule), sorted once at the end. No [T, cells] tensor exists.
 
 Row independence (L12): tile sizes depend on the config and D only; a query's result depends on
 its row's cells c < n_j (whose statistics are functions of their own tokens) and on nothing else;
@@ -44,8 +45,8 @@ __all__ = ["MAX_POOL", "ScoreTiles", "cell_stats", "fsl_candidates", "score_tile
 # The FS-L pool lives in registers: P rounded up to a power of two lanes per program.
 MAX_POOL = 1024
 # Below every real a_c (a norm, >= 0): the key of an empty pool slot, and of a padding new cell.
-_EMPTY_A = -1.0
-_PAD_A = -2.0
+_EMPTY_A = tl.constexpr(-1.0)
+_PAD_A = tl.constexpr(-2.0)
 # Reductions through tl.reduce / tl.associative_scan with triton's own combine functions: the same
 # code as tl.max / tl.sum / tl.cumsum when compiled, but the interpreter (TRITON_INTERPRET=1) runs
 # them as one NumPy call instead of re-patching triton.language for every nested @jit call
@@ -54,10 +55,11 @@ _MAX = tl.standard._elementwise_max
 _MIN = tl.standard._elementwise_min
 _SUM = tl.standard._sum_combine
 # Top-K keys: int64 (orderable fp32 score bits << 32) | (cell + 1), so one max finds the best
-# score and, among equal scores, the larger cell (spec §7). _EMPTY = key of (-inf, cell -1).
-_EMPTY = ((-8388608) ^ 0x7FFFFFFF) << 32
-_INT64_MAX = 2**63 - 1
-_INT64_MIN = -(2**63)
+# score and, among equal scores, the larger cell (spec §7). _EMPTY = key of (-inf, cell -1): every
+# real key is larger. _INT64_MIN marks a masked candidate or a key already taken.
+_EMPTY = tl.constexpr(((-8388608) ^ 0x7FFFFFFF) << 32)
+_INT64_MAX = tl.constexpr(2**63 - 1)
+_INT64_MIN = tl.constexpr(-(2**63))
 
 
 # ---- kernels ---------------------------------------------------------------------------------
@@ -227,11 +229,13 @@ def _score_topk_kernel(
     i_f = i.to(tl.float32)
     kv_row = (b * HKV + g) * C  # first cell row of (b, g) in KBAR / AMAX
     n_j = j * (QBLOCK // CELL)  # available cells
-    # running top-K per query as keys (see _EMPTY)
+    # Running top-K per query: an unordered set of TOP_K distinct keys (see _EMPTY) in lanes
+    # < TOP_K; an empty lane holds _EMPTY - lane (distinct, below every real key); lanes >= TOP_K
+    # hold _INT64_MAX and are never the minimum. Sorted once at the end.
     k_lane = tl.arange(0, K_PAD)
-    top = tl.full([BLOCK_M, K_PAD], _EMPTY, tl.int64)  # sorted descending in lanes < TOP_K
-    kth = tl.full([BLOCK_M], _EMPTY, tl.int64)  # top[:, TOP_K - 1]
-    shift_1 = k_lane[:, None] - 1 == k_lane[None, :]  # [K_PAD, K_PAD]: lane l reads lane l - 1
+    top = tl.where(k_lane < TOP_K, _EMPTY - k_lane.to(tl.int64), _INT64_MAX)
+    top = tl.broadcast_to(top[None, :], [BLOCK_M, K_PAD])
+    kth = tl.reduce(top, 1, _MIN)  # [BLOCK_M]: the K-th best key so far
     n_off = tl.arange(0, BLOCK_N).to(tl.int64)
     if FSL:
         n_items = N_CAND
@@ -267,21 +271,25 @@ def _score_topk_kernel(
         bits = score.to(tl.int32, bitcast=True)
         bits = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # integer order == float order
         key = (bits.to(tl.int64) << 32) | (cells + 1)[None, :]
-        key = tl.where(c_ok[None, :], key, _EMPTY)
-        # Insert the chunk's best key of every row into the row's sorted list while it beats the
-        # row's K-th key: at most TOP_K rounds, each stops as soon as no row of the tile improves.
-        # Lanes >= TOP_K of `top` hold junk and are never read.
+        key = tl.where(c_ok[None, :], key, _INT64_MIN)
+        # While the chunk's best key of some row beats the row's K-th key, it replaces that K-th
+        # key: at most TOP_K rounds, each skipped as soon as no row of the tile improves.
         cmax = tl.reduce(key, 1, _MAX)  # [BLOCK_M]
         for r in tl.static_range(TOP_K):
             if tl.reduce((cmax > kth).to(tl.int32), 0, _MAX) > 0:
-                # sorted insertion: new[l] = max(top[l], min(top[l-1], x)), top[-1] = +inf
-                prev = tl.reduce(tl.where(shift_1[None, :, :], top[:, None, :], _INT64_MIN), 2, _MAX)
-                prev = tl.where(k_lane[None, :] == 0, _INT64_MAX, prev)
-                top = tl.maximum(top, tl.minimum(prev, cmax[:, None]))
-                kth = tl.reduce(tl.where(k_lane[None, :] == TOP_K - 1, top, _INT64_MIN), 1, _MAX)
-                key = tl.where(key == cmax[:, None], _EMPTY, key)
+                better = (cmax > kth)[:, None]
+                top = tl.where(better & (top == kth[:, None]), cmax[:, None], top)
+                kth = tl.reduce(top, 1, _MIN)
+                key = tl.where(key == cmax[:, None], _INT64_MIN, key)
                 cmax = tl.reduce(key, 1, _MAX)
-    cell_out = (top & 0xFFFFFFFF) - 1  # _EMPTY -> -1
+    # sort: lane r of the output = the r-th largest key (keys are distinct), decoded to its cell
+    top = tl.where(k_lane[None, :] < TOP_K, top, _INT64_MIN)
+    cell_out = tl.full([BLOCK_M, K_PAD], -1, tl.int64)
+    for r in tl.static_range(TOP_K):
+        best = tl.reduce(top, 1, _MAX)  # [BLOCK_M]
+        cell = tl.where(best > _EMPTY, (best & 0xFFFFFFFF) - 1, -1)
+        cell_out = tl.where(k_lane[None, :] == r, cell[:, None], cell_out)
+        top = tl.where(top == best[:, None], _INT64_MIN, top)
     out = IDX + ((b * T + i) * HQ + h)[:, None] * TOP_K + k_lane[None, :]
     tl.store(out, cell_out, mask=row_ok[:, None] & (k_lane[None, :] < TOP_K))
 
@@ -390,11 +398,10 @@ class ScoreTiles:
 
 
 def score_tiles(cfg: FreeSoloConfig, D: int, dtype: torch.dtype) -> ScoreTiles:
-    """Default tiles: BLOCK_M = the query block (16..64); BLOCK_N = 64 (FS-L: fewer when P + W is small)."""
+    """Default tiles: BLOCK_M = the query block (16..64), BLOCK_N = 32, 4 warps (about 128 registers
+    per thread on sm_90, no spills, for D 64 / 128 and every dtype)."""
     block_m = min(64, max(16, triton.next_power_of_2(cfg.block)))
-    n_cand = cfg.pool + cfg.recent if cfg.variant == "fsl" else 0
-    block_n = 64 if not n_cand else min(64, max(16, triton.next_power_of_2(n_cand)))
-    return ScoreTiles(block_m, block_n, 4)
+    return ScoreTiles(block_m, 32, 4)
 
 
 def select_cells(
