@@ -33,7 +33,7 @@ pytest.importorskip("triton", reason="triton is not installed: the Triton kernel
 from freesolo import FreeSoloConfig  # noqa: E402
 from freesolo.backends.torch import select_cells  # noqa: E402
 from freesolo.backends.torch._ops import rope_tables  # noqa: E402
-from freesolo.backends.triton.attention import attention_forward, tile_unions  # noqa: E402
+from freesolo.backends.triton.attention import AttentionTiles, attention_forward, tile_unions  # noqa: E402
 from freesolo.reference import oracle  # noqa: E402
 
 from .helpers import assert_close, random_qkv, rms_rel_error  # noqa: E402
@@ -144,23 +144,28 @@ CASES = [
     (1, 63, 2, 2, 32, dict(window=24, top_k=1)),
     (1, 129, 3, 1, 16, dict(variant="fsl", cell=8, block=16, window=32, pool=4, recent=2, top_k=3)),
     (1, 200, 2, 1, 16, dict(variant="fsl", cell=8, block=16, window=20, pool=3, recent=2, top_k=2)),
+    # window >> tiles: the unmasked interior key tiles of the local loop (the default CPU tiles
+    # of 32 never have one at windows <= 32), tiles smaller than the window and than T
+    (1, 100, 2, 1, 16, dict(window=48, cell=8, block=16, top_k=2, tiles=AttentionTiles(16, 16, 1, 1))),
 ]
 
 
 def _case_id(c):
     B, T, Hq, Hkv, D, kw = c
-    return f"B{B}-T{T}-Hq{Hq}-Hkv{Hkv}-D{D}-" + "-".join(f"{k}{v}" for k, v in kw.items())
+    return f"B{B}-T{T}-Hq{Hq}-Hkv{Hkv}-D{D}-" + "-".join(f"{k}{v}" for k, v in kw.items() if k != "tiles")
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
 def test_float32_matches_oracle(case):
     """float32 o vs the float64 oracle (same idx) < 1e-5 rms-rel; statistics vs float64 dense."""
     B, T, Hq, Hkv, D, kw = case
+    kw = dict(kw)
+    tiles = kw.pop("tiles", None)
     cfg = _cfg(**kw)
     q, k, v = (x.astype(np.float32).astype(np.float64) for x in random_qkv(T + D, B, T, Hq, Hkv, D))
     beta = np.linspace(-1.0, 1.5, Hq)
     idx = _selection(q, k, cfg)
-    got = _run(q, k, v, idx, beta, cfg)
+    got = _run(q, k, v, idx, beta, cfg, tiles=tiles)
     assert_close(got[0], _oracle(q, k, v, idx, cfg, beta), 1e-5, "o")
     _check_stats(got, q, k, v, idx, cfg, 1e-5)
 

@@ -23,12 +23,13 @@ __all__ = [
     "load_rope",
     "padded_dims",
     "rope_halves",
+    "rope_rotate",
 ]
 
 MAX_HEAD_DIM = 256
 # Finite start of a running max: exp2(NEG_BIG - NEG_BIG) = 1 and exp2(-inf - NEG_BIG) = 0, so a
 # fully masked step leaves (m, l, acc) bit-identical (never exp(-inf - -inf) = NaN).
-NEG_BIG = -1.0e30
+NEG_BIG = tl.constexpr(-1.0e30)
 
 
 def _interpreter_numpy2_compat() -> None:
@@ -96,3 +97,46 @@ def rope_halves(x_lo, x_hi, cos, sin):
     x_lo = x_lo.to(tl.float32)
     x_hi = x_hi.to(tl.float32)
     return x_lo * cos - x_hi * sin, x_hi * cos + x_lo * sin
+
+
+@triton.jit
+def _rope_rows_kernel(
+    X,  # [R, D] rows of a contiguous [B, T, H, D] tensor, R = B * T * H
+    OUT,  # [R, D], X's dtype
+    COS,  # fp32 [T, HALF]
+    SIN,  # fp32 [T, HALF]
+    R,
+    T,
+    H,
+    HALF: tl.constexpr,
+    HALF_P: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = r < R
+    pos = (r // H) % T
+    x_lo, x_hi = load_halves(X + r[:, None] * (2 * HALF) + tl.arange(0, HALF_P)[None, :], row_ok, HALF, HALF_P)
+    c, s = load_rope(COS, SIN, pos, row_ok, HALF, HALF_P)
+    y_lo, y_hi = rope_halves(x_lo, x_hi, c, s)
+    d = tl.arange(0, HALF_P)
+    mask = row_ok[:, None] & (d[None, :] < HALF)
+    ptrs = OUT + r[:, None] * (2 * HALF) + d[None, :]
+    tl.store(ptrs, y_lo.to(OUT.dtype.element_ty), mask=mask)
+    tl.store(ptrs + HALF, y_hi.to(OUT.dtype.element_ty), mask=mask)
+
+
+def rope_rotate(x, cos, sin):
+    """Half-split RoPE of a contiguous x [B, T, H, D] at positions 0..T-1 -> [B, T, H, D] in x's dtype
+    (rotation in fp32, one rounding to x's dtype: the same values as rotating inside a kernel).
+    cos, sin: fp32 [T, D/2] (`freesolo.backends.torch._ops.rope_tables`)."""
+    import torch
+
+    B, T, H, D = x.shape
+    check_head_dim(D)
+    out = torch.empty_like(x)
+    R = B * T * H
+    block_r = 64
+    _rope_rows_kernel[(triton.cdiv(R, block_r),)](
+        x, out, cos, sin, R, T, H, HALF=D // 2, HALF_P=padded_dims(D)[1], BLOCK_R=block_r
+    )
+    return out

@@ -28,17 +28,63 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import NEG_BIG, load_halves, load_rope, padded_dims, rope_halves
+from ._common import NEG_BIG, padded_dims, rope_rotate
 
-__all__ = ["AttentionTiles", "attention_forward", "default_tiles", "tile_unions"]
+__all__ = ["AttentionTiles", "attention_forward", "default_tiles", "launch_forward", "tile_unions"]
 
 LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _window_steps(
+    acc, l_i, m_i, qr, m0, kr_base, v_base, n_lo, n_hi, T, W, kv_stride, qk_scale,
+    D: tl.constexpr, D_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+):  # fmt: skip
+    """Online-softmax steps of the local branch over the key tiles n0 in [n_lo, n_hi), BLOCK_N apart.
+
+    qr [BLOCK_M, D_P]: the rotated queries m0 + [0, BLOCK_M); kr_base / v_base: the rotated keys
+    and the values of this (b, kv head) (rows kv_stride apart). MASKED: apply the window mask
+    i - W < t <= i and t < T; without it every key of the tiles is in every query's window and
+    < T (no mask, no bounds). Pointers: one int64 scalar base per tile plus int32 offsets."""
+    dtype = qr.dtype
+    dd = tl.arange(0, D_P)
+    rn = tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    tile_offs = rn[:, None] * kv_stride + dd[None, :]  # [BLOCK_N, D_P] int32
+    for n0 in range(n_lo, n_hi, BLOCK_N):
+        if MASKED:
+            col_ok = rn < tl.minimum(T - n0, BLOCK_N).to(tl.int32)  # keys of the tile before T
+            kv_mask = col_ok[:, None] & (dd[None, :] < D)
+            kr = tl.load(kr_base + n0 * kv_stride + tile_offs, mask=kv_mask, other=0.0)
+        elif D == D_P:
+            kr = tl.load(kr_base + n0 * kv_stride + tile_offs)
+        else:
+            kv_mask = (rn[:, None] >= 0) & (dd[None, :] < D)
+            kr = tl.load(kr_base + n0 * kv_stride + tile_offs, mask=kv_mask, other=0.0)
+        s = tl.dot(qr, tl.trans(kr), input_precision="ieee")
+        if MASKED:
+            delta = (m0 - n0).to(tl.int32) + rm[:, None] - rn[None, :]  # i - t
+            s = tl.where((delta >= 0) & (delta < W) & col_ok[None, :], s * qk_scale, float("-inf"))
+        else:
+            s = s * qk_scale
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if MASKED or D != D_P:
+            v = tl.load(v_base + n0 * kv_stride + tile_offs, mask=kv_mask, other=0.0)
+        else:
+            v = tl.load(v_base + n0 * kv_stride + tile_offs)
+        acc = acc * alpha[:, None] + tl.dot(p.to(dtype), v, input_precision="ieee")
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _attention_fwd_kernel(
     Q,  # [B, T, Hq, D]
-    K,  # [B, T, Hkv, D]
+    K,  # [B, T, Hkv, D] unrotated keys (long branch)
+    KR,  # [B, T, Hkv, D] rotated keys (local branch, `_common.rope_rotate`)
     V,  # [B, T, Hkv, D]
     IDX,  # int32 / int64 [B, T, Hq, KSEL], -1 padded
     UNION,  # int32 [B * Hq, NT, U_MAX]: sorted cells of each tile, -1 padded
@@ -60,7 +106,6 @@ def _attention_fwd_kernel(
     D: tl.constexpr,
     HALF: tl.constexpr,
     D_P: tl.constexpr,
-    HALF_P: tl.constexpr,
     CELL: tl.constexpr,
     CELL_P: tl.constexpr,
     KSEL: tl.constexpr,
@@ -78,7 +123,6 @@ def _attention_fwd_kernel(
     m0 = pid_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M).to(tl.int64)  # query positions
     row_ok = offs_m < T
-    dh = tl.arange(0, HALF_P)
     dd = tl.arange(0, D_P)
     d_ok = dd < D
     q_rows = Q + ((b * T + offs_m) * Hq + h) * D  # [BLOCK_M] row pointers
@@ -87,42 +131,39 @@ def _attention_fwd_kernel(
     v_base = V + (b * T * Hkv + g) * D
 
     # ---- local branch: RoPE window i - W < t <= i, online softmax over key tiles
-    q_lo, q_hi = load_halves(q_rows[:, None] + dh[None, :], row_ok, HALF, HALF_P)
-    cq, sq = load_rope(COS, SIN, offs_m, row_ok, HALF, HALF_P)
-    qr_lo, qr_hi = rope_halves(q_lo, q_hi, cq, sq)
-    qr_lo = qr_lo.to(dtype)
-    qr_hi = qr_hi.to(dtype)
+    # rope(q)[d] = q[d] * cos[d % HALF] -/+ q[d +/- HALF] * sin[d % HALF] (full width: one dot per tile)
+    d_half = tl.where(dd < HALF, dd, dd - HALF)
+    partner = tl.where(dd < HALF, dd + HALF, dd - HALF)
+    q_mask = row_ok[:, None] & d_ok[None, :]
+    q = tl.load(q_rows[:, None] + dd[None, :], mask=q_mask, other=0.0)
+    q_swap = tl.load(q_rows[:, None] + partner[None, :], mask=q_mask, other=0.0).to(tl.float32)
+    rope_offs = offs_m[:, None] * HALF + d_half[None, :]
+    cq = tl.load(COS + rope_offs, mask=q_mask, other=0.0)
+    sq = tl.load(SIN + rope_offs, mask=q_mask, other=0.0)
+    qr = (q.to(tl.float32) * cq + tl.where((dd < HALF)[None, :], -q_swap, q_swap) * sq).to(dtype)
     m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D_P], dtype=tl.float32)
-    lo = tl.maximum(m0 - W + 1, 0)
-    lo = (lo // BLOCK_N) * BLOCK_N
+    # key tiles [n0, n0 + BLOCK_N) from the first one any query of the tile sees, in three
+    # phases that depend on m0 alone (never on T: spec L12): tiles that cut some query's window
+    # start (masked), tiles inside every query's window (no mask), tiles on the diagonal (masked)
+    lo = (tl.maximum(m0 - W + 1, 0) // BLOCK_N) * BLOCK_N
+    full_lo = tl.maximum(((m0 + BLOCK_M - W + BLOCK_N - 1) // BLOCK_N) * BLOCK_N, lo)  # n0 >= i_max - W + 1
+    full_hi = tl.maximum(((m0 + 1) // BLOCK_N) * BLOCK_N, full_lo)  # n0 + BLOCK_N - 1 <= m0
     hi = tl.minimum(m0 + BLOCK_M, T)
-    for n0 in range(lo, hi, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
-        col_ok = offs_n < T
-        # RoPE of the key tile, inline (as _common.rope_halves: jit calls cost the interpreter)
-        half_mask = col_ok[:, None] & (dh[None, :] < HALF)
-        k_ptrs = k_base + offs_n[:, None] * kv_stride + dh[None, :]
-        k_lo = tl.load(k_ptrs, mask=half_mask, other=0.0).to(tl.float32)
-        k_hi = tl.load(k_ptrs + HALF, mask=half_mask, other=0.0).to(tl.float32)
-        rope_offs = offs_n[:, None] * HALF + dh[None, :]
-        ck = tl.load(COS + rope_offs, mask=half_mask, other=0.0)
-        sk = tl.load(SIN + rope_offs, mask=half_mask, other=0.0)
-        kr_lo = (k_lo * ck - k_hi * sk).to(dtype)
-        kr_hi = (k_hi * ck + k_lo * sk).to(dtype)
-        s = tl.dot(qr_lo, tl.trans(kr_lo), input_precision="ieee")
-        s = tl.dot(qr_hi, tl.trans(kr_hi), s, input_precision="ieee")
-        delta = offs_m[:, None] - offs_n[None, :]
-        ok = (delta >= 0) & (delta < W) & col_ok[None, :]
-        s = tl.where(ok, s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + offs_n[:, None] * kv_stride + dd[None, :], mask=col_ok[:, None] & d_ok[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(dtype), v, input_precision="ieee")
-        m_i = m_new
+    kr_base = KR + (b * T * Hkv + g) * D
+    acc, l_i, m_i = _window_steps(
+        acc, l_i, m_i, qr, m0, kr_base, v_base, lo, tl.minimum(full_lo, hi), T, W, kv_stride, qk_scale,
+        D, D_P, BLOCK_M, BLOCK_N, True,
+    )  # fmt: skip
+    acc, l_i, m_i = _window_steps(
+        acc, l_i, m_i, qr, m0, kr_base, v_base, full_lo, full_hi, T, W, kv_stride, qk_scale,
+        D, D_P, BLOCK_M, BLOCK_N, False,
+    )  # fmt: skip
+    acc, l_i, m_i = _window_steps(
+        acc, l_i, m_i, qr, m0, kr_base, v_base, full_hi, hi, T, W, kv_stride, qk_scale,
+        D, D_P, BLOCK_M, BLOCK_N, True,
+    )  # fmt: skip
     l_i = tl.where(row_ok, l_i, 1.0)  # every real query sees its own key: l_i >= 1; padding rows: 1
     o_loc = acc / l_i[:, None]
     lse_loc = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
@@ -134,27 +175,36 @@ def _attention_fwd_kernel(
         mask=row_ok[:, None] & (kk[None, :] < KSEL),
         other=-1,
     ).to(tl.int32)  # [BLOCK_M, K_P]
-    q = tl.load(q_rows[:, None] + dd[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     tile = pid_bh * NT + pid_m
     n_u = tl.load(NUNION + tile)
     offs_c = tl.arange(0, CELL_P)
     c_ok = offs_c < CELL
+    cell_offs = offs_c[:, None] * kv_stride + dd[None, :]  # [CELL_P, D_P] int32 inside one cell
+    kv_mask = c_ok[:, None] & d_ok[None, :]
     m_j = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
     l_j = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D_P], dtype=tl.float32)
     for u in range(0, n_u):
         cell = tl.load(UNION + tile * U_MAX + u)
         hit = tl.sum((sel == cell).to(tl.int32), 1) > 0  # [BLOCK_M]: queries that selected this cell
-        toks = cell.to(tl.int64) * CELL + offs_c
-        kv_mask = c_ok[:, None] & d_ok[None, :]
-        kc = tl.load(k_base + toks[:, None] * kv_stride + dd[None, :], mask=kv_mask, other=0.0)
+        cell_base = cell.to(tl.int64) * (CELL * kv_stride)  # element offset of the cell's first token
+        if CELL == CELL_P and D == D_P:
+            kc = tl.load(k_base + cell_base + cell_offs)
+        else:
+            kc = tl.load(k_base + cell_base + cell_offs, mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(kc), input_precision="ieee")
-        s = tl.where(hit[:, None] & c_ok[None, :], s * qk_scale, float("-inf"))
+        if CELL == CELL_P:
+            s = tl.where(hit[:, None], s * qk_scale, float("-inf"))
+        else:
+            s = tl.where(hit[:, None] & c_ok[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_j, tl.max(s, 1))
         alpha = tl.math.exp2(m_j - m_new)
         p = tl.math.exp2(s - m_new[:, None])
         l_j = l_j * alpha + tl.sum(p, 1)
-        vc = tl.load(v_base + toks[:, None] * kv_stride + dd[None, :], mask=kv_mask, other=0.0)
+        if CELL == CELL_P and D == D_P:
+            vc = tl.load(v_base + cell_base + cell_offs)
+        else:
+            vc = tl.load(v_base + cell_base + cell_offs, mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(dtype), vc, input_precision="ieee")
         m_j = m_new
     has = l_j > 0
@@ -269,12 +319,19 @@ def attention_forward(q, k, v, idx, beta, cos, sin, cfg, tiles: AttentionTiles |
         rstd fp32 [B, Hq, T]: 1 / sqrt(mean_d(o_long^2) + eps) of the fp32 o_long (0 where no cell).
     """
     _check_inputs(q, k, v, idx, beta, cos, sin, cfg)
+    tiles = tiles or default_tiles(q.shape[3], q.dtype, q.device)
+    union, count = tile_unions(idx, tiles.block_m)
+    return launch_forward(q, k, v, idx, union, count, beta, cos, sin, cfg, tiles)
+
+
+def launch_forward(q, k, v, idx, union, count, beta, cos, sin, cfg, tiles: AttentionTiles):
+    """The kernel launch of `attention_forward` on validated inputs and `tile_unions(idx, tiles.block_m)`
+    (exposed so that benchmarks can time the kernel apart from the union's sort)."""
     B, T, Hq, D = q.shape
     Hkv = k.shape[2]
-    d_p, half_p = padded_dims(D)
-    tiles = tiles or default_tiles(D, q.dtype, q.device)
+    d_p, _ = padded_dims(D)
     NT = -(-T // tiles.block_m)
-    union, count = tile_unions(idx, tiles.block_m)
+    kr = rope_rotate(k, cos, sin)  # (B, T, Hkv, D) rotated keys of the window
     o = torch.empty_like(q)
     lse_loc = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
     lse_long = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
@@ -284,6 +341,7 @@ def attention_forward(q, k, v, idx, beta, cos, sin, cfg, tiles: AttentionTiles |
     _attention_fwd_kernel[grid](
         q,
         k,
+        kr,
         v,
         idx,
         union,
@@ -305,7 +363,6 @@ def attention_forward(q, k, v, idx, beta, cos, sin, cfg, tiles: AttentionTiles |
         D=D,
         HALF=D // 2,
         D_P=d_p,
-        HALF_P=half_p,
         CELL=cfg.cell,
         CELL_P=max(16, triton.next_power_of_2(cfg.cell)),
         KSEL=K,
