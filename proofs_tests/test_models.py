@@ -195,22 +195,37 @@ def test_generate_sampling_and_eos():
     assert (out[0, n0 + at + 1 : n0 + 5] == VOCAB - 1).all()
 
 
-def test_cache_memory_fsl_bounded_dense_grows():
-    """FS-L's per-layer cache memory stops growing with T; the dense KV cache keeps growing."""
+def test_batched_cache_chunks_and_memory():
+    """One cache for B = 2 rows fed in chunks of 50 == the uncached forward; FS-L's cache memory stops
+    growing with T (L7 at model level), the dense KV cache keeps growing."""
     sizes = {}
     for attention in ("fsl", "dense"):
         model = make_lm(attention)
-        cache = model.new_cache(1)
-        ids = torch.randint(0, VOCAB, (1, 200), generator=torch.Generator().manual_seed(5))
-        mem = []
+        cache = model.new_cache(2)
+        ids = torch.randint(0, VOCAB, (2, 200), generator=torch.Generator().manual_seed(5))
+        mem, chunks = [], []
         with torch.no_grad():
             for start in range(0, 200, 50):
-                model(ids[:, start : start + 50], cache=cache)
+                chunks.append(model(ids[:, start : start + 50], cache=cache))
                 mem.append(model.cache_memory_bytes(cache))
+            assert_close(torch.cat(chunks, dim=1), model(ids), 1e-5, f"{attention} chunked cache")
         sizes[attention] = mem
     assert sizes["fsl"][-1] == sizes["fsl"][-2] == sizes["fsl"][-3], sizes  # T >= w + (P+W)*s + Bq = 96
-    held = [2 * 2 * t * 2 * 8 * 4 for t in (50, 100, 150, 200)]  # layers * (k, v) * T * Hkv * D * float32
+    held = [2 * 2 * 2 * t * 2 * 8 * 4 for t in (50, 100, 150, 200)]  # layers * (k, v) * B * T * Hkv * D * fp32
     assert all(m >= h for m, h in zip(sizes["dense"], held)) and sizes["dense"][-1] > sizes["dense"][0], sizes
+
+
+def test_backend_agnostic_numpy_equals_torch():
+    """The same float64 model on the numpy oracle (host cache) and on the torch backend: equal logits
+    and equal greedy tokens (the layer only passes `backend=` through)."""
+    models = {b: make_lm("fsl", backend=b).double() for b in ("numpy", "torch")}
+    ids = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(11))
+    with torch.no_grad():
+        out = {b: m(ids) for b, m in models.items()}
+    assert_close(out["numpy"], out["torch"], 1e-10, "numpy vs torch logits")
+    gen = {b: m.generate([ids[0, :35].tolist()], max_new_tokens=3) for b, m in models.items()}
+    assert torch.equal(gen["numpy"], gen["torch"])
+    assert models["numpy"].new_cache(1)[0].backend == "numpy"
 
 
 # ---- save / load --------------------------------------------------------------------------------
