@@ -366,7 +366,8 @@ def main(argv=None) -> int:
             if triton_on:
                 row.update(fsl_triton_run(cache, cfg, args.steps, timer, dtype, args.device))
                 torch.cuda.empty_cache()
-                row.update(fs_triton_run(cfg, B, args.heads, args.dim, T, dtype, args.device, args.steps, args.chunk, timer))
+                fs = fs_triton_run(cfg, B, args.heads, args.dim, T, dtype, args.device, args.steps, args.chunk, timer)
+                row.update(fs)
             del cache
             if args.device.startswith("cuda"):
                 torch.cuda.empty_cache()
@@ -385,7 +386,8 @@ def main(argv=None) -> int:
                 f"{fmt(row['sdpa_us'], '9.1f')} | {row['fsl_memory_bytes'] / 2**20:>9.2f} "
                 f"{fmt(row['fs_memory_bytes'] / 2**20 if row.get('fs_memory_bytes') else None, '8.0f')} "
                 f"{row['sdpa_memory_bytes'] / 2**20:>12.1f}"
-                + f"  sync-free: torch {row.get('fsl_sync_free', 'n/a')}, fused FS-L {row.get('fsl_triton_sync_free', 'n/a')}"
+                + f"  sync-free: torch {row.get('fsl_sync_free', 'n/a')}, "
+                + f"fused FS-L {row.get('fsl_triton_sync_free', 'n/a')}"
                 + f" FS {row.get('fs_triton_sync_free', 'n/a')}; fused vs torch rms FS-L "
                 + f"{fmt(row.get('fsl_triton_vs_torch_rms'), '.1e')} FS {fmt(row.get('fs_triton_vs_torch_rms'), '.1e')}"
                 + (f"  (SDPA skipped: {row['sdpa_skipped']})" if row.get("sdpa_skipped") else "")

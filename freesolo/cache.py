@@ -12,7 +12,9 @@ depend on T (lemma L7); FS and FS-B keep the archive.
 Decode without host synchronisation (torch, CUDA, FS-L and FS): `extend(q, k, v, check_finite=False)`
 (the finite check is the only sync: it reads a flag back); `cache.prefill(k, v)` ingests a long
 prompt without outputs; `step = cache.decode_graph()` captures the FS-L one-token step (and the
-block-boundary step) in CUDA graphs: `o = step(q, k, v)`.
+block-boundary step) in CUDA graphs: `o = step(q, k, v)`. With `decode_kernel="triton"` (or
+"auto" on CUDA) a one-token step is one fused Triton kernel (FS: two), and `decode_graph()` also
+captures FS (its block boundaries run eagerly, without sync).
 
 The cache is inference-only: outputs carry no gradient (inputs that require grad are refused).
 """
@@ -110,7 +112,9 @@ class FreeSoloCache:
                     raise ValueError("decode_kernel='triton' implements variants 'fs' and 'fsl', not 'fsb'")
                 self._state = TorchFsbDeviceState(cfg, B, Hq, Hkv, D, dtype=dtype, device=device)
             else:
-                self._state = TorchCacheState(cfg, B, Hq, Hkv, D, dtype=dtype, device=device, decode_kernel=decode_kernel)
+                self._state = TorchCacheState(
+                    cfg, B, Hq, Hkv, D, dtype=dtype, device=device, decode_kernel=decode_kernel
+                )
             self._dtype, self._device = dtype, device
         elif self.backend == "triton":
             raise BackendUnavailableError(
@@ -225,7 +229,8 @@ class FreeSoloCache:
             self._state.prefill(k, v)
 
     def decode_graph(self, beta=None):
-        """torch backend on CUDA, FS-L: a CUDA graph of the one-token step (see `DecodeGraph`)."""
+        """torch backend on CUDA, FS-L (and FS with decode_kernel="triton"): a CUDA graph of the
+        one-token step (see `streaming.torch_state.DecodeGraph`)."""
         if self._state.kind != "torch":
             raise ValueError(f"decode_graph needs backend='torch', not {self.backend!r}")
         return self._state.decode_graph(beta)

@@ -32,6 +32,12 @@ def add_decode_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--chunk", type=int, default=8192, help="prefill chunk length (tokens)")
     p.add_argument("--outputs", action="store_true", help="prefill with extend (computes outputs) instead of prefill")
     p.add_argument("--graph", action="store_true", help="torch on CUDA, FS-L: decode through a CUDA graph")
+    p.add_argument(
+        "--decode-kernel",
+        default="auto",
+        choices=["auto", "torch", "triton"],
+        help="torch backend, FS / FS-L: one-token step as torch ops or the fused Triton kernel (auto: triton on CUDA)",
+    )
     for name, default in (("window", 512), ("cell", 32), ("top-k", 4), ("block", 128), ("pool", 64), ("recent", 8)):
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--seed", type=int, default=0)
@@ -81,7 +87,8 @@ def run_decode(args) -> int:
 
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         dtype = getattr(torch, args.dtype)
-        cache = FreeSoloCache(cfg, B, Hq, Hkv, D, backend="torch", dtype=dtype, device=device)
+        kernel = args.decode_kernel if cfg.variant != "fsb" else "torch"
+        cache = FreeSoloCache(cfg, B, Hq, Hkv, D, backend="torch", dtype=dtype, device=device, decode_kernel=kernel)
         gen = torch.Generator(device=device).manual_seed(args.seed)
 
         def make(n, h):
@@ -95,6 +102,7 @@ def run_decode(args) -> int:
         f"freesolo decode: variant={cfg.variant} backend={args.backend} device={device} B={B} Hq={Hq} Hkv={Hkv} "
         f"D={D} context={args.context} (window={cfg.window} cell={cfg.cell} block={cfg.block} pool={cfg.pool} "
         f"recent={cfg.recent} top_k={cfg.top_k})"
+        + ("" if host else f" decode step: {'fused triton' if getattr(cache.state, '_fused', False) else 'torch ops'}")
     )
     start = time.perf_counter()
     chunks = range(0, args.context, args.chunk)

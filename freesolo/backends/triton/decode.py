@@ -365,7 +365,9 @@ def decode_step(state, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: 
     if out is None:
         out = torch.empty(B, 1, Hq, D, dtype=state.dtype, device=state.device)
     elif out.shape != (B, 1, Hq, D) or out.dtype != state.dtype or out.stride(-1) != 1:
-        raise ValueError(f"out {tuple(out.shape)} {out.dtype} must be ({B}, 1, {Hq}, {D}) {state.dtype}, last dim contiguous")
+        raise ValueError(
+            f"out {tuple(out.shape)} {out.dtype} must be ({B}, 1, {Hq}, {D}) {state.dtype}, last dim contiguous"
+        )
     slots = state.cell_ids.shape[2]
     fs = cfg.variant == "fs"
     BLOCK_D = _pow2(D)
