@@ -318,7 +318,7 @@ def _reference_rows(q, k, cfg, rows):
     B, T, Hq, D = q.shape
     Hkv, s = k.shape[2], cfg.cell
     C = T // s
-    sigma, lam = cfg.per_head("sigma", Hq), cfg.per_head("lam", Hq)
+    sigma, lam = [float(x) for x in cfg.per_head("sigma", Hq)], [float(x) for x in cfg.per_head("lam", Hq)]
     out = {}
     for b, i, h in rows:
         g = h // (Hq // Hkv)
