@@ -29,6 +29,8 @@ No `.item()`, no host branch on tensor values: the launch depends only on host-k
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -56,6 +58,7 @@ def _fs_score_kernel(
     part_id_ptr,
     stride_qb,
     stride_qh,
+    scale,
     CAP: tl.constexpr,
     HKV: tl.constexpr,
     G: tl.constexpr,
@@ -88,7 +91,6 @@ def _fs_score_kernel(
     kbar = tl.load(kbar_ptr + row[:, None] * D + d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
     a = tl.load(a_ptr + row, mask=valid, other=0.0)
     dist = (pos - cells * CELL).to(tl.float32)  # i - p_c
-    scale = 1.0 / tl.sqrt(tl.full([], D, tl.float32))
     for g in tl.static_range(G):
         h = kvh * G + g
         q = tl.load(q_ptr + b * stride_qb + h * stride_qh + d, mask=dmask, other=0.0).to(tl.float32)
@@ -139,6 +141,7 @@ def _decode_kernel(
     stride_vh,
     stride_ob,
     stride_oh,
+    scale,
     eps,
     HKV: tl.constexpr,
     G: tl.constexpr,
@@ -174,7 +177,6 @@ def _decode_kernel(
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
     pos = tl.load(pos_ptr)
-    scale = 1.0 / tl.sqrt(tl.full([], D, tl.float32))
 
     # RoPE at pos: element d pairs with d +- D/2 (rotate_half); angles in float64
     dh = tl.where(d < HALF, d, d - HALF)
@@ -282,7 +284,7 @@ def _decode_kernel(
         acc_l = tl.reduce(p[:, None] * vt, 0, _ADD)
         o_long = tl.where(l_l > 0.0, acc_l / tl.maximum(l_l, 1e-30), 0.0).to(dtype).to(tl.float32)
         ms = tl.reduce(o_long * o_long, 0, _ADD) / D
-        normed = o_long / tl.sqrt(ms + eps)
+        normed = o_long * (1.0 / tl.sqrt(ms + eps))
         beta = tl.load(beta_ptr + h).to(tl.float32)
         out = o_loc + beta * normed
         tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=dmask)
@@ -362,6 +364,7 @@ def decode_step(state, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: 
         raise ValueError(f"cell statistics dtype {state.cell_kbar.dtype}: the fused decode reads float32")
     beta = beta.contiguous()
     sigma, lam = _float32_params(state)
+    scale = 1.0 / math.sqrt(D)  # rounded to float32 at the launch, as the torch path's python scalar
     if out is None:
         out = torch.empty(B, 1, Hq, D, dtype=state.dtype, device=state.device)
     elif out.shape != (B, 1, Hq, D) or out.dtype != state.dtype or out.stride(-1) != 1:
@@ -387,6 +390,7 @@ def decode_step(state, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: 
             part_id,
             q.stride(0),
             q.stride(2),
+            scale,
             CAP=slots,
             HKV=Hkv,
             G=G,
@@ -433,6 +437,7 @@ def decode_step(state, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: 
         v.stride(2),
         out.stride(0),
         out.stride(2),
+        scale,
         float(cfg.eps),
         HKV=Hkv,
         G=G,
