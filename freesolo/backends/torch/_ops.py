@@ -2,6 +2,15 @@
 
 Layout inside the backend: heads before time, queries split by kv head,
 q [B, Hkv, G, T, D] (G = Hq // Hkv query heads per kv head), k / v [B, Hkv, T, D].
+
+Row independence (spec L12). Every kernel result of query i in row b must be a function of
+row b's tokens <= i alone, bit for bit. A matmul, a reduction or even an elementwise kernel may
+pick its blocking, its summation order or its vector/scalar path from the *shape* of the whole
+call, so the backend processes one batch row at a time, in chunks of a fixed number of query
+blocks (`chunk_blocks`: from the per-row budget, the config and the head shapes; never from B, T
+or the data), pads the last chunk to a whole chunk (`pad_time`) and pads every data-dependent
+width to a fixed bound. The op that computes query i then has the same shapes, and the same
+inputs in the entries that reach query i, whatever the other rows or the later tokens are.
 """
 
 from __future__ import annotations
@@ -14,7 +23,10 @@ __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "cell_stats",
     "chunk_blocks",
+    "MAX_CHUNK_TOKENS",
     "compute_dtype",
+    "pad_time",
+    "padded_length",
     "rope",
     "rope_tables",
     "take_rows",
@@ -23,6 +35,9 @@ __all__ = [
 # Memory budget of one query chunk (the transient tensors of one chunk, backward included).
 # The chunk is a whole number of query blocks, at least one block; see `chunk_blocks`.
 DEFAULT_CHUNK_BYTES = {"cuda": 2 << 30, "cpu": 64 << 20}
+# Most query positions per budget-derived chunk: the last chunk of a row is padded to a whole
+# chunk (row independence), so a short sequence computes at most this many padded positions.
+MAX_CHUNK_TOKENS = {"cuda": 2048, "cpu": 128}
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -30,11 +45,13 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def rope_tables(T: int, D: int, theta: float, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [T, D/2] of half-split RoPE at positions 0..T-1 (angles computed in float64)."""
+def rope_tables(T: int, D: int, theta: float, device, dtype, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, D/2] of half-split RoPE at positions start..start+T-1 (angles in float64;
+    a negative position gives the table of a padded token that is masked out)."""
     half = D // 2
     inv_freq = theta ** (-2.0 * torch.arange(half, dtype=torch.float64, device=device) / D)  # [D/2]
-    angle = torch.arange(T, dtype=torch.float64, device=device)[:, None] * inv_freq[None, :]  # [T, D/2]
+    pos = torch.arange(start, start + T, dtype=torch.float64, device=device)
+    angle = pos[:, None] * inv_freq[None, :]  # [T, D/2]
     return torch.cos(angle).to(dtype), torch.sin(angle).to(dtype)
 
 
@@ -66,9 +83,14 @@ def take_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 
 def chunk_blocks(bytes_per_query: int, block: int, device: torch.device, chunk_tokens=None, chunk_bytes=None) -> int:
-    """Query blocks per chunk: `chunk_tokens` rounded up to whole blocks when given, else as many
-    blocks as fit `chunk_bytes` (default DEFAULT_CHUNK_BYTES by device type) at `bytes_per_query`
-    transient bytes per query position (all heads and batch rows). Always >= 1."""
+    """Query blocks per chunk of ONE batch row: `chunk_tokens` rounded up to whole blocks when
+    given, else the power of two nearest to the number of blocks that fit `chunk_bytes` (default
+    DEFAULT_CHUNK_BYTES by device type) at `bytes_per_query` transient bytes per query position
+    of one row (all heads), capped at MAX_CHUNK_TOKENS positions. Always >= 1.
+
+    Row independence (L12): callers pass bytes that depend on the config and the head shapes
+    only (never on B, T or the data), so every row of every length is cut at the same block
+    boundaries; a power of two leaves no padded block when T is a power-of-two multiple of it."""
     if chunk_tokens is not None:
         if chunk_tokens <= 0:
             raise ValueError(f"chunk_tokens={chunk_tokens} must be positive")
@@ -76,4 +98,23 @@ def chunk_blocks(bytes_per_query: int, block: int, device: torch.device, chunk_t
     budget = (
         chunk_bytes if chunk_bytes is not None else DEFAULT_CHUNK_BYTES.get(device.type, DEFAULT_CHUNK_BYTES["cpu"])
     )
-    return max(1, int(budget // max(1, bytes_per_query)) // block)
+    fit = max(1, int(budget // max(1, bytes_per_query)) // block)
+    cap = max(1, MAX_CHUNK_TOKENS.get(device.type, MAX_CHUNK_TOKENS["cpu"]) // block)
+    nearest = 1 << max(0, round(math.log2(fit)))
+    return max(1, min(nearest, 1 << (cap.bit_length() - 1)))
+
+
+def padded_length(T: int, block: int, nblocks_per_chunk: int) -> int:
+    """T rounded up to a whole number of chunks of `nblocks_per_chunk` query blocks (>= 1 chunk)."""
+    step = block * nblocks_per_chunk
+    return max(1, -(-T // step)) * step
+
+
+def pad_time(x: torch.Tensor, T_pad: int, dim: int, value=0) -> torch.Tensor:
+    """x padded with `value` along `dim` (the time axis) to length T_pad (differentiable; x itself
+    when it is already that long)."""
+    extra = T_pad - x.shape[dim]
+    if extra == 0:
+        return x
+    pad = [0, 0] * (x.dim() - 1 - (dim % x.dim())) + [0, extra]
+    return torch.nn.functional.pad(x, pad, value=value)

@@ -5,12 +5,19 @@ Per chunk of `nb` query blocks (queries [i0, i1)):
   (nwin*Bq >= Bq + w - 1 keys, masked to i - w < t <= i); logits [B, Hkv, G, nb, Bq, nwin*Bq],
   never T x T; windows are stacked block slices (their backward is a sum of slices);
 - long branch, two equivalent layouts (same token sets, same softmax):
-  "union": per (block, kv head) the union of the cells its queries selected (U cells; FS-L:
-  U <= P + W), gathered once as [B, Hkv, nb, U*s, D] and read by matmuls with a per-query mask;
-  "gather": the tokens of each query's own cells, [B, Hkv, G, L, K*s, D] (no sharing);
-  "auto" picks union when U is small enough that it moves less memory (FS-L always);
+  "union": per (block, kv head) the union of the cells its queries selected, padded to the
+  chunk's fixed bound U (`union_width`: min(G*Bq*K, cells available to the chunk's last block,
+  and P + W for FS-L)), gathered once as [B, Hkv, nb, U*s, D] and read by matmuls with a
+  per-query mask; "gather": the tokens of each query's own cells, [B, Hkv, G, L, K*s, D];
+  "auto" picks union per chunk when its bound U is small enough that it moves less memory
+  (FS-L: always);
 - o = o_loc + beta * rmsnorm(o_long).
-RoPE is applied per chunk (to the chunk's queries and key span), inputs stay in their own dtype
+Row independence (spec L12): `attention` in backend.py calls the readout one batch row at a time,
+on a row padded to whole chunks; every width above (chunk, window, U, path) is a function of the
+config, the head shapes and the chunk's position, never of B, T or the selected data, so the
+ops that compute query i have the same shapes whatever the other rows and later tokens are.
+RoPE is applied per chunk (to the chunk's queries and key span, tables computed per chunk from
+the positions), inputs stay in their own dtype
 and each chunk is cast to the compute dtype on entry. Forward keeps only the inputs; backward
 recomputes one chunk at a time under autograd and scatters the chunk's gradients into full-size
 buffers (dk, dv accumulate in the compute dtype), so peak memory is O(T) plus one chunk.
@@ -22,14 +29,23 @@ from __future__ import annotations
 import torch
 
 from ...config import FreeSoloConfig
-from ._ops import rope, take_rows
+from ._ops import rope, rope_tables, take_rows
 
-__all__ = ["FreeSoloReadout", "block_unions", "choose_long_path", "chunk_forward", "readout_bytes_per_query"]
+__all__ = [
+    "FreeSoloReadout",
+    "block_unions",
+    "choose_long_path",
+    "chunk_forward",
+    "readout_bytes_per_query",
+    "union_width",
+]
 
 
-def block_unions(idx: torch.Tensor, block: int) -> tuple[torch.Tensor, int]:
-    """idx [B, Hkv, G, T, K] -> (cells [B, Hkv, nblocks, U] the union of the cells selected in each
-    query block by any of its queries and query heads, decreasing, -1 padded; U >= 1)."""
+def block_unions(idx: torch.Tensor, block: int) -> torch.Tensor:
+    """idx [B, Hkv, G, T, K] -> cells [B, Hkv, nblocks, G*block*K]: the union of the cells selected
+    in each query block by any of its queries and query heads, decreasing, -1 padded. The width is
+    the fixed bound G*block*K (a width that depended on the data would change the shapes that
+    read other rows' blocks); a chunk reads the first `union_width` entries."""
     B, Hkv, G, T, K = idx.shape
     nblocks = -(-T // block)
     x = torch.nn.functional.pad(idx, (0, 0, 0, nblocks * block - T), value=-1)
@@ -37,24 +53,38 @@ def block_unions(idx: torch.Tensor, block: int) -> tuple[torch.Tensor, int]:
     x = torch.sort(x, dim=-1, descending=True).values
     dup = torch.zeros_like(x, dtype=torch.bool)
     dup[..., 1:] = x[..., 1:] == x[..., :-1]
-    x = torch.sort(torch.where(dup, torch.full_like(x, -1), x), dim=-1, descending=True).values
-    U = max(1, int((x >= 0).sum(dim=-1).max())) if x.numel() else 1
-    return x[..., :U].contiguous(), U
+    return torch.sort(torch.where(dup, torch.full_like(x, -1), x), dim=-1, descending=True).values
+
+
+def union_width(cfg: FreeSoloConfig, G: int, j1: int, pool_bound: bool) -> int:
+    """Fixed width U of the union buffer of a chunk whose last block is j1 - 1: a bound of every
+    block's union that depends on the config and the chunk's position only (L12): at most
+    G*Bq*K selected cells, all available to the last block (c < (j1-1)*Bq/s), and, with
+    `pool_bound` (FS-L selection), inside the block's candidate set (<= P + W). U >= 1."""
+    U = min(G * cfg.block * cfg.top_k, (j1 - 1) * cfg.block // cfg.cell)
+    if pool_bound:
+        U = min(U, cfg.pool + cfg.recent)
+    return max(1, U)
 
 
 def choose_long_path(U: int, cfg: FreeSoloConfig, D: int) -> str:
-    """ "union" when its per-query tensors (~5 U*s) are no larger than the gather's (~4 K*s*(D+2))."""
+    """ "union" when its per-query tensors (~5 U*s) are no larger than the gather's (~4 K*s*(D+2)).
+    U is a chunk's fixed bound (`union_width`), so the choice never depends on the data."""
     return "union" if 5 * U <= 4 * cfg.top_k * (D + 2) else "gather"
 
 
-def readout_bytes_per_query(B: int, Hq: int, D: int, cfg: FreeSoloConfig, itemsize: int, path: str, U: int) -> int:
-    """Transient bytes per query position of one readout chunk, backward recomputation included."""
+def readout_bytes_per_query(Hq: int, D: int, cfg: FreeSoloConfig, itemsize: int, G: int, pool_bound: bool) -> int:
+    """Transient bytes per query position of one row's readout chunk, backward recomputation
+    included, for the larger of the two layouts "auto" may pick (a function of the config and
+    the head shapes only, so the chunk size never depends on B, T or the data)."""
     local = 6 * window_blocks(cfg) * cfg.block  # logits, mask, probabilities and their gradients
-    if path == "union":
-        long = 6 * U * cfg.cell + U * cfg.top_k  # logits, probabilities, gradients, mask
-    else:
-        long = 4 * cfg.top_k * cfg.cell * (D + 2)  # gathered k, v, their gradients, logits
-    return B * Hq * itemsize * (local + long)
+    U = G * cfg.block * cfg.top_k
+    if pool_bound:
+        U = min(U, cfg.pool + cfg.recent)
+    U = min(U, max(1, 4 * cfg.top_k * (D + 2) // 5))  # "auto" takes union only below this
+    union = 6 * U * cfg.cell + U * cfg.top_k  # logits, probabilities, gradients, mask
+    gather = 4 * cfg.top_k * cfg.cell * (D + 2)  # gathered k, v, their gradients, logits
+    return Hq * itemsize * (local + max(union, gather))
 
 
 def window_blocks(cfg: FreeSoloConfig) -> int:
@@ -161,23 +191,31 @@ def chunk_forward(
 
 
 class _Chunk:
-    """Index bookkeeping of one chunk: query range, key span, long-branch token indices and mask."""
+    """Index bookkeeping of one chunk: query range, key span, long-branch layout, token indices,
+    mask and RoPE tables (every shape a function of the config and the chunk's position)."""
 
-    def __init__(self, j0, j1, T, cfg, idx, unions, path):
+    def __init__(self, j0, j1, T, cfg, idx, unions, long_path, pool_bound, D, cdt):
         Bq, s = cfg.block, cfg.cell
         dev = idx.device
+        G = idx.shape[2]
+        self.U = union_width(cfg, G, j1, pool_bound)
+        path = choose_long_path(self.U, cfg, D) if long_path == "auto" else long_path
+        self.path = path
         self.j0 = j0
         self.i0, self.i1 = j0 * Bq, min(T, j1 * Bq)
         start = self.i0 - (window_blocks(cfg) - 1) * Bq
         self.lo, self.hi = max(0, start), min(T, j1 * Bq)
         self.pad_front = self.lo - start
+        theta = cfg.rope_theta
+        self.cos_q, self.sin_q = rope_tables(self.i1 - self.i0, D, theta, dev, cdt, start=self.i0)  # [L, D/2]
+        self.cos_k, self.sin_k = rope_tables(self.hi - self.lo, D, theta, dev, cdt, start=self.lo)  # [S, D/2]
         cells = idx[:, :, :, self.i0 : self.i1]  # (B, Hkv, G, L, K)
         B, Hkv, G, L, K = cells.shape
         ar = torch.arange(s, device=dev)
         if path == "union":
             nb = j1 - j0
-            uc = unions[:, :, j0:j1]  # (B, Hkv, nb, U)
-            U = uc.shape[-1]
+            uc = unions[:, :, j0:j1, : self.U]  # (B, Hkv, nb, U): the fixed bound, -1 padded
+            U = self.U
             self.tok = (uc.clamp(min=0)[..., None] * s + ar).clamp(max=T - 1).reshape(B, Hkv, nb, U * s)
             sel = torch.nn.functional.pad(cells, (0, 0, 0, nb * Bq - L), value=-1).reshape(B, Hkv, G, nb, Bq, K, 1)
             hit = ((sel == uc[:, :, None, :, None, None, :]) & (sel >= 0)).any(dim=-2)  # (B, Hkv, G, nb, Bq, U)
@@ -191,13 +229,13 @@ class _Chunk:
             self.bi = torch.arange(B, device=dev).view(B, 1, 1, 1, 1)
             self.hi_ = torch.arange(Hkv, device=dev).view(1, Hkv, 1, 1, 1)
 
-    def rope_q(self, cos, sin):
+    def rope_q(self):
         """cos / sin of the chunk's query positions [L, D/2]."""
-        return cos[self.i0 : self.i1], sin[self.i0 : self.i1]
+        return self.cos_q, self.sin_q
 
-    def rope_k(self, cos, sin):
+    def rope_k(self):
         """cos / sin of the chunk's key span [S, D/2]."""
-        return cos[self.lo : self.hi], sin[self.lo : self.hi]
+        return self.cos_k, self.sin_k
 
     def gather(self, x):
         """x [B, Hkv, T, D] -> the long branch's tokens (union or per-query layout)."""
@@ -224,46 +262,51 @@ class _Chunk:
 class FreeSoloReadout(torch.autograd.Function):
     """o = local(rope(q), rope(k), v) + beta * rmsnorm(long(q, k, v; idx)), chunked, recomputed in backward.
 
-    forward(q, k, v, beta, idx, unions, cos, sin, cfg, nblocks_per_chunk, path):
+    forward(q, k, v, beta, idx, unions, cfg, nblocks_per_chunk, long_path, pool_bound):
         q: [B, Hkv, G, T, D] unrotated queries; k, v: [B, Hkv, T, D] (the inputs' dtype);
-        beta [Hkv, G] and cos / sin [T, D/2] in the compute dtype;
-        idx: int64 [B, Hkv, G, T, K] selected cells (-1 padded); unions: block_unions(idx)[0]
-        (only read when path == "union"). Returns o [B, Hkv, G, T, D] in q's dtype.
+        beta [Hkv, G] in the compute dtype (its dtype);
+        idx: int64 [B, Hkv, G, T, K] selected cells (-1 padded); unions: block_unions(idx)
+        (read by the chunks whose layout is "union"); long_path: "auto", "union" or "gather";
+        pool_bound: the selection is FS-L's (union_width may use P + W).
+        Row independence needs B = 1 and T a whole number of chunks (backend.attention does it).
+        Returns o [B, Hkv, G, T, D] in q's dtype.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, beta, idx, unions, cos, sin, cfg, nblocks_per_chunk, path):
+    def forward(ctx, q, k, v, beta, idx, unions, cfg, nblocks_per_chunk, long_path, pool_bound):
         B, Hkv, G, T, D = q.shape
         nblocks = -(-T // cfg.block)
+        cdt = beta.dtype
         out = q.new_empty(B, Hkv, G, T, D)
         with torch.no_grad():
             for j0 in range(0, nblocks, nblocks_per_chunk):
-                c = _Chunk(j0, min(nblocks, j0 + nblocks_per_chunk), T, cfg, idx, unions, path)
+                j1 = min(nblocks, j0 + nblocks_per_chunk)
+                c = _Chunk(j0, j1, T, cfg, idx, unions, long_path, pool_bound, D, cdt)
                 x = c.leaves(q, k, v, beta)
                 out[:, :, :, c.i0 : c.i1] = chunk_forward(
-                    *x[:5], c.mask, x[5], c.rope_q(cos, sin), c.rope_k(cos, sin), j0, c.pad_front, cfg, path
+                    *x[:5], c.mask, x[5], c.rope_q(), c.rope_k(), j0, c.pad_front, cfg, c.path
                 )
-        ctx.save_for_backward(q, k, v, beta, idx, unions, cos, sin)
-        ctx.cfg, ctx.nblocks_per_chunk, ctx.path = cfg, nblocks_per_chunk, path
+        ctx.save_for_backward(q, k, v, beta, idx, unions)
+        ctx.cfg, ctx.nblocks_per_chunk, ctx.long_path, ctx.pool_bound = cfg, nblocks_per_chunk, long_path, pool_bound
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, beta, idx, unions, cos, sin = ctx.saved_tensors
-        cfg, path = ctx.cfg, ctx.path
-        cdt = cos.dtype
+        q, k, v, beta, idx, unions = ctx.saved_tensors
+        cfg = ctx.cfg
+        cdt = beta.dtype
+        D = q.shape[-1]
         T = q.shape[3]
         nblocks = -(-T // cfg.block)
         dq = torch.empty_like(q)  # every query belongs to exactly one chunk
         dk, dv = torch.zeros_like(k, dtype=cdt), torch.zeros_like(v, dtype=cdt)  # accumulated over chunks
         dbeta = torch.zeros_like(beta)
         for j0 in range(0, nblocks, ctx.nblocks_per_chunk):
-            c = _Chunk(j0, min(nblocks, j0 + ctx.nblocks_per_chunk), T, cfg, idx, unions, path)
+            j1 = min(nblocks, j0 + ctx.nblocks_per_chunk)
+            c = _Chunk(j0, j1, T, cfg, idx, unions, ctx.long_path, ctx.pool_bound, D, cdt)
             x = [t.detach().to(cdt).requires_grad_(True) for t in c.leaves(q, k, v, beta)]
             with torch.enable_grad():
-                o = chunk_forward(
-                    *x[:5], c.mask, x[5], c.rope_q(cos, sin), c.rope_k(cos, sin), j0, c.pad_front, cfg, path
-                )
+                o = chunk_forward(*x[:5], c.mask, x[5], c.rope_q(), c.rope_k(), j0, c.pad_front, cfg, c.path)
                 g = torch.autograd.grad(o, x, dout[:, :, :, c.i0 : c.i1].to(cdt))
             dq[:, :, :, c.i0 : c.i1] = g[0]
             dk[:, :, c.lo : c.hi] += g[1]
@@ -271,4 +314,4 @@ class FreeSoloReadout(torch.autograd.Function):
             c.scatter_add(dk, g[3])
             c.scatter_add(dv, g[4])
             dbeta += g[5]
-        return dq, dk.to(k.dtype), dv.to(v.dtype), dbeta, None, None, None, None, None, None, None
+        return dq, dk.to(k.dtype), dv.to(v.dtype), dbeta, None, None, None, None, None, None

@@ -4,10 +4,19 @@ Inputs are tensors as the user passed them (q [B, T, Hq, D], k / v [B, T, Hkv, D
 None); outputs have q's dtype and device; nothing is moved between devices. float64 computes
 in float64, float32 / bfloat16 / float16 compute (and accumulate) in float32.
 
-Memory. Work proceeds in chunks of whole query blocks whose size follows a memory budget
-(`DEFAULT_CHUNK_BYTES`: 2 GiB on CUDA, 64 MiB on CPU) or `chunk_tokens`; nothing of size T x T
-is ever built. Beyond one chunk, the op keeps heads-first copies of q, k, v in their own dtype,
-the selection (int64 [B, Hq, T, K]) and, in backward, dk / dv accumulators in the compute dtype:
+Row independence (spec L12). Selection and readout run one batch row at a time, in chunks of a
+fixed number of whole query blocks, the row padded to a whole number of chunks, with every
+buffer padded to a width fixed by the config and the chunk's position (see `_ops`): the output
+and the selection of query i in row b are the same bits whatever the other rows (B = 1
+included) and the later tokens are.
+
+Memory. Work proceeds per row in chunks of whole query blocks whose size follows a memory budget
+(`DEFAULT_CHUNK_BYTES`: 2 GiB on CUDA, 64 MiB on CPU; a power of two of blocks, at most
+`MAX_CHUNK_TOKENS` positions) or `chunk_tokens`; nothing of size T x T is ever built. FS sizes
+its chunks for 2048 available cells (T = 64k at s = 32): its scores grow with T beyond that
+(linear in T per chunk, as the chunk size may not depend on T). Beyond one chunk, the op keeps
+heads-first copies of q, k, v in their own dtype (one row of them padded to whole chunks), the
+selection (int64 [B, Hq, T, K]) and, in backward, dk / dv accumulators in the compute dtype:
 O(T) for every variant (FS-B adds its tree tables, O((T/s) log(T/s) D) per kv head). FS scores
 all available cells per query (quadratic time, linear memory).
 On CUDA the scatter of key / value gradients uses atomics (index_add_): not bitwise reproducible.
@@ -19,13 +28,14 @@ import torch
 
 from ...config import FreeSoloConfig
 from ..base import Backend
-from ._ops import chunk_blocks, compute_dtype, rope_tables
-from .attention import FreeSoloReadout, block_unions, choose_long_path, readout_bytes_per_query
+from ._ops import chunk_blocks, compute_dtype, pad_time, padded_length
+from .attention import FreeSoloReadout, block_unions, readout_bytes_per_query
 from .selection import fs_fsl_select
 
 __all__ = ["TorchBackend", "attention", "select_cells"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+FS_CHUNK_CELLS = 2048  # FS: the available cells its chunk size is budgeted for (never T: L12)
 
 
 def _heads_first(x: torch.Tensor, Hkv: int, cdt: torch.dtype) -> torch.Tensor:
@@ -51,19 +61,21 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, beta) -> No
 
 
 def _select(q4, k4, cfg: FreeSoloConfig, chunk_tokens, chunk_bytes) -> torch.Tensor:
-    """q4 [B, Hkv, G, T, D], k4 [B, Hkv, T, D] (compute dtype) -> idx [B, Hkv, G, T, K]."""
+    """q4 [B, Hkv, G, T, D], k4 [B, Hkv, T, D] (compute dtype) -> idx [B, Hkv, G, T, K].
+    Chunk sizes are per row, from the config and head shapes only (L12); the selection functions
+    run one row at a time."""
     B, Hkv, G, T, D = q4.shape
     Hq = Hkv * G
     if cfg.variant == "fsb":
         from .fsb import fsb_bytes_per_query, fsb_select
 
-        beam_bytes, rerank_bytes = fsb_bytes_per_query(B, Hq, D, cfg, q4.element_size())
+        beam_bytes, rerank_bytes = fsb_bytes_per_query(1, Hq, D, cfg, q4.element_size())
         nbc = chunk_blocks(beam_bytes, cfg.block, q4.device, chunk_tokens, chunk_bytes)
-        nbr = min(nbc, chunk_blocks(rerank_bytes, cfg.block, q4.device, chunk_tokens, chunk_bytes))
+        nbr = min(nbc, chunk_blocks(rerank_bytes, cfg.block, q4.device, chunk_tokens, chunk_bytes))  # powers of 2
         sigma, lam = _per_head(cfg, "sigma", Hq, Hkv, q4), _per_head(cfg, "lam", Hq, Hkv, q4)
         return fsb_select(q4, k4, cfg, sigma, lam, nbc, nbr)
-    n_cand = cfg.pool + cfg.recent if cfg.variant == "fsl" else max(1, T // cfg.cell)
-    per_query = B * Hq * q4.element_size() * (6 * n_cand + 2 * D)
+    n_cand = cfg.pool + cfg.recent if cfg.variant == "fsl" else FS_CHUNK_CELLS
+    per_query = Hq * q4.element_size() * (6 * n_cand + 2 * D)
     nbc = chunk_blocks(per_query, cfg.block, q4.device, chunk_tokens, chunk_bytes)
     sigma, lam = _per_head(cfg, "sigma", Hq, Hkv, q4), _per_head(cfg, "lam", Hq, Hkv, q4)
     return fs_fsl_select(q4, k4, cfg, sigma, lam, nbc)
@@ -123,16 +135,32 @@ def attention(
         if idx.device != q.device:
             raise ValueError(f"idx is on {idx.device} but q is on {q.device}: move it (the backend never moves data)")
         idx4 = idx.to(torch.int64).permute(0, 2, 1, 3).reshape(B, Hkv, G, T, cfg.top_k)
+        avail = (torch.arange(T, device=q.device) // cfg.block * cfg.block // cfg.cell).view(1, 1, 1, T, 1)
+        late = idx4 >= avail  # a cell the query's block may not read: the readout's buffers exclude it
+        if bool(late.any()):
+            b_, h_, g_, i_, _ = (int(x) for x in late.nonzero()[0])
+            cell = int(idx4[b_, h_, g_, i_].max())
+            raise ValueError(
+                f"idx[{b_}, {i_}, {h_ * G + g_}] selects cell {cell}, not available to query {i_} "
+                f"(cells < {int(avail.view(-1)[i_])} are: spec §3)"
+            )
     b = torch.ones(Hq, dtype=cdt, device=q.device) if beta is None else beta.to(cdt)
-    cos, sin = rope_tables(T, D, cfg.rope_theta, q.device, cdt)
     idx4 = idx4.contiguous()
     if long_path not in ("auto", "union", "gather"):
         raise ValueError(f"long_path={long_path!r} must be 'auto', 'union' or 'gather'")
-    unions, U = block_unions(idx4, cfg.block)  # (B, Hkv, nblocks, U)
-    path = choose_long_path(U, cfg, D) if long_path == "auto" else long_path
-    per_query = readout_bytes_per_query(B, Hq, D, cfg, torch.finfo(cdt).bits // 8, path, U)
+    pool_bound = idx is None and cfg.variant == "fsl"  # our FS-L selection: block unions <= P + W
+    per_query = readout_bytes_per_query(Hq, D, cfg, torch.finfo(cdt).bits // 8, G, pool_bound)
     nbc = chunk_blocks(per_query, cfg.block, q.device, chunk_tokens, chunk_bytes)
-    o = FreeSoloReadout.apply(q4, k4, v4, b.view(Hkv, G), idx4, unions, cos, sin, cfg, nbc, path)  # (B, Hkv, G, T, D)
+    T_pad = padded_length(T, cfg.block, nbc)
+    rows = []
+    for r in range(B):  # one row at a time, padded to whole chunks (L12)
+        qr = pad_time(q4[r : r + 1], T_pad, 3)  # (1, Hkv, G, T_pad, D), zeros after T
+        kr, vr = pad_time(k4[r : r + 1], T_pad, 2), pad_time(v4[r : r + 1], T_pad, 2)  # (1, Hkv, T_pad, D)
+        ir = pad_time(idx4[r : r + 1], T_pad, 3, value=-1)
+        unions = block_unions(ir, cfg.block)  # (1, Hkv, nblocks, G*Bq*K)
+        o = FreeSoloReadout.apply(qr, kr, vr, b.view(Hkv, G), ir, unions, cfg, nbc, long_path, pool_bound)
+        rows.append(o[:, :, :, :T])  # (1, Hkv, G, T, D)
+    o = torch.cat(rows) if B > 1 else rows[0]
     return o.reshape(B, Hq, T, D).permute(0, 2, 1, 3).contiguous()  # (B, T, Hq, D), q's dtype
 
 

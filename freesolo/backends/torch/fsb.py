@@ -14,6 +14,12 @@ l of the block's element count is set; at the tallest height that root alone for
 frontier, as in the oracle). Exact tie-break: candidates are first sorted by their global index
 in the level (start/2^l + index: the order of (segment start, index in level)), then a stable
 descending sort on the key. Rerank by rho = logsumexp over the cell's tokens, ties larger c.
+
+Row independence (spec L12): one batch row at a time, its queries padded to whole search chunks
+(padded cells are available to padded blocks only), search and rerank chunks of fixed sizes, all
+buffers of fixed widths (2*beam+1 candidates, 2*beam found cells, beam*s... tokens). A node's
+statistics are reductions over its own leaves; levels above a query's tallest tree leave its
+frontier empty, so the number of levels (which grows with T) does not reach its bits.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import torch
 
 from ...config import FreeSoloConfig
 from ...reference.forest import QUANT_SCALE, hyperplanes
-from ._ops import cell_stats, take_rows
+from ._ops import cell_stats, pad_time, padded_length, take_rows
 from .selection import topk_cells
 
 __all__ = [
@@ -39,7 +45,8 @@ __all__ = [
 
 
 def fsb_bytes_per_query(B: int, Hq: int, D: int, cfg: FreeSoloConfig, itemsize: int) -> tuple[int, int]:
-    """Transient bytes per query position of (the beam search, the rerank) of FS-B selection."""
+    """Transient bytes per query position of (the beam search, the rerank) of FS-B selection, for
+    B rows (the backend passes B = 1: it selects one row at a time)."""
     beam = 6 * (2 * cfg.beam + 1) * (D + 8)  # keys, node statistics, integer node ids
     rerank = 2 * cfg.beam * cfg.cell * (D + 2)  # gathered tokens of the <= 2*beam cells, logits
     return B * Hq * itemsize * beam, B * Hq * itemsize * rerank
@@ -222,9 +229,22 @@ def fsb_select(q, k, cfg: FreeSoloConfig, sigma, lam, nblocks_per_chunk: int, re
         q: [B, Hkv, G, T, D] unrotated queries (compute dtype); k: [B, Hkv, T, D] unrotated keys.
         sigma, lam: [Hkv, G]. nblocks_per_chunk: query blocks searched together;
         rerank_blocks: query blocks reranked together (the rerank gathers 2*beam*s tokens per query).
+        Both are constants of the config, never of B, T or the data (row independence, L12).
     Returns:
         idx int64 [B, Hkv, G, T, top_k], by descending rho (ties larger c), -1 padded.
     """
+    B, T = q.shape[0], q.shape[3]
+    if B != 1:  # one row at a time: no shape depends on the other rows (L12)
+        chunks = (nblocks_per_chunk, rerank_blocks)
+        return torch.cat([fsb_select(q[b : b + 1], k[b : b + 1], cfg, sigma, lam, *chunks) for b in range(B)])
+    T_pad = padded_length(T, cfg.block, nblocks_per_chunk)
+    q, k = pad_time(q, T_pad, 3), pad_time(k, T_pad, 2)  # zeros after T
+    idx = _fsb_select_row(q, k, cfg, sigma, lam, nblocks_per_chunk, rerank_blocks)
+    return idx[:, :, :, :T].contiguous()
+
+
+def _fsb_select_row(q, k, cfg: FreeSoloConfig, sigma, lam, nblocks_per_chunk: int, rerank_blocks: int) -> torch.Tensor:
+    """fsb_select of one row whose length is a whole number of search chunks."""
     B, Hkv, G, T, D = q.shape
     s, Bq, K = cfg.cell, cfg.block, cfg.top_k
     dev = q.device

@@ -1,8 +1,12 @@
 """Cell selection of the torch backend for FS and FS-L (spec §3-§5, §7), under torch.no_grad.
 
-Vectorized over batch rows, heads and the queries of a chunk of query blocks; Python loops run
-over chunks only. Memory per chunk: scores [B, Hq, chunk, candidates] (FS: candidates = the
-available cells, O(T/s) per query; FS-L: <= P + W).
+Vectorized over heads and the queries of a chunk of query blocks; Python loops run over batch
+rows and chunks. Row independence (spec L12): each row is selected alone, its queries padded to
+whole chunks of `nblocks_per_chunk` blocks, and the candidate width of a chunk is a function of
+the chunk's position only (FS: the cells available to its last block; FS-L: P + W), so the
+scores of query i are computed by ops of the same shapes whatever B, T and the data are.
+Memory per chunk: scores [Hq, chunk, candidates] (FS: candidates = the available cells, O(T/s)
+per query; FS-L: P + W).
 
 Exact tie-breaks without relying on `topk` ordering among equal values:
 - FS-L pool: cells are ranked once per (b, kv head) by (a_c desc, c desc) with two stable sorts;
@@ -16,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ...config import FreeSoloConfig
-from ._ops import cell_stats, take_rows
+from ._ops import cell_stats, pad_time, padded_length, take_rows
 
 __all__ = ["fs_fsl_select", "rank_by_norm", "topk_cells"]
 
@@ -88,10 +92,23 @@ def fs_fsl_select(q, k, cfg: FreeSoloConfig, sigma, lam, nblocks_per_chunk: int)
     Args:
         q: [B, Hkv, G, T, D] unrotated queries (compute dtype); k: [B, Hkv, T, D] unrotated keys.
         sigma, lam: [Hkv, G] per query head (compute dtype).
-        nblocks_per_chunk: query blocks scored together.
+        nblocks_per_chunk: query blocks scored together (a constant of the config, never of B, T
+            or the data: see the module docstring).
     Returns:
         idx int64 [B, Hkv, G, T, top_k], by descending score, -1 padded.
     """
+    B, T = q.shape[0], q.shape[3]
+    if B != 1:  # one row at a time: no shape depends on the other rows (L12)
+        rows = [fs_fsl_select(q[b : b + 1], k[b : b + 1], cfg, sigma, lam, nblocks_per_chunk) for b in range(B)]
+        return torch.cat(rows)
+    T_pad = padded_length(T, cfg.block, nblocks_per_chunk)  # whole chunks; padded cells are
+    # available to padded blocks only (a cell ending after T is never before a real block's start)
+    idx = _fs_fsl_select_row(pad_time(q, T_pad, 3), pad_time(k, T_pad, 2), cfg, sigma, lam, nblocks_per_chunk)
+    return idx[:, :, :, :T].contiguous()
+
+
+def _fs_fsl_select_row(q, k, cfg: FreeSoloConfig, sigma, lam, nblocks_per_chunk: int) -> torch.Tensor:
+    """fs_fsl_select of one row whose length is a whole number of chunks."""
     B, Hkv, G, T, D = q.shape
     s, Bq, K = cfg.cell, cfg.block, cfg.top_k
     dev = q.device
