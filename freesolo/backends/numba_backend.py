@@ -146,11 +146,15 @@ def select_cells(q: np.ndarray, k: np.ndarray, cfg: FreeSoloConfig) -> np.ndarra
 
 def local_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, cfg: FreeSoloConfig) -> np.ndarray:
     """RoPE sliding-window attention (spec §2): q [B, T, Hq, D], k / v [B, T, Hkv, D] -> [B, T, Hq, D]."""
-    q, k = _f64(q), _f64(k)
+    q, k, v = _f64(q), _f64(k), _f64(v)
+    T = q.shape[1]
+    pad = -T % cfg.block  # whole blocks: the kernel's query tiles and key spans (hence its vectorised
+    if pad:  # sums) depend on positions only, never on T (row independence, L12)
+        q, k, v = (np.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
     tables = _rope_tables(q.shape[1], q.shape[3], cfg.rope_theta)  # cos, sin [T, D/2]
     q_rot = _rope_all(q, cfg.rope_theta, tables=tables)  # [B, T, Hq, D]
     k_rot = _rope_all(k, cfg.rope_theta, per_head=True, tables=tables)  # [B, Hkv, T, D]
-    return _kernels().local_kernel(q_rot, k_rot, _transposed(_f64(v)), cfg.window, cfg.block)
+    return _kernels().local_kernel(q_rot, k_rot, _transposed(v), cfg.window, cfg.block)[:, :T]
 
 
 def _check_idx(idx, q: np.ndarray, k: np.ndarray, cfg: FreeSoloConfig) -> np.ndarray:
