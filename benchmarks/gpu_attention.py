@@ -1,7 +1,7 @@
 """GPU benchmark of FreeSolo (torch and triton backends) against SDPA causal, FlexAttention SWA-512
 and fla's NSA.
 
-Providers: `freesolo_fsl`, `freesolo_fsb` (the pure-PyTorch backend), `triton_fsl`, `triton_fs`,
+Providers: `freesolo_fsl`, `freesolo_fs`, `freesolo_fsb` (the pure-PyTorch backend), `triton_fsl`, `triton_fs`,
 `triton_fsb` (the Triton backend through the public API), `sdpa_causal`, `flex_swa512`, and
 `fla_nsa` (fla-core's `parallel_nsa`: 16 query heads on 1 kv head, compression + top-4 of 32-token
 blocks, no window; it needs GQA groups of >= 16 heads, so it runs with Hkv = Hq / 16 whatever the
@@ -52,6 +52,7 @@ PROVIDERS = [
     "freesolo_fsl",
     "sdpa_causal",
     "freesolo_fsb",
+    "freesolo_fs",
     "fla_nsa",
     "flex_fsl",
     "flex_swa512",
