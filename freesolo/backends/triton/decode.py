@@ -322,7 +322,8 @@ def _fs_chunk(cap: int) -> int:
 def _scratch(state, n_part: int):
     """FS partial candidates [B, Hq, n_part] (score float32, id int64), reused while the size holds."""
     cached = getattr(state, "_triton_fs_scratch", None)
-    if cached is None or cached[0].shape[-1] != n_part:
+    shape = (state.B, state.Hq, n_part)
+    if cached is None or tuple(cached[0].shape) != shape or cached[0].device != state.device:
         score = torch.empty(state.B, state.Hq, n_part, dtype=torch.float32, device=state.device)
         ids = torch.empty(state.B, state.Hq, n_part, dtype=torch.int64, device=state.device)
         cached = (score, ids)
@@ -333,7 +334,7 @@ def _scratch(state, n_part: int):
 def _float32_params(state):
     """sigma, lam [Hq] float32 (cached on the state: they never change)."""
     cached = getattr(state, "_triton_params", None)
-    if cached is None:
+    if cached is None or cached[0].device != state.device:  # (a re-allocated state may move)
         cached = tuple(x.reshape(-1).to(torch.float32).contiguous() for x in (state.sigma, state.lam))
         state._triton_params = cached
     return cached
