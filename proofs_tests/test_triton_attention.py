@@ -186,19 +186,37 @@ def test_any_order_int32_and_padding_in_the_middle():
     assert_close(a[0], _oracle(q, k, v, idx, cfg, beta), 1e-5, "o")
 
 
-def test_tile_unions():
-    """Each tile's union: the distinct cells of its queries, ascending, -1 padded, with its count."""
+@pytest.mark.parametrize("use_kernel", [False, True], ids=["torch", "kernel"])
+def test_tile_unions(use_kernel):
+    """Each tile's union: the distinct cells of its queries, ascending, -1 padded, with its count
+    (torch sorts, and the Triton kernel that CUDA uses: tl.sort + neighbour dedup + prefix sum)."""
     rng = np.random.default_rng(1)
-    idx = rng.integers(-1, 9, size=(2, 13, 3, 2))
-    union, count = tile_unions(torch.from_numpy(idx), 4)
-    assert union.shape == (6, 4, 8) and count.shape == (6, 4) and union.dtype == torch.int32
-    for b in range(2):
-        for h in range(3):
-            for j in range(4):
-                want = sorted({int(c) for c in idx[b, 4 * j : 4 * j + 4, h].ravel() if c >= 0})
-                row = union[b * 3 + h, j].tolist()
-                assert row == want + [-1] * (8 - len(want)), (b, h, j, row, want)
-                assert count[b * 3 + h, j] == len(want)
+    B, T, Hq, K, bm = (1, 7, 2, 3, 4) if use_kernel else (2, 13, 3, 2, 4)  # kernel: few programs (slow tl.sort)
+    idx = rng.integers(-1, 9, size=(B, T, Hq, K))
+    idx[0, 0, 0] = [5, 5, -1] if use_kernel else [5, 5]  # a duplicate inside one query
+    union, count = tile_unions(torch.from_numpy(idx).to(DEVICE), bm, use_kernel=use_kernel)
+    NT = -(-T // bm)
+    assert union.shape == (B * Hq, NT, bm * K) and count.shape == (B * Hq, NT) and union.dtype == torch.int32
+    union, count = union.cpu(), count.cpu()
+    for b in range(B):
+        for h in range(Hq):
+            for j in range(NT):
+                want = sorted({int(c) for c in idx[b, bm * j : bm * j + bm, h].ravel() if c >= 0})
+                row = union[b * Hq + h, j].tolist()
+                assert row == want + [-1] * (bm * K - len(want)), (b, h, j, row, want)
+                assert count[b * Hq + h, j] == len(want)
+
+
+@pytest.mark.parametrize("D", [8, 48])
+def test_rope_rotate_matches_torch_rope(D):
+    """_common.rope_rotate (the keys of the window, rotated once) == the torch backend's RoPE."""
+    from freesolo.backends.torch._ops import rope
+    from freesolo.backends.triton._common import rope_rotate
+
+    x = torch.randn(2, 37, 3, D, device=DEVICE)
+    cos, sin = rope_tables(37, D, 10000.0, DEVICE, torch.float32)
+    want = rope(x.permute(0, 2, 1, 3), cos, sin).permute(0, 2, 1, 3)  # rope works on [..., T, D]
+    assert_close(rope_rotate(x, cos, sin).cpu().numpy(), want.cpu().numpy(), 1e-6, "rope_rotate")
 
 
 # ---- L12: bitwise row independence ------------------------------------------------------------
@@ -370,9 +388,9 @@ def test_cuda_int64_offsets():
     q, k, v = (torch.randn(B, T, H, D, device="cuda", generator=g, dtype=torch.bfloat16) for H in (Hq, Hkv, Hkv))
     pos = torch.arange(T, device="cuda")
     n_avail = (pos // cfg.block) * cfg.block // cfg.cell  # [T]
-    idx = torch.stack([n_avail - 1, n_avail // 2], -1)  # the most recent available cell and a middle one
-    idx = torch.where(idx >= 0, idx, -1)[None, :, None, :].expand(B, T, Hq, 2).contiguous()
-    idx[..., 1] = torch.where(idx[..., 1] == idx[..., 0], -1, idx[..., 1])
+    first = torch.where(n_avail >= 1, n_avail - 1, -1)  # the most recent available cell
+    second = torch.where(n_avail >= 3, n_avail // 2, -1)  # and a middle one (distinct from it)
+    idx = torch.stack([first, second], -1)[None, :, None, :].expand(B, T, Hq, 2).contiguous()
     beta = torch.ones(Hq, device="cuda")
     cos, sin = rope_tables(T, D, cfg.rope_theta, "cuda", torch.float32)
     o = attention_forward(q, k, v, idx, beta, cos, sin, cfg)[0]

@@ -135,8 +135,9 @@ def rope_rotate(x, cos, sin):
     check_head_dim(D)
     out = torch.empty_like(x)
     R = B * T * H
-    block_r = 64
+    half_p = padded_dims(D)[1]
+    block_r = max(8, 2048 // half_p)  # rows per program: 4 fp32 tiles [block_r, HALF_P] in registers
     _rope_rows_kernel[(triton.cdiv(R, block_r),)](
-        x, out, cos, sin, R, T, H, HALF=D // 2, HALF_P=padded_dims(D)[1], BLOCK_R=block_r
+        x, out, cos, sin, R, T, H, HALF=D // 2, HALF_P=half_p, BLOCK_R=block_r
     )
     return out
