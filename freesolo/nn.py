@@ -88,10 +88,13 @@ def positions_from_cu_seqlens(cu_seqlens: torch.Tensor, T: int) -> tuple[torch.T
 
 
 # ---- torch.compile: FreeSolo attention as one opaque custom op -------------------------------
-# Under torch.compile the module calls these ops instead of `freesolo_attention` directly: the
-# validation and the backends (Python loops over query blocks, host-side checks) stay outside the
-# graph, so `torch.compile(model, fullgraph=True)` traces the model without graph breaks on any
-# backend. Backward recomputes the forward with autograd inside `attention_opaque_bwd`.
+# Under torch.compile (compile_mode "auto") the module calls these ops instead of
+# `freesolo_attention` for every backend except triton (whose kernels are already custom ops with
+# fake tensors): the torch backend cannot be traced (its autograd.Function's backward calls
+# torch.autograd.grad; its Python loops over query blocks would unroll), the host backends are
+# NumPy. `torch.compile(model, fullgraph=True)` thus traces the model without graph breaks on any
+# backend. Backward recomputes the forward with autograd inside `attention_opaque_bwd` (one more
+# forward per backward).
 
 
 def _cfg_json(cfg: FreeSoloConfig) -> str:
@@ -263,6 +266,7 @@ class FreeSoloAttention(_Projections):
             raise ValueError(f"beta_init={beta_init!r} must be finite")
         self.cfg = cfg
         self.backend = backend
+        self.compile_mode = "auto"  # under torch.compile: "auto", "opaque" (attention_opaque) or "direct"
         self.beta = nn.Parameter(torch.full((self.num_heads,), float(beta_init)))
 
     @property
@@ -324,12 +328,13 @@ class FreeSoloAttention(_Projections):
         """The attention alone on projected q [B, T, Hq, D], k / v [B, T, Hkv, D] -> o [B, T, Hq, D]."""
         self._check_ready()
         if cache is None:
-            if torch.compiler.is_compiling():
+            if torch.compiler.is_compiling() and self._compile_opaque():
                 if cu_seqlens is not None:
-                    raise ValueError("cu_seqlens is not supported under torch.compile (pad or run sequences apart)")
+                    raise ValueError("cu_seqlens is not supported under torch.compile with the opaque op")
                 return attention_opaque(q, k, v, self.beta, self._cfg_json, self.backend or "")
             kwargs = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
-            return freesolo_attention(q, k, v, self.cfg, beta=self.beta, backend=self.backend, **kwargs)
+            beta = self.beta.view(-1) if torch.compiler.is_compiling() else self.beta  # a Tensor, not a Parameter
+            return freesolo_attention(q, k, v, self.cfg, beta=beta, backend=self.backend, **kwargs)
         if cu_seqlens is not None:
             raise ValueError("cu_seqlens and cache cannot be combined: a cache streams one sequence per row")
         beta = self.beta.detach()
@@ -346,6 +351,13 @@ class FreeSoloAttention(_Projections):
             cache.prefill(k, v)
             return o
         return cache.extend(q, k, v, beta=beta)
+
+    def _compile_opaque(self) -> bool:
+        """Under torch.compile: call FreeSolo through `attention_opaque`? "auto": yes, except for the
+        triton backend, whose kernels are custom ops with fake tensors (compile-native)."""
+        if self.compile_mode == "auto":
+            return (self.backend if self.backend is not None else get_backend()) != "triton"
+        return self.compile_mode == "opaque"
 
     def forward(
         self,
