@@ -25,6 +25,11 @@ The block-boundary state update (cells becoming available, FS-L pool) stays the 
 `_advance` (torch ops, no host sync for FS-L, captured in `DecodeGraph`'s boundary graph).
 No `.item()`, no host branch on tensor values: the launch depends only on host-known sizes
 (FS: the archive's capacity, which changes only when the store grows at a block boundary).
+
+Use: `FreeSoloCache(cfg, B, Hq, Hkv, D, backend="torch", decode_kernel="triton")` (or "auto":
+triton on CUDA); every `extend` of one token then runs this step, and `cache.decode_graph()`
+captures it in a CUDA graph. Each program touches only its own batch row (row independence,
+L12). Not supported: rows at different positions (the torch state holds one `pos` for all rows).
 """
 
 from __future__ import annotations
