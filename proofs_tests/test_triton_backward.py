@@ -11,6 +11,7 @@ tests (bf16 / fp16 / fp32 vs a same-precision naive implementation, long FS-L ro
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -28,6 +29,7 @@ from freesolo.backends.torch._ops import rope, rope_tables  # noqa: E402
 from freesolo.backends.triton.attention_bwd import (  # noqa: E402
     BwdTiles,
     attention_backward,
+    default_bwd_tiles,
     inverted_selection,
     segment_plan,
 )
@@ -175,6 +177,22 @@ def test_grads_match_torch_backend_float64(case, nan_poison):
     _check(got, ref, 1e-5, _case_id(case))
 
 
+@pytest.mark.parametrize(
+    "tiles",
+    [
+        BwdTiles(32, 8, 8, 32, block_r=16, block_q=4, seg=32, num_warps=1, num_stages=1, num_warps_long=1),
+        BwdTiles(16, 32, 32, 16, block_r=32, block_q=1, seg=32, num_warps=1, num_stages=1, num_warps_long=1),
+    ],
+    ids=["kv32x8-q8x32", "kv16x32-q32x16"],
+)
+def test_uneven_tiles(tiles, nan_poison):
+    """Tile shapes other than the defaults (thin / wide, window not a multiple of a tile): same gradients."""
+    cfg = FreeSoloConfig(window=24, cell=4, block=8, top_k=2, pool=3, recent=2)
+    q, k, v, beta, do, idx = make_inputs(13, 1, 45, 2, 1, 32, cfg)
+    got = run_backward(q, k, v, beta, do, idx, cfg, tiles=tiles)
+    _check(got, torch_grads(q, k, v, beta, idx, cfg, do), 1e-5, "uneven tiles")
+
+
 def test_atomic_mode_matches_deterministic():
     """deterministic=False (tl.atomic_add into fp32 buffers) agrees with the inverted selection to fp32 rounding."""
     cfg = FreeSoloConfig(window=16, cell=4, block=8, top_k=3, pool=3, recent=2)
@@ -206,8 +224,8 @@ def test_hot_cells_split_into_segments(nan_poison):
     saved = saved_tensors(q, k, v, idx, beta, cfg)
     _, offsets = inverted_selection(idx, 1, cfg.cell)
     assert int((offsets[1:] - offsets[:-1]).max()) > 16, "some cell must be read by more than one segment"
-    small = BwdTiles(block_m=16, block_n=16, block_r=16, block_q=16, seg=16, num_warps=1, num_warps_long=1)
-    one = BwdTiles(block_m=16, block_n=16, block_r=16, block_q=16, seg=4096, num_warps=1, num_warps_long=1)
+    small = dataclasses.replace(default_bwd_tiles(32, q.dtype, q.device), seg=16)
+    one = dataclasses.replace(small, seg=4096)
     a = run_backward(q, k, v, beta, do, idx, cfg, True, saved, small)
     b = run_backward(q, k, v, beta, do, idx, cfg, True, saved, small)
     for name, x, y in zip(("dq", "dk", "dv", "dbeta"), a, b):

@@ -289,7 +289,9 @@ def _bwd_long_reduce_kernel(
 
 @triton.jit
 def _load_halves(X, rows, row_mask, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
-    """X + rows[:, None] + cols: the two halves [BLOCK_R, BLOCK_H] (fp32) of D = 2*HALF vectors."""
+    """X (a scalar pointer) + rows[:, None] (int32 offsets) + cols: the two halves [BLOCK_R, BLOCK_H]
+    (fp32) of D = 2*HALF vectors. A per-program int64 base and int32 tile offsets keep 64-bit pointer
+    tiles out of the registers."""
     offs_h = tl.arange(0, BLOCK_H)
     m = row_mask[:, None] & (offs_h < HALF)[None, :]
     x1 = tl.load(X + rows[:, None] + offs_h[None, :], mask=m, other=0.0).to(tl.float32)
@@ -298,12 +300,12 @@ def _load_halves(X, rows, row_mask, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
 
 
 @triton.jit
-def _rope_tables(COS, SIN, pos, pos_mask, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
-    """cos, sin [BLOCK_R, BLOCK_H] fp32 at positions pos (tables [T, HALF])."""
+def _rope_tables(COS, SIN, p0, pos, pos_mask, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    """cos, sin [BLOCK_R, BLOCK_H] fp32 at positions p0 + pos (p0 int64 scalar, pos int32; tables [T, HALF])."""
     offs_h = tl.arange(0, BLOCK_H)
     m = pos_mask[:, None] & (offs_h < HALF)[None, :]
-    cs = tl.load(COS + pos[:, None] * HALF + offs_h[None, :], mask=m, other=0.0)
-    sn = tl.load(SIN + pos[:, None] * HALF + offs_h[None, :], mask=m, other=0.0)
+    cs = tl.load(COS + p0 * HALF + pos[:, None] * HALF + offs_h[None, :], mask=m, other=0.0)
+    sn = tl.load(SIN + p0 * HALF + pos[:, None] * HALF + offs_h[None, :], mask=m, other=0.0)
     return cs, sn
 
 
@@ -342,12 +344,13 @@ def _bwd_local_dkdv_kernel(
     g = bg - b * HKV
     G: tl.constexpr = HQ // HKV
     D: tl.constexpr = 2 * HALF
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    nmask = offs_n < T
-    kv_rows = ((b * T + offs_n) * HKV + g) * D
-    k1, k2 = _load_halves(K, kv_rows, nmask, HALF, BLOCK_H)
-    v1, v2 = _load_halves(V, kv_rows, nmask, HALF, BLOCK_H)
-    cs, sn = _rope_tables(COS, SIN, offs_n, nmask, HALF, BLOCK_H)
+    ar_n = tl.arange(0, BLOCK_N)
+    nmask = n0 + ar_n < T
+    kv_base = ((b * T + n0) * HKV + g) * D  # int64 scalar; tile offsets are int32
+    kv_rows = ar_n * (HKV * D)
+    k1, k2 = _load_halves(K + kv_base, kv_rows, nmask, HALF, BLOCK_H)
+    v1, v2 = _load_halves(V + kv_base, kv_rows, nmask, HALF, BLOCK_H)
+    cs, sn = _rope_tables(COS, SIN, n0, ar_n, nmask, HALF, BLOCK_H)
     kr1 = (k1 * cs - k2 * sn).to(DOT_DTYPE)
     kr2 = (k2 * cs + k1 * sn).to(DOT_DTYPE)
     v1 = v1.to(DOT_DTYPE)
@@ -361,22 +364,24 @@ def _bwd_local_dkdv_kernel(
         h = g * G + hh
         for it in range(NUM_M):
             m0 = m_lo + it * BLOCK_M
-            offs_m = m0 + tl.arange(0, BLOCK_M)
-            mmask = offs_m < T
-            q_rows = ((b * T + offs_m) * HQ + h) * D
-            q1, q2 = _load_halves(Q, q_rows, mmask, HALF, BLOCK_H)
-            do1, do2 = _load_halves(DO, q_rows, mmask, HALF, BLOCK_H)
-            qcs, qsn = _rope_tables(COS, SIN, offs_m, mmask, HALF, BLOCK_H)
+            ar_m = tl.arange(0, BLOCK_M)
+            mmask = m0 + ar_m < T
+            q_base = ((b * T + m0) * HQ + h) * D
+            q_rows = ar_m * (HQ * D)
+            q1, q2 = _load_halves(Q + q_base, q_rows, mmask, HALF, BLOCK_H)
+            do1, do2 = _load_halves(DO + q_base, q_rows, mmask, HALF, BLOCK_H)
+            qcs, qsn = _rope_tables(COS, SIN, m0, ar_m, mmask, HALF, BLOCK_H)
             qr1 = (q1 * qcs - q2 * qsn).to(DOT_DTYPE)
             qr2 = (q2 * qcs + q1 * qsn).to(DOT_DTYPE)
             do1 = do1.to(DOT_DTYPE)
             do2 = do2.to(DOT_DTYPE)
-            stat = (b * HQ + h) * T + offs_m
-            lse = tl.load(LSE_LOC + stat, mask=mmask, other=0.0)
-            delta = tl.load(DELTA_LOC + stat, mask=mmask, other=0.0)
+            stat = (b * HQ + h) * T + m0
+            lse = tl.load(LSE_LOC + stat + ar_m, mask=mmask, other=0.0)
+            delta = tl.load(DELTA_LOC + stat + ar_m, mask=mmask, other=0.0)
             # transposed scores: sT[n, m] = scale * kr_n . qr_m
             sT = _dot(kr1, tl.trans(qr1), IEEE) + _dot(kr2, tl.trans(qr2), IEEE)
-            diff = offs_m[None, :] - offs_n[:, None]  # i - t
+            # i - t in int32 (an int64 [BLOCK_N, BLOCK_M] tile would cost registers; |i - t| < 2^31)
+            diff = (m0 - n0).to(tl.int32) + tl.arange(0, BLOCK_M)[None, :] - tl.arange(0, BLOCK_N)[:, None]
             vis = (diff >= 0) & (diff < W) & mmask[None, :] & nmask[:, None]
             pT = tl.where(vis, tl.exp(sT * scale - lse[None, :]), 0.0)  # [BLOCK_N, BLOCK_M]
             pTc = pT.to(DOT_DTYPE)
@@ -388,12 +393,13 @@ def _bwd_local_dkdv_kernel(
             dk2 += _dot(dsT, qr2, IEEE)
     dk1 = dk1 * scale
     dk2 = dk2 * scale
-    # transpose rotation: dk1 = g1 c + g2 s, dk2 = g2 c - g1 s
+    # transpose rotation: dk1 = g1 c + g2 s, dk2 = g2 c - g1 s (tables reloaded: fewer live registers)
+    cs, sn = _rope_tables(COS, SIN, n0, ar_n, nmask, HALF, BLOCK_H)
     gk1 = dk1 * cs + dk2 * sn
     gk2 = dk2 * cs - dk1 * sn
     offs_h = tl.arange(0, BLOCK_H)
     m2 = nmask[:, None] & (offs_h < HALF)[None, :]
-    p1 = kv_rows[:, None] + offs_h[None, :]
+    p1 = kv_base + kv_rows[:, None] + offs_h[None, :]
     if HAS_LONG:
         gk1 += tl.load(DK_LONG + p1, mask=m2, other=0.0)
         gk2 += tl.load(DK_LONG + p1 + HALF, mask=m2, other=0.0)
@@ -437,35 +443,37 @@ def _bwd_local_dq_kernel(
     h = bh - b * HQ
     g = h // (HQ // HKV)
     D: tl.constexpr = 2 * HALF
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    mmask = offs_m < T
-    q_rows = ((b * T + offs_m) * HQ + h) * D
-    q1, q2 = _load_halves(Q, q_rows, mmask, HALF, BLOCK_H)
-    do1, do2 = _load_halves(DO, q_rows, mmask, HALF, BLOCK_H)
-    cs, sn = _rope_tables(COS, SIN, offs_m, mmask, HALF, BLOCK_H)
+    ar_m = tl.arange(0, BLOCK_M)
+    mmask = m0 + ar_m < T
+    q_base = ((b * T + m0) * HQ + h) * D  # int64 scalar; tile offsets are int32
+    q_rows = ar_m * (HQ * D)
+    q1, q2 = _load_halves(Q + q_base, q_rows, mmask, HALF, BLOCK_H)
+    do1, do2 = _load_halves(DO + q_base, q_rows, mmask, HALF, BLOCK_H)
+    cs, sn = _rope_tables(COS, SIN, m0, ar_m, mmask, HALF, BLOCK_H)
     qr1 = (q1 * cs - q2 * sn).to(DOT_DTYPE)
     qr2 = (q2 * cs + q1 * sn).to(DOT_DTYPE)
     do1 = do1.to(DOT_DTYPE)
     do2 = do2.to(DOT_DTYPE)
-    stat = (b * HQ + h) * T + offs_m
-    lse = tl.load(LSE_LOC + stat, mask=mmask, other=0.0)
-    delta = tl.load(DELTA_LOC + stat, mask=mmask, other=0.0)
+    stat = (b * HQ + h) * T + m0
+    lse = tl.load(LSE_LOC + stat + ar_m, mask=mmask, other=0.0)
+    delta = tl.load(DELTA_LOC + stat + ar_m, mask=mmask, other=0.0)
     dq1 = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
     dq2 = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
     # keys i - w < t <= i: NUM_N tiles ending with the one holding m0 + BLOCK_M - 1 (masked before 0)
     n_last = ((m0 + BLOCK_M - 1) // BLOCK_N) * BLOCK_N
     for it in range(NUM_N):
         n0 = n_last - (NUM_N - 1 - it) * BLOCK_N
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        nmask = (offs_n < T) & (offs_n >= 0)
-        kv_rows = ((b * T + offs_n) * HKV + g) * D
-        k1, k2 = _load_halves(K, kv_rows, nmask, HALF, BLOCK_H)
-        v1, v2 = _load_halves(V, kv_rows, nmask, HALF, BLOCK_H)
-        kcs, ksn = _rope_tables(COS, SIN, offs_n, nmask, HALF, BLOCK_H)
+        ar_n = tl.arange(0, BLOCK_N)
+        nmask = (n0 + ar_n < T) & (n0 + ar_n >= 0)
+        kv_base = ((b * T + n0) * HKV + g) * D  # may point before the row: masked
+        kv_rows = ar_n * (HKV * D)
+        k1, k2 = _load_halves(K + kv_base, kv_rows, nmask, HALF, BLOCK_H)
+        v1, v2 = _load_halves(V + kv_base, kv_rows, nmask, HALF, BLOCK_H)
+        kcs, ksn = _rope_tables(COS, SIN, n0, ar_n, nmask, HALF, BLOCK_H)
         kr1 = (k1 * kcs - k2 * ksn).to(DOT_DTYPE)
         kr2 = (k2 * kcs + k1 * ksn).to(DOT_DTYPE)
         s = _dot(qr1, tl.trans(kr1), IEEE) + _dot(qr2, tl.trans(kr2), IEEE)  # [BLOCK_M, BLOCK_N]
-        diff = offs_m[:, None] - offs_n[None, :]
+        diff = (m0 - n0).to(tl.int32) + tl.arange(0, BLOCK_M)[:, None] - tl.arange(0, BLOCK_N)[None, :]  # i - t
         vis = (diff >= 0) & (diff < W) & mmask[:, None] & nmask[None, :]
         p = tl.where(vis, tl.exp(s * scale - lse[:, None]), 0.0)
         dp = _dot(do1, tl.trans(v1.to(DOT_DTYPE)), IEEE) + _dot(do2, tl.trans(v2.to(DOT_DTYPE)), IEEE)
@@ -474,11 +482,12 @@ def _bwd_local_dq_kernel(
         dq2 += _dot(ds, kr2, IEEE)
     dq1 = dq1 * scale
     dq2 = dq2 * scale
+    cs, sn = _rope_tables(COS, SIN, m0, ar_m, mmask, HALF, BLOCK_H)  # reloaded: fewer live registers
     gq1 = dq1 * cs + dq2 * sn
     gq2 = dq2 * cs - dq1 * sn
     offs_h = tl.arange(0, BLOCK_H)
     m2 = mmask[:, None] & (offs_h < HALF)[None, :]
-    p1 = q_rows[:, None] + offs_h[None, :]
+    p1 = q_base + q_rows[:, None] + offs_h[None, :]
     gq1 += tl.load(DQ_LONG + p1, mask=m2, other=0.0)
     gq2 += tl.load(DQ_LONG + p1 + HALF, mask=m2, other=0.0)
     tl.store(DQ + p1, gq1.to(DQ.dtype.element_ty), mask=m2)
@@ -494,18 +503,26 @@ _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.floa
 
 @dataclass(frozen=True)
 class BwdTiles:
-    """Tile sizes of the backward kernels (they depend on D, dtype and device only, never on B or T)."""
+    """Tile sizes of the backward kernels (they depend on D, dtype and device only, never on B or T).
 
-    block_m: int = 64  # queries per tile of the local kernels (>= 16 on the GPU: tl.dot's minimum)
-    block_n: int = 64  # keys per tile of the local kernels (>= 16 on the GPU)
+    Defaults chosen from the sm_90 register / spill counts of `triton.compile` for D = 64, bf16
+    (FA2-like shapes: the dk/dv kernel steps over thin query tiles of a wide key tile, the dq kernel
+    over thin key tiles of a wide query tile); to be confirmed by `benchmarks/triton_backward_bench.py --sweep`.
+    """
+
+    kv_block_n: int = 64  # keys per program of the local dk/dv kernel (>= 16 on the GPU: tl.dot's minimum)
+    kv_block_m: int = 32  # queries per step of the local dk/dv kernel
+    q_block_m: int = 64  # queries per program of the local dq kernel
+    q_block_n: int = 32  # keys per step of the local dq kernel
     block_r: int = 32  # readers per step of the deterministic cell kernel (>= 16 on the GPU)
     block_q: int = 1  # queries per program of the per-query long-branch kernel
     seg: int = 1024  # readers per work item of the cell kernel: a cell read more often is split (fixed order)
-    num_warps: int = 4  # warps of the local kernels
-    num_warps_long: int = 4  # warps of the per-query and per-cell kernels
+    num_warps: int = 8  # warps of the local kernels
+    num_stages: int = 2  # software pipelining depth of the local kernels' loops
+    num_warps_long: int = 8  # warps of the per-query and per-cell kernels
 
     def __post_init__(self):
-        for name in ("block_m", "block_n", "block_r", "block_q"):
+        for name in ("kv_block_n", "kv_block_m", "q_block_m", "q_block_n", "block_r", "block_q"):
             x = getattr(self, name)
             if x < 1 or x & (x - 1):
                 raise ValueError(f"{name}={x} must be a power of two")
@@ -514,11 +531,10 @@ class BwdTiles:
 
 
 def default_bwd_tiles(D: int, dtype: torch.dtype, device: torch.device) -> BwdTiles:
-    """Tiles by head dim and device; the interpreter (CPU) gets small tiles and many queries per program."""
+    """Tiles by device (and later head dim / dtype); the interpreter (CPU) gets small tiles and many
+    queries per program (it runs programs one after the other)."""
     if device.type != "cuda":
-        return BwdTiles(block_m=16, block_n=16, block_r=16, block_q=16, seg=64, num_warps=1, num_warps_long=1)
-    if D > 64:
-        return BwdTiles(block_m=64, block_n=64, block_r=32, num_warps=8, num_warps_long=8)
+        return BwdTiles(16, 16, 16, 16, block_r=16, block_q=16, seg=64, num_warps=1, num_stages=1, num_warps_long=1)
     return BwdTiles()
 
 
@@ -738,7 +754,7 @@ def attention_backward(
             **blocks,
         )
         _bwd_long_reduce_kernel[(ncells,)](
-            nseg, part_base, part_dk, part_dv, dk_long, dv_long, T, C, HKV=Hkv, D=D, CELL=s, num_warps=1, **blocks
+            nseg, part_base, part_dk, part_dv, dk_long, dv_long, T, C, HKV=Hkv, D=D, CELL=s, num_warps=4, **blocks
         )
     half = D // 2
     common = dict(
@@ -746,23 +762,24 @@ def attention_backward(
         HKV=Hkv,
         HALF=half,
         BLOCK_H=_pow2(half, 16),
-        BLOCK_M=tiles.block_m,
-        BLOCK_N=tiles.block_n,
         IEEE=ieee,
         num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )
     w = min(cfg.window, T)  # a window longer than the sequence sees the same keys
-    bm, bn = tiles.block_m, tiles.block_n
+    bm, bn = tiles.kv_block_m, tiles.kv_block_n
     # query tiles seeing a key tile [n0, n0+bn): i in [n0, n0+bn-1+w-1], tiles from floor(n0/bm)*bm
     num_m = (bm - 1 + bn - 1 + w - 1) // bm + 1
-    # key tiles seen by a query tile [m0, m0+bm): t in [m0-w+1, m0+bm-1], tiles ending at floor((m0+bm-1)/bn)*bn
-    num_n = (bn - 1 + bm - 1 + w - 1) // bn + 1
     _bwd_local_dkdv_kernel[(triton.cdiv(T, bn), B * Hkv)](
         do, q, k, v, cos, sin, lse_loc, delta_loc, dk_long, dv_long, dk, dv, T, w, scale,
-        HAS_LONG=has_long, NUM_M=num_m, **common,
+        BLOCK_M=bm, BLOCK_N=bn, HAS_LONG=has_long, NUM_M=num_m, **common,
     )
+    bm, bn = tiles.q_block_m, tiles.q_block_n
+    # key tiles seen by a query tile [m0, m0+bm): t in [m0-w+1, m0+bm-1], tiles ending at floor((m0+bm-1)/bn)*bn
+    num_n = (bn - 1 + bm - 1 + w - 1) // bn + 1
     _bwd_local_dq_kernel[(triton.cdiv(T, bm), B * Hq)](
-        do, q, k, v, cos, sin, lse_loc, delta_loc, dq_long, dq, T, w, scale, NUM_N=num_n, **common
+        do, q, k, v, cos, sin, lse_loc, delta_loc, dq_long, dq, T, w, scale,
+        BLOCK_M=bm, BLOCK_N=bn, NUM_N=num_n, **common,
     )
     dbeta = dbeta_part.sum(dim=(0, 2))  # fixed-order reduction (no atomics)
     return dq, dk, dv, dbeta
