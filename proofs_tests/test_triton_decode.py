@@ -305,7 +305,7 @@ def test_cuda_graph_fused_decode(variant):
     replays, same state afterwards."""
     cfg = FreeSoloConfig(variant=variant, window=32, cell=4, block=16, pool=4, recent=3, top_k=3)
     B, Hq, Hkv, D = 3, 4, 1, 64
-    T0, steps = 40, 60 if variant == "fsl" else 40  # FS: 16 slots hold 64 tokens; grows at t = 80
+    T0, steps = 40, 60  # FS: 16 slots hold 64 tokens; the archive grows at t = 80
     q, k, v, beta = cuda_tensors(14, B, T0 + steps, Hq, Hkv, D, torch.float32)
     eager = FreeSoloCache(cfg, B, Hq, Hkv, D, backend="torch", decode_kernel="triton")
     eager.extend(q[:, :T0], k[:, :T0], v[:, :T0])
@@ -329,6 +329,8 @@ def test_cuda_graph_fused_decode(variant):
     assert graphed.length == eager.length == T0 + steps
     for name, x in eager.state.buffers().items():
         assert torch.equal(graphed.state.buffers()[name], x), f"state {name} differs after graph replay"
+    if variant == "fs":
+        assert graphed.state.cell_ids.shape[2] == 32, "the test must cross the archive's growth (16 -> 32 slots)"
 
 
 @needs_cuda
