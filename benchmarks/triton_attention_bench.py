@@ -45,9 +45,11 @@ from freesolo.backends.triton.attention import (  # noqa: E402
 
 WINDOW = 512
 SWEEP = [
-    AttentionTiles(64, 64, 4, 2),
     AttentionTiles(64, 64, 8, 2),
+    AttentionTiles(64, 64, 4, 2),
+    AttentionTiles(64, 64, 8, 3),
     AttentionTiles(64, 64, 4, 3),
+    AttentionTiles(64, 128, 8, 2),
     AttentionTiles(64, 32, 4, 2),
     AttentionTiles(128, 64, 8, 2),
     AttentionTiles(128, 32, 8, 2),

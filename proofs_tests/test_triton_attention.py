@@ -207,6 +207,17 @@ def test_tile_unions(use_kernel):
                 assert count[b * Hq + h, j] == len(want)
 
 
+@needs_cuda
+def test_cuda_union_kernel_matches_torch_sorts():
+    """The union kernel (tl.sort, one launch) == the torch sorts on a large random selection."""
+    g = torch.Generator(device="cuda").manual_seed(2)
+    idx = torch.randint(-1, 300, (2, 3001, 5, 4), device="cuda", generator=g)
+    for block_m in (32, 64, 128):
+        a = tile_unions(idx, block_m, use_kernel=True)
+        b = tile_unions(idx, block_m, use_kernel=False)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), f"block_m={block_m}"
+
+
 @pytest.mark.parametrize("D", [8, 48])
 def test_rope_rotate_matches_torch_rope(D):
     """_common.rope_rotate (the keys of the window, rotated once) == the torch backend's RoPE."""
@@ -355,8 +366,8 @@ def test_cuda_matches_oracle(dtype, D):
 @needs_cuda
 @pytest.mark.parametrize("variant", ["fs", "fsl"])
 def test_cuda_long_sequence_matches_torch_backend(variant):
-    """T = 8191, H 16, D 64 at the default sizes: fp32 kernel vs the torch backend (fp32) with the
-    same idx, and bf16 within 2x the torch backend's own bf16 error."""
+    """T = 8191, H 16, D 64 at the default sizes: the fp32 kernel vs the torch backend (float64) with
+    the same idx < 1e-5 rms-rel, the bf16 kernel < 1e-2 (on the same bf16-rounded inputs)."""
     from freesolo.backends.torch import attention
 
     cfg = FreeSoloConfig(variant=variant)
@@ -372,9 +383,9 @@ def test_cuda_long_sequence_matches_torch_backend(variant):
     lo = [x.bfloat16() for x in (q, k, v)]
     ref = attention(*(x.double() for x in lo), cfg, beta.double(), idx=idx).cpu().numpy()
     o = attention_forward(*lo, idx, beta, cos, sin, cfg)[0].double().cpu().numpy()
-    o_torch = attention(*lo, cfg, beta, idx=idx).double().cpu().numpy()
-    err, err_torch = rms_rel_error(o, ref), rms_rel_error(o_torch, ref)
-    assert err <= 2 * err_torch, f"bf16 o error {err:.2e} > 2x the torch backend's {err_torch:.2e}"
+    # the 2x-naive rule of spec §13 is checked at T = 333 (test_cuda_matches_oracle); here a bf16
+    # bound (a few ulps of 2^-8: operands rounded to bf16 before the tensor-core dots)
+    assert_close(o, ref, 1e-2, "bf16 o")
 
 
 @needs_cuda

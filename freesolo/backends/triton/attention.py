@@ -278,8 +278,9 @@ def default_tiles(D: int, dtype: torch.dtype, device: torch.device) -> Attention
     # register pressure measured with ptxas for sm_90 (no or < 100 bytes of spills at these sizes)
     if d_p <= 64:
         return AttentionTiles(block_m=64, block_n=32 if wide else 64, num_warps=8, num_stages=2)
-    if d_p <= 128:
-        return AttentionTiles(block_m=64 if not wide else 32, block_n=32, num_warps=8, num_stages=2)
+    if d_p <= 128 and not wide:
+        return AttentionTiles(block_m=64, block_n=32, num_warps=8, num_stages=2)
+    # D 256, and fp32 past D 64 (its "ieee" dots run on FMA units, not tensor cores): some spills
     return AttentionTiles(block_m=32, block_n=32, num_warps=8, num_stages=1)
 
 
