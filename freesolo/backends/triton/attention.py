@@ -1,22 +1,32 @@
 """Fused FreeSolo forward in Triton: local RoPE window + sparse NoPE readout + RMSNorm + beta (spec §2, §7).
 
-One program per (query tile of BLOCK_M positions, batch row b, query head h); kv head
+Host side (`attention_forward`): the keys are rotated once (`_common.rope_rotate`, fp32 math, one
+rounding to the input dtype), the cells selected by each tile of BLOCK_M queries are gathered
+into a sorted, deduplicated, fixed-width list (`tile_unions`: one Triton launch on CUDA), then one
+fused kernel runs. One program per (query tile, batch row b, query head h); kv head
 g = h // (Hq // Hkv). The program
-1. rotates its queries (RoPE in fp32, half-split, `_common.rope_halves`) and runs an online
-   softmax (flash-attention style, exp2 domain) over the key tiles of its window, keys
-   i - w < t <= i, rotating each key tile on the fly;
-2. loops over the tile's cell union: the sorted, deduplicated cells that any query of the tile
-   selected (`tile_unions`, fixed width BLOCK_M * K, -1 padded), one cell per step:
-   logits [BLOCK_M, cell] = q . k (unrotated, tensor cores), masked to the queries that
-   selected that cell, online softmax again;
-3. writes o = o_loc + beta_h * o_long * rstd and the statistics the backward needs.
+1. rotates its queries (RoPE in fp32, half-split) and runs an online softmax (flash-attention
+   style, exp2 domain, fp32 accumulation) over the rotated key tiles of its window, keys
+   i - w < t <= i: a masked tile where the window starts, unmasked tiles inside every query's
+   window, masked tiles on the diagonal;
+2. loops over the tile's cell union, one cell per step: logits [BLOCK_M, cell] = q . k
+   (unrotated, tensor cores), masked to the queries that selected that cell, online softmax;
+3. writes o = o_loc + beta_h * o_long * rstd and the statistics the backward needs
+   (lse_loc, lse_long, rstd).
+Why a tile union and not a per-query gather: per-query-head selections leave no group of
+queries sharing one selection (NSA's trick: fla's parallel_nsa puts the G heads of a GQA group
+on the M side of the dot); the union keeps the tensor cores busy at the price of masked work
+(on iid keys a 64-query tile's FS-L union holds ~24 cells, ~6x the 4 each query reads; on keys
+with norm spread ~5), and needs no second pass or partial-result buffer (Flash Sparse
+Attention's inverted loop does).
 
 Row independence (spec L12, bitwise). A query's steps in the long loop are its own cells in
 ascending order, whatever the other queries selected: a cell selected only by other queries
 is a fully masked step (logits -inf, running max starting at the finite NEG_BIG), so
 m_new = m, alpha = exp2(0) = 1, p = 0, and (m, l, acc) keep every bit. One cell per step
 (never two cells grouped in one step) keeps the grouping of a query's tokens independent of
-the others. Tile sizes depend on (D, dtype, device) only, never on B or T.
+the others. The window phases depend on the tile start only; tile sizes depend on (D, dtype,
+device) only, never on B or T.
 """
 
 from __future__ import annotations
