@@ -7,8 +7,9 @@ block 128, pool 64, recent 8, top_k 4), median ms of `triton.testing.do_bench`:
   fsl_select      the whole FS-L selection (cell_stats + pools + scoring / top-K)
   fs_select       the whole FS selection (cell_stats + scoring / top-K over every available cell)
   torch_fsl       the torch backend's FS-L selection, for reference
-then a sweep of the scoring tiles (BLOCK_M, BLOCK_N, num_warps) at 64k, Hkv = 16, and a check that
-the Triton FS-L / FS selections equal the torch backend's on all but near-tie rows at 4k.
+then a sweep of the scoring tiles (BLOCK_M, BLOCK_N, num_warps) and of the pool scan's chunk at
+64k, Hkv = 16, and a check that the Triton FS-L / FS selections equal the torch backend's on all
+but near-tie rows at 4k.
 
 Usage (GPU machine, repository root; < 1 minute on an H200):
     python benchmarks/triton_selection_bench.py [--json benchmarks/results/triton_selection.json]
@@ -88,6 +89,11 @@ def main() -> None:
         t_fs = ms(lambda: select_cells(q, k, fs, tiles))
         records.append({"sweep": [bm, bn, nw], "T": T, "Hkv": Hkv, "fsl_select": t_fsl, "fs_select": t_fs})
         print(f"  BLOCK_M={bm:>3} BLOCK_N={bn:>3} warps={nw}: fsl_select {t_fsl:8.3f} ms   fs_select {t_fs:8.3f} ms")
+    _, amax = cell_stats(k, fsl.cell)
+    for chunk in (16, 32, 64, 128):
+        t_pool = ms(lambda: fsl_candidates(amax, T, fsl, chunk=chunk))
+        records.append({"pool_chunk": chunk, "T": T, "Hkv": Hkv, "fsl_pool": t_pool})
+        print(f"  FS-L pools with scan chunk {chunk:>3}: {t_pool:8.3f} ms")
     # agreement with the torch backend (fp32 scores both; rows may differ only at near-ties)
     T = 4096
     q = torch.randn(1, T, HQ, D, device="cuda", dtype=torch.bfloat16)

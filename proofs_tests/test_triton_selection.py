@@ -119,24 +119,26 @@ def test_cell_stats_match_float64(B, T, Hkv, D, cell):
 
 
 @pytest.mark.parametrize(
-    "T,cell,block,pool,recent,tied",
+    "T,cell,block,pool,recent,tied,chunk",
     [
-        (200, 4, 8, 3, 2, False),
-        (200, 4, 8, 3, 2, True),
-        (129, 4, 16, 2, 1, True),
-        (97, 4, 4, 4, 2, True),  # block == cell: one cell leaves the recent window per block
-        (150, 2, 32, 3, 1, True),  # 16 cells per block: the pool takes new cells in chunks
-        (63, 4, 8, 64, 2, False),  # pool larger than every older set
+        (200, 4, 8, 3, 2, False, 4),
+        (200, 4, 8, 3, 2, True, 2),
+        (200, 4, 8, 3, 2, True, None),  # default chunk 64 > C: the per-block kernel does it all
+        (129, 4, 16, 2, 1, True, 8),
+        (97, 4, 4, 4, 2, True, 2),  # block == cell: one cell leaves the recent window per block
+        (150, 2, 32, 3, 1, True, 4),  # 16 cells per block, several scan steps per block
+        (63, 4, 8, 64, 2, False, 16),  # pool larger than every older set
     ],
     ids=lambda x: str(x),
 )
-def test_fsl_pools_equal_oracle(T, cell, block, pool, recent, tied):
-    """cand[b, g, j] == oracle.block_candidates(a, n_j) as sets, every block, pools exactly."""
+def test_fsl_pools_equal_oracle(T, cell, block, pool, recent, tied, chunk):
+    """cand[b, g, j] == oracle.block_candidates(a, n_j) as sets, every block, pools exactly, for
+    scan steps (`chunk`) smaller than, equal to and larger than the cells per block."""
     B, Hkv, D = 2, 2, 8
     cfg = _cfg(cell=cell, block=block, window=block, pool=pool, recent=recent)
     k = _tied_keys(T, B, T, Hkv, D) if tied else random_qkv(T, B, T, 1, Hkv, D)[1]
     _, amax = cell_stats(_t(k), cell)
-    cand = fsl_candidates(amax, T, cfg).cpu().numpy()
+    cand = fsl_candidates(amax, T, cfg, chunk=chunk).cpu().numpy()
     nblocks = -(-T // block)
     assert cand.shape == (B, Hkv, nblocks, pool + recent) and cand.dtype == np.int32, (cand.shape, cand.dtype)
     ties = 0

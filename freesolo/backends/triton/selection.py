@@ -1,16 +1,17 @@
 """Triton selection kernels for FS and FS-L (spec §3-§5, §7): cell statistics, FS-L candidate
 pools, scoring + per-query top-K.
 
-Three kernels, launched in this order by `select_cells`:
+The kernels, launched in this order by `select_cells`:
 
 1. `_cell_stats_kernel`: one pass over K. One program per (b, kv head, group of CELLS_PER_PROG
    cells): kbar_c = mean key (fp32), a_c = max key norm (fp32).
-2. `_fsl_pool_kernel` (FS-L only): one program per (b, kv head) scans the query blocks in order
-   with the pool in registers (the streaming form of §5): at block j the cells
-   [m_{j-1}, m_j) (m_j = max(0, n_j - W)) leave the recent window and compete with the kept pool
-   on (a_c desc, c desc); the losers are dropped for ever. The pool keeps every member's rank
-   (0 = best) so that one update costs O(P * Bq/s), never O(P^2) nor a scan of older cells:
-   linear in T. Writes cand int32 [B, Hkv, nblocks, P + W]: the pool's P slots (unordered, -1 for
+2. FS-L only, `_fsl_pool_scan_kernel` then `_fsl_cand_kernel` (see `fsl_candidates`): one program
+   per (b, kv head) runs the streaming form of §5 over the older cells, `chunk` cells per step
+   with the pool in registers (cells compete with the kept pool on (a_c desc, c desc), losers are
+   dropped for ever; the pool keeps its members' ranks so a step costs O(P * chunk), never a
+   scan of older cells), recording the pool at chunk boundaries; then one program per query
+   block completes its pool from the last boundary, in parallel. Linear in T, sequential depth
+   C / chunk. Writes cand int32 [B, Hkv, nblocks, P + W]: the pool's P slots (unordered, -1 for
    an empty slot), then the W recent cells [m_j, n_j) (-1 past n_j).
 3. `_score_topk_kernel`: one program per (b, query head, tile of BLOCK_M queries inside one query
    block). Streams over the block's candidates in chunks of BLOCK_N (FS: every available cell
@@ -40,10 +41,11 @@ import triton.language as tl
 from ...config import FreeSoloConfig
 from . import _common  # noqa: F401  (its import patches the interpreter's dynamic loop bounds for NumPy >= 2.4)
 
-__all__ = ["MAX_POOL", "ScoreTiles", "cell_stats", "fsl_candidates", "score_tiles", "select_cells"]
+__all__ = ["MAX_POOL", "ScoreTiles", "cell_stats", "fsl_candidates", "pool_chunk", "score_tiles", "select_cells"]
 
-# The FS-L pool lives in registers: P rounded up to a power of two lanes per program.
-MAX_POOL = 1024
+# The FS-L pool lives in registers: P rounded up to a power of two lanes per program (with
+# [P, chunk] comparison tiles; 256 x 16 compiles for sm_90 without spills at 8 warps).
+MAX_POOL = 256
 # Below every real a_c (a norm, >= 0): the key of an empty pool slot, and of a padding new cell.
 _EMPTY_A = tl.constexpr(-1.0)
 _PAD_A = tl.constexpr(-2.0)
@@ -108,21 +110,19 @@ def _cell_stats_kernel(
 
 
 @triton.jit
-def _fsl_pool_kernel(
+def _fsl_pool_scan_kernel(
     AMAX,  # fp32 [B, Hkv, C]
-    CAND,  # int32 [B, Hkv, NBLOCKS, POOL + RECENT]
+    BASE,  # int32 [B, Hkv, NCHUNKS + 1, POOL]: BASE[t] = top-P of cells [0, t * CHUNK), -1 = empty
     C,
-    NBLOCKS,
+    M_LAST,  # older cells of the last query block: cells [0, M_LAST) are scanned
+    NCHUNKS,  # ceil(M_LAST / CHUNK)
     POOL: tl.constexpr,
-    RECENT: tl.constexpr,
-    CELLS_PER_BLOCK: tl.constexpr,  # Bq / s
     P_PAD: tl.constexpr,
-    NEW_PAD: tl.constexpr,
-    R_PAD: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)  # b * Hkv + g
     a_base = AMAX + pid * C
-    cand_base = CAND + pid * NBLOCKS * (POOL + RECENT)
+    base_rows = BASE + pid * (NCHUNKS + 1) * POOL
     slot = tl.arange(0, P_PAD)
     live = slot < POOL  # lanes past POOL are never part of the pool
     # The pool: POOL members, empty ones with key (_EMPTY_A, -1 - slot) so that every key is
@@ -130,45 +130,89 @@ def _fsl_pool_kernel(
     pool_a = tl.full([P_PAD], _EMPTY_A, tl.float32)
     pool_c = -1 - slot
     pool_r = slot
-    new_i = tl.arange(0, NEW_PAD)
+    new_i = tl.arange(0, CHUNK)
+    tl.store(base_rows + slot, tl.full([P_PAD], -1, tl.int32), mask=live)
+    for t in range(NCHUNKS):
+        new_c = t * CHUNK + new_i
+        new_ok = new_c < M_LAST
+        new_a = tl.load(a_base + new_c, mask=new_ok, other=_PAD_A)
+        new_c = tl.where(new_ok, new_c, -2 - P_PAD - new_i)  # padding: distinct, below everything
+        # beats[x, y]: new y beats pool x on (a desc, c desc)
+        beats = (new_a[None, :] > pool_a[:, None]) | (
+            (new_a[None, :] == pool_a[:, None]) & (new_c[None, :] > pool_c[:, None])
+        )
+        beats = beats & live[:, None]
+        union_r_pool = pool_r + tl.reduce(beats.to(tl.int32), 1, _SUM)  # [P_PAD] rank in pool + new
+        beaten_by_pool = tl.reduce((live[:, None] & ~beats).to(tl.int32), 0, _SUM)  # [CHUNK]
+        nn_beats = (new_a[None, :] > new_a[:, None]) | (
+            (new_a[None, :] == new_a[:, None]) & (new_c[None, :] > new_c[:, None])
+        )
+        union_r_new = beaten_by_pool + tl.reduce(nn_beats.to(tl.int32), 1, _SUM)  # [CHUNK]
+        dropped = live & (union_r_pool >= POOL)
+        survives = union_r_new < POOL
+        # the k-th dropped slot (in slot order) takes the k-th surviving new cell
+        drop_k = tl.associative_scan(dropped.to(tl.int32), 0, _SUM) - 1
+        surv_k = tl.associative_scan(survives.to(tl.int32), 0, _SUM) - 1
+        take = dropped[:, None] & survives[None, :] & (drop_k[:, None] == surv_k[None, :])  # [P_PAD, CHUNK]
+        take_a = tl.reduce(tl.where(take, new_a[None, :], 0.0), 1, _SUM)
+        take_c = tl.reduce(tl.where(take, new_c[None, :], 0), 1, _SUM)
+        take_r = tl.reduce(tl.where(take, union_r_new[None, :], 0), 1, _SUM)
+        pool_a = tl.where(dropped, take_a, pool_a)
+        pool_c = tl.where(dropped, take_c, pool_c)
+        pool_r = tl.where(dropped, take_r, union_r_pool)
+        tl.store(base_rows + (t + 1) * POOL + slot, tl.where(pool_a >= 0.0, pool_c, -1).to(tl.int32), mask=live)
+
+
+@triton.jit
+def _fsl_cand_kernel(
+    AMAX,  # fp32 [B, Hkv, C]
+    BASE,  # int32 [B, Hkv, NCHUNKS + 1, POOL] from _fsl_pool_scan_kernel
+    CAND,  # int32 [B, Hkv, NBLOCKS, POOL + RECENT]
+    C,
+    NBLOCKS,
+    NCHUNKS,
+    POOL: tl.constexpr,
+    RECENT: tl.constexpr,
+    CELLS_PER_BLOCK: tl.constexpr,  # Bq / s
+    CHUNK: tl.constexpr,
+    U_TILE: tl.constexpr,
+    R_PAD: tl.constexpr,
+):
+    j = tl.program_id(0).to(tl.int64)  # query block
+    pid = tl.program_id(1).to(tl.int64)  # b * Hkv + g
+    n_j = j * CELLS_PER_BLOCK
+    m_j = tl.maximum(n_j - RECENT, 0)  # older cells [0, m_j)
+    t = m_j // CHUNK
+    x0 = t * CHUNK
+    n_union = POOL + (m_j - x0)  # top-P of [0, m_j) = top-P(BASE[t] + cells [x0, m_j))
+    amax_row = AMAX + pid * C
+    base_row = BASE + (pid * (NCHUNKS + 1) + t) * POOL
+    row = CAND + (pid * NBLOCKS + j) * (POOL + RECENT)
+    u_off = tl.arange(0, U_TILE).to(tl.int64)
+    n_valid = 0
+    # union member u: base pool slot u (u < POOL), else cell x0 + u - POOL; (cell, a, valid)
+    for u0 in range(0, n_union, U_TILE):
+        ux = u0 + u_off
+        cx = tl.where(ux < POOL, tl.load(base_row + ux, mask=ux < POOL, other=-1).to(tl.int64), x0 + ux - POOL)
+        okx = (ux < n_union) & (cx >= 0)
+        ax = tl.load(amax_row + tl.where(okx, cx, 0), mask=okx, other=0.0)
+        rank = tl.zeros([U_TILE], dtype=tl.int32)
+        for v0 in range(0, n_union, U_TILE):
+            uy = v0 + u_off
+            cy = tl.where(uy < POOL, tl.load(base_row + uy, mask=uy < POOL, other=-1).to(tl.int64), x0 + uy - POOL)
+            oky = (uy < n_union) & (cy >= 0)
+            ay = tl.load(amax_row + tl.where(oky, cy, 0), mask=oky, other=0.0)
+            beats = (ay[None, :] > ax[:, None]) | ((ay[None, :] == ax[:, None]) & (cy[None, :] > cx[:, None]))
+            rank += tl.reduce((beats & oky[None, :]).to(tl.int32), 1, _SUM)  # [U_TILE]: members beating x
+        # ranks of the valid members are 0 .. n_valid-1 (distinct keys): the P best fill slots 0 .. P-1
+        tl.store(row + rank, cx.to(tl.int32), mask=okx & (rank < POOL))
+        n_valid += tl.reduce(okx.to(tl.int32), 0, _SUM)
+    for s0 in range(0, POOL, U_TILE):
+        slots = s0 + u_off
+        tl.store(row + slots, tl.full([U_TILE], -1, tl.int32), mask=(slots >= n_valid) & (slots < POOL))
     r_off = tl.arange(0, R_PAD)
-    m_prev = 0
-    for j in range(NBLOCKS):
-        n_j = j * CELLS_PER_BLOCK  # available cells of block j
-        m_j = tl.maximum(n_j - RECENT, 0)  # cells [m_prev, m_j) leave the recent window now
-        for n0 in range(m_prev, m_j, NEW_PAD):  # fed in chunks: top-P of a union is associative
-            new_c = n0 + new_i
-            new_ok = new_c < m_j
-            new_a = tl.load(a_base + new_c, mask=new_ok, other=_PAD_A)
-            new_c = tl.where(new_ok, new_c, -2 - P_PAD - new_i)  # padding: distinct, below everything
-            # beats[x, y]: new y beats pool x on (a desc, c desc)
-            beats = (new_a[None, :] > pool_a[:, None]) | (
-                (new_a[None, :] == pool_a[:, None]) & (new_c[None, :] > pool_c[:, None])
-            )
-            beats = beats & live[:, None]
-            union_r_pool = pool_r + tl.reduce(beats.to(tl.int32), 1, _SUM)  # [P_PAD] rank in pool + new
-            beaten_by_pool = tl.reduce((live[:, None] & ~beats).to(tl.int32), 0, _SUM)  # [NEW_PAD]
-            nn_beats = (new_a[None, :] > new_a[:, None]) | (
-                (new_a[None, :] == new_a[:, None]) & (new_c[None, :] > new_c[:, None])
-            )
-            union_r_new = beaten_by_pool + tl.reduce(nn_beats.to(tl.int32), 1, _SUM)  # [NEW_PAD]
-            dropped = live & (union_r_pool >= POOL)
-            survives = union_r_new < POOL
-            # the k-th dropped slot (in slot order) takes the k-th surviving new cell
-            drop_k = tl.associative_scan(dropped.to(tl.int32), 0, _SUM) - 1
-            surv_k = tl.associative_scan(survives.to(tl.int32), 0, _SUM) - 1
-            take = dropped[:, None] & survives[None, :] & (drop_k[:, None] == surv_k[None, :])  # [P_PAD, NEW_PAD]
-            take_a = tl.reduce(tl.where(take, new_a[None, :], 0.0), 1, _SUM)
-            take_c = tl.reduce(tl.where(take, new_c[None, :], 0), 1, _SUM)
-            take_r = tl.reduce(tl.where(take, union_r_new[None, :], 0), 1, _SUM)
-            pool_a = tl.where(dropped, take_a, pool_a)
-            pool_c = tl.where(dropped, take_c, pool_c)
-            pool_r = tl.where(dropped, take_r, union_r_pool)
-        m_prev = m_j
-        row = cand_base + j * (POOL + RECENT)
-        tl.store(row + slot, tl.where(pool_a >= 0.0, pool_c, -1).to(tl.int32), mask=live)
-        rc = m_j + r_off
-        tl.store(row + POOL + r_off, tl.where(rc < n_j, rc, -1).to(tl.int32), mask=r_off < RECENT)
+    rc = m_j + r_off
+    tl.store(row + POOL + r_off, tl.where(rc < n_j, rc, -1).to(tl.int32), mask=r_off < RECENT)
 
 
 @triton.jit
@@ -354,12 +398,29 @@ def cell_stats(k: torch.Tensor, cell: int) -> Tuple[torch.Tensor, torch.Tensor]:
     return kbar, amax
 
 
-def fsl_candidates(amax: torch.Tensor, T: int, cfg: FreeSoloConfig) -> torch.Tensor:
-    """FS-L candidate cells of every query block (spec §5, streaming form), linear in T.
+def pool_chunk(pool: int) -> int:
+    """Cells merged per step of the sequential pool scan: 64 for pools up to 64, then fewer
+    (the step holds [pool, chunk] comparisons in registers)."""
+    return max(16, min(64, 4096 // triton.next_power_of_2(pool)))
+
+
+def fsl_candidates(amax: torch.Tensor, T: int, cfg: FreeSoloConfig, chunk: Optional[int] = None) -> torch.Tensor:
+    """FS-L candidate cells of every query block (spec §5), linear in T, in two kernels:
+
+    1. `_fsl_pool_scan_kernel`, one program per (b, kv head): the streaming form of §5 over the
+       older cells in chunks of `chunk` cells (the cells leaving the recent window compete with the
+       kept pool on (a_c desc, c desc), losers dropped for ever; the pool keeps its members' ranks
+       so a step costs O(P * chunk)); it records the pool at every chunk boundary,
+       BASE[t] = top-P of cells [0, t * chunk). Sequential depth: C / chunk steps (not T / Bq).
+    2. `_fsl_cand_kernel`, one program per (query block j, b, kv head), all in parallel: with
+       m_j = max(0, n_j - W) and t = m_j // chunk, pool_j = top-P of BASE[t] + cells
+       [t * chunk, m_j) (top-P of a union is associative), by ranks in that union of at most
+       P + chunk - 1 members; then the W recent cells [m_j, n_j).
 
     Args:
         amax: fp32 [B, Hkv, C] max key norms (from `cell_stats`).
         T: sequence length (nblocks = ceil(T / block)).
+        chunk: scan step in cells (default `pool_chunk(pool)`; a power of two; tests use small ones).
     Returns:
         cand int32 [B, Hkv, nblocks, pool + recent]: the pool's slots (unordered, -1 = empty),
         then the recent cells [max(0, n_j - W), n_j) (-1 past n_j).
@@ -367,22 +428,34 @@ def fsl_candidates(amax: torch.Tensor, T: int, cfg: FreeSoloConfig) -> torch.Ten
     B, Hkv, C = amax.shape
     nblocks = triton.cdiv(T, cfg.block)
     P, W = cfg.pool, cfg.recent
+    cpb = cfg.block // cfg.cell
+    chunk = chunk or pool_chunk(P)
+    if chunk & (chunk - 1):
+        raise ValueError(f"chunk={chunk} must be a power of two")
     cand = torch.empty((B, Hkv, nblocks, P + W), dtype=torch.int32, device=amax.device)
     if B * Hkv * nblocks == 0:
         return cand
-    cpb = cfg.block // cfg.cell
-    _fsl_pool_kernel[(B * Hkv,)](
-        amax.contiguous(),
+    amax = amax.contiguous()
+    m_last = max(0, (nblocks - 1) * cpb - W)
+    nchunks = triton.cdiv(m_last, chunk)
+    base = torch.empty((B, Hkv, nchunks + 1, P), dtype=torch.int32, device=amax.device)
+    P_PAD = triton.next_power_of_2(P)
+    warps = max(1, min(8, P_PAD * chunk // 512))  # P 64, chunk 64: 8 warps, 194 registers on sm_90
+    _fsl_pool_scan_kernel[(B * Hkv,)](amax, base, C, m_last, nchunks, POOL=P, P_PAD=P_PAD, CHUNK=chunk, num_warps=warps)
+    _fsl_cand_kernel[(nblocks, B * Hkv)](
+        amax,
+        base,
         cand,
         C,
         nblocks,
+        nchunks,
         POOL=P,
         RECENT=W,
         CELLS_PER_BLOCK=cpb,
-        P_PAD=triton.next_power_of_2(P),
-        NEW_PAD=max(2, min(triton.next_power_of_2(cpb), 8192 // triton.next_power_of_2(P))),
+        CHUNK=chunk,
+        U_TILE=64,
         R_PAD=triton.next_power_of_2(W),
-        num_warps=1 if P <= 64 else 4,
+        num_warps=4,
     )
     return cand
 
