@@ -179,6 +179,12 @@ def _sizes(hidden_size, num_heads, num_kv_heads, head_dim) -> tuple[int, int, in
     return hidden_size, num_heads, num_kv_heads, head_dim
 
 
+def _is_decode_graph(cache) -> bool:
+    from .streaming.torch_state import DecodeGraph
+
+    return isinstance(cache, DecodeGraph)
+
+
 def _check_x(x: torch.Tensor, hidden_size: int) -> None:
     if not isinstance(x, torch.Tensor) or x.ndim != 3 or x.shape[-1] != hidden_size:
         shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
@@ -304,14 +310,24 @@ class FreeSoloAttention(_Projections):
         backend = self.backend if self.backend is not None else get_backend()
         return "torch" if backend == "triton" else backend
 
-    def new_cache(self, batch: int, dtype=None, device=None, check_finite: bool = True) -> FreeSoloCache:
+    def new_cache(
+        self, batch: int, dtype=None, device=None, check_finite: bool = True, decode_kernel: Optional[str] = None
+    ) -> FreeSoloCache:
         """A FreeSoloCache for this layer (dtype / device: the torch cache's storage; default: the
-        weights'; check_finite=False: no host sync per call, see FreeSoloCache)."""
+        weights'; check_finite=False: no host sync per call; decode_kernel: the cache's one-token
+        step, default "auto" (the fused Triton step on CUDA) for a triton layer of FS / FS-L, else "torch")."""
         self._check_ready()
         backend = self.cache_backend()
+        kwargs = {}
         if backend == "torch":
             dtype = self.q_proj.weight.dtype if dtype is None else dtype
             device = self.q_proj.weight.device if device is None else device
+            if decode_kernel is None:
+                decode_kernel = "auto" if self.backend == "triton" and self.cfg.variant != "fsb" else "torch"
+            if decode_kernel != "torch":
+                kwargs["decode_kernel"] = decode_kernel
+        elif decode_kernel not in (None, "torch"):
+            raise ValueError(f"decode_kernel={decode_kernel!r} needs the torch cache, not backend={backend!r}")
         return FreeSoloCache(
             self.cfg,
             batch=batch,
@@ -322,6 +338,7 @@ class FreeSoloAttention(_Projections):
             dtype=dtype if backend == "torch" else None,
             device=device if backend == "torch" else None,
             check_finite=check_finite,
+            **kwargs,
         )
 
     def attend(self, q, k, v, cu_seqlens=None, cache=None) -> torch.Tensor:
@@ -338,6 +355,10 @@ class FreeSoloAttention(_Projections):
         if cu_seqlens is not None:
             raise ValueError("cu_seqlens and cache cannot be combined: a cache streams one sequence per row")
         beta = self.beta.detach()
+        if _is_decode_graph(cache):  # cache.decode_graph(beta): the one-token step in CUDA graphs
+            if q.shape[1] != 1:
+                raise ValueError(f"a DecodeGraph takes one token per call, got T={q.shape[1]}")
+            return cache(q, k, v).clone()
         if isinstance(cache, FreeSoloCache):
             return self._extend(cache, q, k, v, beta)
         rows = _row_caches(cache, q.shape[0], FreeSoloCache)
@@ -370,7 +391,8 @@ class FreeSoloAttention(_Projections):
         Args:
             cu_seqlens: packed sequences (B = 1), int [N+1] (spec §12).
             cache: a FreeSoloCache of batch B, or a list of B batch-1 caches (rows at different
-                lengths); the call then consumes x as the next tokens (inference only: no grad).
+                lengths), or `cache.decode_graph(beta)` (CUDA, one token per call); the call then
+                consumes x as the next tokens (inference only: no grad).
         """
         q, k, v = self.qkv(x)
         return self.out(self.attend(q, k, v, cu_seqlens=cu_seqlens, cache=cache))

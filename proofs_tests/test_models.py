@@ -403,6 +403,25 @@ def test_torch_compile_triton_cuda(attention):
     _compile_matches_eager(model, ids)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the triton backend and its fused decode step run on CUDA")
+@pytest.mark.parametrize("attention", ["fsl", "fs"])
+def test_generate_triton_cuda(attention):
+    """On the GPU, backend='triton' (prefill: the parallel op; decode: the cache's fused Triton step):
+    greedy tokens equal the uncached forward's argmax, logits within float32 tolerance."""
+    if "triton" not in freesolo.available_backends():
+        pytest.fail("the triton backend is not available on this CUDA machine")
+    model = make_lm(attention, backend="triton").cuda()
+    rows = [r.cuda() for r in prompts()]
+    seqs, logits = model.generate([r.tolist() for r in rows], max_new_tokens=NEW, return_logits=True)
+    for b, r in enumerate(rows):
+        n = r.numel()
+        with torch.no_grad():
+            ref = model(seqs[b, : n + NEW][None])[0, n - 1 : n - 1 + NEW]
+        assert torch.equal(ref.argmax(-1), seqs[b, n : n + NEW]), f"row {b}"
+        assert_close(logits[b].cpu(), ref.cpu(), 1e-4, f"{attention} triton row {b}")
+
+
 # ---- errors -------------------------------------------------------------------------------------
 
 

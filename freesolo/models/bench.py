@@ -57,6 +57,8 @@ def bench_generate(
     dtype: str = "bfloat16",
     freesolo: FreeSoloConfig = None,
     warmup: int = 8,
+    decode_kernel: str = None,
+    cuda_graph: bool = False,
 ) -> dict:
     """B = 1: prefill T tokens, then decode `new` tokens one at a time (greedy), per attention kind."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -69,7 +71,7 @@ def bench_generate(
                        attention=attention, freesolo=fs, backend=backend)
         model = FreeSoloLM(cfg).to(device=device, dtype=dt).eval()
         ids = torch.randint(0, vocab, (1, T), device=device, generator=torch.Generator(device).manual_seed(1))
-        cache = model.new_cache(1, check_finite=False)
+        cache = model.new_cache(1, check_finite=False, decode_kernel=decode_kernel)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         with torch.no_grad():
@@ -87,6 +89,18 @@ def bench_generate(
                 tok = model(tok, cache=cache)[:, -1].argmax(-1, keepdim=True)
             _sync(device)
             decode_s = time.perf_counter() - t0
+            graph_s = None
+            if cuda_graph and attention in ("fsl", "fs") and device.type == "cuda":
+                # the attention step of every layer captured in CUDA graphs (the rest of the model eager)
+                graphs = [c.decode_graph(layer.self_attn.beta.detach()) for c, layer in zip(cache, model.layers)]
+                for _ in range(warmup):
+                    tok = model(tok, cache=graphs)[:, -1].argmax(-1, keepdim=True)
+                _sync(device)
+                t0 = time.perf_counter()
+                for _ in range(new):
+                    tok = model(tok, cache=graphs)[:, -1].argmax(-1, keepdim=True)
+                _sync(device)
+                graph_s = time.perf_counter() - t0
         record = {
             "attention": attention,
             "T_prompt": T,
@@ -94,6 +108,8 @@ def bench_generate(
             "prefill_s": prefill_s,
             "decode_tokens_per_s": new / decode_s,
             "decode_ms_per_token": 1e3 * decode_s / new,
+            "decode_graph_tokens_per_s": None if graph_s is None else new / graph_s,
+            "fused_decode_step": getattr(getattr(cache[0], "state", None), "_fused", None),
             "cache_bytes": model.cache_memory_bytes(cache),
             "context_at_end": T + warmup + new,
             "params": model.num_parameters(),
@@ -163,6 +179,8 @@ def main(argv=None) -> None:
     gen.add_argument("--backend", default="torch")
     gen.add_argument("--dtype", default="bfloat16")
     gen.add_argument("--small", action="store_true", help="CPU smoke test sizes (cell 8, block 16, window 32)")
+    gen.add_argument("--decode-kernel", default=None, help="FreeSoloCache step: torch | triton | auto")
+    gen.add_argument("--cuda-graph", action="store_true", help="also time FS / FS-L decode with cache.decode_graph")
     gen.add_argument("--out", default=None)
     tr = sub.add_parser("convert-train", help="converted tiny Llama, a few compiled training steps")
     tr.add_argument("--steps", type=int, default=30)
@@ -175,7 +193,8 @@ def main(argv=None) -> None:
     if args.cmd == "generate":
         fs = FreeSoloConfig(cell=8, block=16, window=32, pool=4, recent=2) if args.small else None
         result = bench_generate(args.T, args.new, tuple(args.attention), d_model=args.d_model, n_layers=args.layers,
-                                backend=args.backend, dtype=args.dtype, freesolo=fs)
+                                backend=args.backend, dtype=args.dtype, freesolo=fs,
+                                decode_kernel=args.decode_kernel, cuda_graph=args.cuda_graph)
     else:
         result = convert_train(args.steps, args.backend, T=args.T, batch=args.batch, compile=not args.no_compile)
     text = json.dumps(result, indent=2)

@@ -143,14 +143,18 @@ class FreeSoloLM(nn.Module):
         return F.cross_entropy(flat, targets.reshape(-1), ignore_index=-100)
 
     # ---- caches and generation ------------------------------------------------------------
-    def new_cache(self, batch: int = 1, dtype=None, device=None, check_finite: bool = True) -> list:
+    def new_cache(
+        self, batch: int = 1, dtype=None, device=None, check_finite: bool = True, decode_kernel: Optional[str] = None
+    ) -> list:
         """One cache per layer for `batch` rows at the same length (FreeSoloCache or KVCache);
-        check_finite=False skips FreeSoloCache's per-call finite check (a host sync on CUDA)."""
+        check_finite=False skips FreeSoloCache's per-call finite check (a host sync on CUDA);
+        decode_kernel: see FreeSoloAttention.new_cache."""
         out = []
         for layer in self.layers:
             attn = layer.self_attn
             if isinstance(attn, FreeSoloAttention):
-                out.append(attn.new_cache(batch, dtype=dtype, device=device, check_finite=check_finite))
+                kw = dict(dtype=dtype, device=device, check_finite=check_finite, decode_kernel=decode_kernel)
+                out.append(attn.new_cache(batch, **kw))
             else:
                 out.append(attn.new_cache(batch))
         return out
