@@ -458,6 +458,12 @@ class KVCache:
         self.length += n
         return keys, values
 
+    def held_bytes(self) -> int:
+        """Bytes of the keys / values held (the allocated capacity may be up to twice this)."""
+        if self._k is None:
+            return 0
+        return 2 * self.k.numel() * self.k.element_size()
+
     def memory_bytes(self) -> int:
         """Bytes of the key / value buffers (allocated capacity)."""
         if self._k is None:

@@ -110,7 +110,8 @@ def bench_generate(
             "decode_ms_per_token": 1e3 * decode_s / new,
             "decode_graph_tokens_per_s": None if graph_s is None else new / graph_s,
             "fused_decode_step": getattr(getattr(cache[0], "state", None), "_fused", None),
-            "cache_bytes": model.cache_memory_bytes(cache),
+            "cache_bytes": model.cache_memory_bytes(cache),  # allocated (KV cache: capacity, grown by doubling)
+            "kv_held_bytes": sum(c.held_bytes() for c in cache if hasattr(c, "held_bytes")) or None,
             "context_at_end": T + warmup + new,
             "params": model.num_parameters(),
         }
