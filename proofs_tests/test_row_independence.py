@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import freesolo
@@ -200,9 +200,22 @@ def test_l12_numba(problem):
     check_row_independence("numba", "numpy", problem)
 
 
+def _issue9_example(variant: str, D: int, T: int, Tp: int):
+    """A problem of the kind that broke the torch backend before the fix (found by the dev
+    profile): one kv head, small D, two rows of 1e3x norms next to a normal row."""
+    cfg = FreeSoloConfig(
+        variant=variant, window=16, cell=4, block=8, top_k=2, pool=2, recent=1, beam=1, sigma=0.5, lam=0.0
+    )
+    return cfg, 1, 1, D, T, Tp, 0, {"target": "normal", "others": "huge", "later": "huge", "row": 0}
+
+
 @pytest.mark.skipif(torch is None, reason="torch is not installed")
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
+@settings(max_examples=max(_N, 20))
 @given(problem=l12_problems())
+@example(problem=_issue9_example("fs", 4, 22, 7))
+@example(problem=_issue9_example("fsb", 6, 41, 17))
+@example(problem=_issue9_example("fsl", 6, 41, 16))
 def test_l12_torch_cpu(dtype, problem):
     check_row_independence("torch", f"cpu-{dtype}", problem)
 
