@@ -40,7 +40,7 @@ from freesolo.backends.triton.selection import (  # noqa: E402
 
 LENGTHS = [4096, 16384, 65536]
 HQ, D = 16, 64
-SWEEP = [(64, 32, 4), (64, 64, 4), (64, 64, 8), (32, 32, 4), (32, 64, 4), (64, 16, 4), (128, 32, 8), (128, 64, 8)]
+SWEEP = [(64, 32, 4), (64, 64, 4), (64, 64, 8), (32, 32, 4), (128, 32, 8)]
 
 
 def ms(fn) -> float:
@@ -90,7 +90,7 @@ def main() -> None:
         records.append({"sweep": [bm, bn, nw], "T": T, "Hkv": Hkv, "fsl_select": t_fsl, "fs_select": t_fs})
         print(f"  BLOCK_M={bm:>3} BLOCK_N={bn:>3} warps={nw}: fsl_select {t_fsl:8.3f} ms   fs_select {t_fs:8.3f} ms")
     _, amax = cell_stats(k, fsl.cell)
-    for chunk in (16, 32, 64, 128):
+    for chunk in (32, 64, 128):
         t_pool = ms(lambda: fsl_candidates(amax, T, fsl, chunk=chunk))
         records.append({"pool_chunk": chunk, "T": T, "Hkv": Hkv, "fsl_pool": t_pool})
         print(f"  FS-L pools with scan chunk {chunk:>3}: {t_pool:8.3f} ms")

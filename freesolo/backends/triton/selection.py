@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import torch
 import triton
@@ -363,15 +363,17 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig) -> None
         raise ValueError(f"head dim D={D} exceeds the triton selection kernels' limit 256")
 
 
-def cell_stats(k: torch.Tensor, cell: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def cell_stats(k: torch.Tensor, cell: Union[int, FreeSoloConfig]) -> Tuple[torch.Tensor, torch.Tensor]:
     """Cell statistics in one pass over K (spec §3).
 
     Args:
         k: [B, T, Hkv, D] unrotated keys (fp16 / bf16 / fp32, any strides).
-        cell: tokens per cell s.
+        cell: tokens per cell s (or a config, whose `cell` is used).
     Returns:
         kbar fp32 [B, Hkv, C, D] (mean key), amax fp32 [B, Hkv, C] (max key norm); C = T // cell.
     """
+    if isinstance(cell, FreeSoloConfig):
+        cell = cell.cell
     B, T, Hkv, D = k.shape
     C = T // cell
     kbar = torch.empty((B, Hkv, C, D), dtype=torch.float32, device=k.device)
