@@ -1,0 +1,97 @@
+"""Compile the Triton selection kernels for sm_90 (H100 / H200) on any machine, no GPU needed, and
+print registers and spill bytes (local stack) per thread of each kernel at the default sizes.
+
+The interpreter (TRITON_INTERPRET=1) checks what the kernels compute but not that they compile, nor
+their register pressure: this does, with triton's bundled ptxas / cuobjdump. A few minutes on a
+2-core CPU.
+
+Usage (repository root; TRITON_INTERPRET must be unset):
+    python benchmarks/triton_selection_sm90_check.py
+Look for: every line "ok", STACK:0 (no spills).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)  # before triton decorates the kernels
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from freesolo import FreeSoloConfig  # noqa: E402
+from freesolo.backends.triton import selection as S  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def usage(fn, signature: dict, constexprs: dict, num_warps: int) -> str:
+    """Compile fn for sm_90; return cuobjdump's 'REG:.. STACK:..' resource line."""
+    signature = {**signature, **{name: "constexpr" for name in constexprs}}
+    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=TARGET,
+                            options={"num_warps": num_warps})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        out = subprocess.run([CUOBJDUMP, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    line = next(line for line in out.splitlines() if "REG:" in line)
+    return " ".join(line.split()[:3])
+
+
+def main() -> None:
+    cfg = FreeSoloConfig()
+    s, P, W, K = cfg.cell, cfg.pool, cfg.recent, cfg.top_k
+    chunk = S.pool_chunk(P)
+    p_pad = triton.next_power_of_2(P)
+    for D in (64, 128):
+        bt = min(triton.next_power_of_2(s), 4096 // D)
+        r = usage(
+            S._cell_stats_kernel,
+            {"K": "*bf16", "KBAR": "*fp32", "AMAX": "*fp32", "C": "i32", "HKV": "i32", "stride_kb": "i64",
+             "stride_kt": "i32", "stride_kh": "i32", "stride_kd": "i32"},
+            {"D": D, "CELL": s, "CELLS_PER_PROG": max(1, min(64, 8192 // (bt * D))), "BLOCK_T": bt, "BLOCK_D": D},
+            4,
+        )
+        print(f"ok  _cell_stats_kernel D={D}: {r}")
+    r = usage(
+        S._fsl_pool_scan_kernel,
+        {"AMAX": "*fp32", "BASE": "*i32", "C": "i32", "M_LAST": "i32", "NCHUNKS": "i32"},
+        {"POOL": P, "P_PAD": p_pad, "CHUNK": chunk},
+        max(1, min(8, p_pad * chunk // 512)),
+    )
+    print(f"ok  _fsl_pool_scan_kernel P={P} chunk={chunk}: {r}")
+    r = usage(
+        S._fsl_cand_kernel,
+        {"AMAX": "*fp32", "BASE": "*i32", "CAND": "*i32", "C": "i32", "NBLOCKS": "i32", "NCHUNKS": "i32"},
+        {"POOL": P, "RECENT": W, "CELLS_PER_BLOCK": cfg.block // s, "CHUNK": chunk, "U_TILE": 64,
+         "R_PAD": triton.next_power_of_2(W)},
+        4,
+    )
+    print(f"ok  _fsl_cand_kernel: {r}")
+    for dtype in ("fp32", "bf16", "fp16"):
+        for fsl in (True, False):
+            for D in (64, 128):
+                tiles = S.score_tiles(cfg, D, None)
+                r = usage(
+                    S._score_topk_kernel,
+                    {"Q": "*" + dtype, "KBAR": "*fp32", "AMAX": "*fp32", "CAND": "*i32", "SIGMA": "*fp32",
+                     "LAM": "*fp32", "IDX": "*i64", "T": "i32", "C": "i32", "NBLOCKS": "i32", "HQ": "i32",
+                     "HKV": "i32", "stride_qb": "i64", "stride_qt": "i32", "stride_qh": "i32", "stride_qd": "i32",
+                     "scale": "fp32"},
+                    {"D": D, "CELL": s, "QBLOCK": cfg.block, "TILES_PER_BLOCK": triton.cdiv(cfg.block, tiles.block_m),
+                     "TOP_K": K, "K_PAD": max(2, triton.next_power_of_2(K)), "FSL": fsl, "N_CAND": P + W,
+                     "SPLIT_DOT": dtype != "fp32", "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n,
+                     "BLOCK_D": D},
+                    tiles.num_warps,
+                )
+                print(f"ok  _score_topk_kernel {dtype} {'fsl' if fsl else 'fs'} D={D} {tiles}: {r}")
+
+
+if __name__ == "__main__":
+    main()
