@@ -13,6 +13,9 @@ Same-run ratios (triton_fsl / sdpa, triton_fsl / flex) are printed and saved.
 Usage (GPU machine, repository root; < 3 minutes on an H200):
     python benchmarks/triton_backward_bench.py --out benchmarks/results/triton_backward.json
     python benchmarks/triton_backward_bench.py --lengths 4096 --peak-T 1048576   # + peak memory of FS-L fwd+bwd at 1M
+    python benchmarks/triton_backward_bench.py --lengths 16384 --sweep --no-baselines   # backward tile sweep
+Without a GPU (any machine with triton): registers / spills of every backward kernel compiled for sm_90
+    python benchmarks/triton_backward_bench.py --regs
 """
 
 from __future__ import annotations
@@ -199,6 +202,113 @@ def peak_memory(T, Hq, Hkv, D, dtype, cfg) -> dict:
     }
 
 
+SWEEP = [  # (kv_block_n, kv_block_m, q_block_m, q_block_n, num_warps, num_stages)
+    (64, 32, 64, 32, 8, 2),
+    (128, 32, 128, 32, 8, 2),
+    (128, 16, 128, 16, 8, 2),
+    (64, 64, 64, 64, 8, 2),
+    (64, 32, 64, 32, 4, 2),
+    (64, 32, 64, 32, 8, 3),
+    (32, 32, 32, 32, 4, 2),
+]
+
+
+def sweep(T, Hq, Hkv, D, dtype, rep, cfg) -> list:
+    """Backward (deterministic) time per tile configuration of the local kernels, and per `seg` / `block_r`."""
+    import dataclasses
+
+    from freesolo.backends.triton.attention import attention_forward
+    from freesolo.backends.triton.attention_bwd import attention_backward, default_bwd_tiles
+
+    q, k, v, do = _inputs(T, Hq, Hkv, D, dtype)
+    with torch.no_grad():
+        idx = torch_backend.select_cells(q, k, cfg)
+    beta = torch.ones(Hq, device="cuda", dtype=torch.float32)
+    cos, sin = rope_tables(T, D, cfg.rope_theta, q.device, torch.float32)
+    saved = attention_forward(q, k, v, idx, beta, cos, sin, cfg)
+    base = default_bwd_tiles(D, dtype, q.device)
+    configs = [
+        dataclasses.replace(base, kv_block_n=a, kv_block_m=b, q_block_m=c, q_block_n=d, num_warps=e, num_stages=f)
+        for a, b, c, d, e, f in SWEEP
+    ]
+    configs += [dataclasses.replace(base, seg=sg, block_r=br) for sg, br in ((256, 32), (4096, 32), (1024, 16), (1024, 64))]
+    configs += [dataclasses.replace(base, num_warps_long=4), dataclasses.replace(base, block_q=2, num_warps_long=8)]
+    out = []
+    for tiles in configs:
+        try:
+            ms = _bench(
+                lambda: attention_backward(do, q, k, v, saved[0], idx, beta, *saved[1:], cos, sin, cfg, tiles=tiles), rep
+            )
+        except Exception as e:  # noqa: BLE001 (a configuration that does not compile / fit is reported)
+            ms = f"error: {type(e).__name__}: {str(e)[:120]}"
+        out.append({"tiles": dataclasses.asdict(tiles), "bwd_ms": ms})
+        print("  sweep", dataclasses.asdict(tiles), ms, flush=True)
+    return out
+
+
+def regs_report(dtypes=("bf16", "fp16", "fp32"), dims=(32, 64, 128)) -> list:
+    """Compile every backward kernel for sm_90 with the GPU default tiles (no GPU needed) and report
+    registers / spill stack from cuobjdump: a register-pressure check before spending GPU time."""
+    import os as _os
+    import subprocess
+    import tempfile
+
+    if _os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("--regs compiles real kernels: unset TRITON_INTERPRET")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import freesolo.backends.triton.attention_bwd as m
+
+    cuobj = _os.path.join(_os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+    rows = []
+
+    def build(fn, sig, consts, num_warps, num_stages=3):
+        src = ASTSource(fn=fn, signature=dict(sig, **{k: "constexpr" for k in consts}), constexprs=consts)
+        kern = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
+        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+            f.write(kern.asm["cubin"])
+        usage = subprocess.run([cuobj, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        line = next((x for x in usage.splitlines() if "REG:" in x), "")
+        fields = dict(t.split(":", 1) for t in line.replace("Resource usage:", "").split() if ":" in t)
+        return {"kernel": fn.__name__, "regs": int(fields.get("REG", -1)), "stack": int(fields.get("STACK", -1))}
+
+    for dt in dtypes:
+        for D in dims:
+            P, F, I = f"*{dt}", "*fp32", "*i64"
+            tiles = m.default_bwd_tiles(D, {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dt], torch.device("cuda"))
+            ieee = dt == "fp32"
+            half, bd, bh = D // 2, max(16, D), max(16, D // 2)
+            res = []
+            sig = dict(DO=P, Q=P, K=P, V=P, O=P, IDX=I, BETA=F, LSE_LONG=F, RSTD=F, DOLONG=F, DQLONG=F, DELTA_LOC=F,
+                       DELTA_LONG=F, DBETA_PART=F, DK_ACC=F, DV_ACC=F, T="i32", NROWS="i32", scale="fp32")  # fmt: skip
+            for atomic in (False, True):
+                c = dict(HQ=16, HKV=4, D=D, TOPK=4, CELL=32, BLOCK_D=bd, BLOCK_KS=128, BLOCK_Q=tiles.block_q, ATOMIC=atomic)
+                res.append(build(m._bwd_long_query_kernel, sig, c, tiles.num_warps_long))
+            sig = dict(Q=P, K=P, V=P, DOLONG=F, LSE_LONG=F, DELTA_LONG=F, READERS=I, OFFSETS=I, WORK_CELL=I, WORK_SEG=I,
+                       NSEG=I, PART_BASE=I, DK_ACC=F, DV_ACC=F, PART_DK=F, PART_DV=F, T="i32", C="i32", NCELLS="i32",
+                       scale="fp32")  # fmt: skip
+            c = dict(HQ=16, HKV=4, D=D, CELL=32, BLOCK_D=bd, BLOCK_C=32, BLOCK_R=tiles.block_r, SEG=tiles.seg, IEEE=ieee)
+            res.append(build(m._bwd_long_cell_kernel, sig, c, tiles.num_warps_long))
+            sig = dict(NSEG=I, PART_BASE=I, PART_DK=F, PART_DV=F, DK_ACC=F, DV_ACC=F, T="i32", C="i32")
+            res.append(build(m._bwd_long_reduce_kernel, sig, dict(HKV=4, D=D, CELL=32, BLOCK_D=bd, BLOCK_C=32), 4))
+            common = dict(HQ=16, HKV=4, HALF=half, BLOCK_H=bh, IEEE=ieee)
+            sig = dict(DO=P, Q=P, K=P, V=P, COS=F, SIN=F, LSE_LOC=F, DELTA_LOC=F, DK_LONG=F, DV_LONG=F, DK=P, DV=P,
+                       T="i32", W="i32", scale="fp32")  # fmt: skip
+            c = dict(common, BLOCK_M=tiles.kv_block_m, BLOCK_N=tiles.kv_block_n, HAS_LONG=True, NUM_M=18)
+            res.append(build(m._bwd_local_dkdv_kernel, sig, c, tiles.num_warps, tiles.num_stages))
+            sig = dict(DO=P, Q=P, K=P, V=P, COS=F, SIN=F, LSE_LOC=F, DELTA_LOC=F, DQ_LONG=F, DQ=P, T="i32", W="i32",
+                       scale="fp32")  # fmt: skip
+            c = dict(common, BLOCK_M=tiles.q_block_m, BLOCK_N=tiles.q_block_n, NUM_N=19)
+            res.append(build(m._bwd_local_dq_kernel, sig, c, tiles.num_warps, tiles.num_stages))
+            for r in res:
+                r.update(dtype=dt, D=D)
+                print(f"{dt:5s} D={D:3d} {r['kernel']:26s} regs {r['regs']:3d} spill stack {r['stack']} B", flush=True)
+            rows += res
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 65536])
@@ -209,8 +319,16 @@ def main(argv=None):
     ap.add_argument("--rep", type=int, default=100, help="do_bench rep (ms)")
     ap.add_argument("--peak-T", type=int, default=0, help="also measure FS-L fwd+bwd peak memory at this T")
     ap.add_argument("--no-baselines", action="store_true", help="skip SDPA and FlexAttention")
+    ap.add_argument("--sweep", action="store_true", help="backward tile sweep at the first length")
+    ap.add_argument("--regs", action="store_true", help="no GPU: sm_90 registers / spills of every kernel, then exit")
     ap.add_argument("--out", default=None, help="JSON output path")
     args = ap.parse_args(argv)
+    if args.regs:
+        rows = regs_report()
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(rows, f, indent=1)
+        return
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA device")
     dtype = getattr(torch, args.dtype)
@@ -241,6 +359,8 @@ def main(argv=None):
             )
         print(line, flush=True)
         print("   kernels (det):", json.dumps(tf.get("kernels_ms_det", {})), flush=True)
+    if args.sweep:
+        payload["sweep"] = sweep(args.lengths[0], H, Hkv, D, dtype, args.rep, cfg)
     if args.peak_T:
         payload["peak"] = peak_memory(args.peak_T, H, Hkv, D, dtype, cfg)
         print("peak:", json.dumps(payload["peak"]), flush=True)
