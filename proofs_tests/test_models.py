@@ -247,6 +247,22 @@ def test_save_load_round_trip_bit_identical(tmp_path, attention, tied):
         assert torch.equal(loaded(ids), model(ids))
 
 
+def test_checkpoint_continued_with_another_attention(tmp_path):
+    """A dense checkpoint loaded as FS-L keeps every weight and starts with beta = beta_init = 0: its
+    logits equal the window baseline's; FS weights load as FS-B (tau then calibrated)."""
+    dense = make_lm("dense")
+    dense.save_pretrained(str(tmp_path / "dense"))
+    fsl = FreeSoloLM.from_pretrained(str(tmp_path / "dense"), attention="fsl", beta_init=0.0)
+    window = FreeSoloLM.from_pretrained(str(tmp_path / "dense"), attention="window")
+    assert all(float(layer.self_attn.beta.detach().abs().max()) == 0.0 for layer in fsl.layers)
+    ids = torch.randint(0, VOCAB, (1, 70), generator=torch.Generator().manual_seed(12))
+    with torch.no_grad():
+        assert_close(fsl(ids), window(ids), 1e-5, "FS-L with beta 0 vs window")
+    make_lm("fs").save_pretrained(str(tmp_path / "fs"))
+    fsb = FreeSoloLM.from_pretrained(str(tmp_path / "fs"), attention="fsb")
+    assert fsb.layers[0].self_attn.cfg.variant == "fsb" and fsb.layers[0].self_attn.tau is None
+
+
 def test_mismatched_checkpoints_give_clear_errors(tmp_path):
     model = make_lm("fsl")
     model.save_pretrained(str(tmp_path))
@@ -254,6 +270,8 @@ def test_mismatched_checkpoints_give_clear_errors(tmp_path):
         FreeSoloLM.from_pretrained(str(tmp_path), d_ff=64)
     with pytest.raises(ValueError, match=r"unexpected \['lm_head.weight'\]|missing \['lm_head.weight'\]"):
         FreeSoloLM.from_pretrained(str(tmp_path), tie_embeddings=False)
+    with pytest.raises(ValueError, match=r"unexpected \['layers.0.self_attn.beta', 'layers.1.self_attn.beta'\]"):
+        FreeSoloLM.from_pretrained(str(tmp_path), attention="dense")
     with pytest.raises(FileNotFoundError, match="not a FreeSoloLM.save_pretrained directory"):
         FreeSoloLM.from_pretrained(str(tmp_path / "nowhere"))
     (tmp_path / "config.json").write_text(json.dumps({"format": "something/else", "config": {}}))

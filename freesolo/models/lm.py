@@ -263,8 +263,9 @@ class FreeSoloLM(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str, device=None, dtype=None, **overrides) -> "FreeSoloLM":
-        """Load a `save_pretrained` directory. `overrides`: LMConfig fields to change (e.g. backend="triton");
-        a config change that alters a weight's shape raises a ValueError naming the tensor."""
+        """Load a `save_pretrained` directory. `overrides`: LMConfig fields to change (e.g. backend="triton",
+        or attention="fsb" on FS weights); a change that alters a weight's shape raises a ValueError
+        naming the tensor. A dense / window checkpoint loaded with FreeSolo attention gets beta = beta_init."""
         from safetensors.torch import load_file
 
         config_path = os.path.join(path, CONFIG_NAME)
@@ -277,12 +278,16 @@ class FreeSoloLM(nn.Module):
         if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
             found = meta.get("format") if isinstance(meta, dict) else None
             raise ValueError(f"{config_path}: format={found!r}, expected {_FORMAT!r}")
-        config = LMConfig.from_dict(meta["config"])
-        if overrides:
-            config = config.replace(**overrides)
+        saved = LMConfig.from_dict(meta["config"])
+        config = saved.replace(**overrides) if overrides else saved
         model = cls(config)
         tensors = load_file(weights_path)
         taus = {k: tensors.pop(k) for k in [k for k in tensors if k.endswith(_TAU_SUFFIX)]}
+        if saved.attention not in FREESOLO_ATTENTIONS and config.attention in FREESOLO_ATTENTIONS:
+            # a dense / window checkpoint continued as FreeSolo: beta starts at beta_init
+            for name, tensor in model.state_dict().items():
+                if name.endswith(".self_attn.beta"):
+                    tensors.setdefault(name, tensor)
         model.load_weights(tensors, source=weights_path)
         for key, tau in taus.items():
             i = int(key.split(".")[1])
