@@ -135,7 +135,7 @@ def _bwd_long_query_kernel(
     tl.store(DBETA_PART + stat, tl.sum(do * y, axis=1), mask=qmask)
     tl.store(DELTA_LOC + stat, delta_loc, mask=qmask)
     tl.store(DELTA_LONG + stat, delta_long, mask=qmask)
-    tl.store(DOLONG + qd, d_olong, mask=qm2)
+    tl.store(DOLONG + qd, d_olong.to(DOLONG.dtype.element_ty), mask=qm2)  # the cell kernel's dot dtype
     dp = tl.sum(vt * d_olong[:, None, :], axis=2)
     ds = p * (dp - delta_long[:, None])
     dq = tl.sum(ds[:, :, None] * kt, axis=1) * scale
@@ -669,7 +669,7 @@ def attention_backward(
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
-    d_olong = torch.empty(B, T, Hq, D, **f32)
+    d_olong = torch.empty_like(q)  # q's dtype: the cell kernel feeds it to tl.dot in that dtype anyway
     dq_long = torch.empty(B, T, Hq, D, **f32)
     delta_loc = torch.empty(B, Hq, T, **f32)
     delta_long = torch.empty(B, Hq, T, **f32)
