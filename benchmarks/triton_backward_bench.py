@@ -6,6 +6,7 @@ Providers (B = 1, bf16, Hq = Hkv = 16, D = 64 unless told otherwise; median of `
   freesolo/backends/triton on FS-L indices precomputed by the torch backend's selection (the selection
   is not timed here), deterministic (inverted selection) and atomic modes of the long branch's dk/dv;
   the backward alone is also timed (`bwd_ms`), and one call is profiled per kernel (`kernels_ms`);
+- `triton_fsl_api`: the whole op through the backend's custom op (Triton selection included), autograd;
 - `sdpa_causal`: torch.nn.functional.scaled_dot_product_attention(is_causal=True), fwd+bwd;
 - `flex_swa512`: compiled FlexAttention with a causal sliding window of 512, fwd+bwd.
 Same-run ratios (triton_fsl / sdpa, triton_fsl / flex) are printed and saved.
@@ -101,6 +102,29 @@ def triton_fsl(T, Hq, Hkv, D, dtype, rep, cfg, profile=True) -> dict:
         res[f"peak_gib_{name}"] = (torch.cuda.max_memory_allocated() - base) / 2**30
         if profile:
             res[f"kernels_ms_{name}"] = _kernel_breakdown(bwd)
+    return res
+
+
+def triton_fsl_api(T, Hq, Hkv, D, dtype, rep, cfg) -> dict:
+    """The whole op through the backend's custom op (Triton selection included), fwd and fwd+bwd (autograd)."""
+    from freesolo.backends.triton.backend import deterministic, triton_attention
+
+    q, k, v, do = _inputs(T, Hq, Hkv, D, dtype)
+    for x in (q, k, v):
+        x.requires_grad_(True)
+
+    def fwd():
+        with torch.no_grad():
+            triton_attention(q, k, v, cfg)
+
+    res = {"fwd_ms": _bench(fwd, rep)}
+    for det in (True, False):
+
+        def both(det=det):
+            with deterministic(det):
+                triton_attention(q, k, v, cfg).backward(do)
+
+        res["fwd+bwd_ms_" + ("det" if det else "atomic")] = _bench(both, rep)
     return res
 
 
@@ -339,6 +363,11 @@ def main(argv=None):
     t_start = time.perf_counter()
     for T in args.lengths:
         row = {"triton_fsl": triton_fsl(T, H, Hkv, D, dtype, args.rep, cfg)}
+        try:
+            row["triton_fsl_api"] = triton_fsl_api(T, H, Hkv, D, dtype, args.rep, cfg)
+        except Exception as e:  # noqa: BLE001 (the custom op is another module; report, do not stop)
+            row["triton_fsl_api"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+        print("   with selection (custom op):", json.dumps(row["triton_fsl_api"]), flush=True)
         if not args.no_baselines:
             row["sdpa_causal"] = sdpa_causal(T, H, Hkv, D, dtype, args.rep)
             row["flex_swa512"] = flex_swa512(T, H, Hkv, D, dtype, args.rep)
@@ -346,6 +375,10 @@ def main(argv=None):
                 ours = row["triton_fsl"][f"fwd+bwd_ms_{mode}"]
                 row[f"ratio_{mode}_vs_sdpa"] = ours / row["sdpa_causal"]["fwd+bwd_ms"]
                 row[f"ratio_{mode}_vs_flex"] = ours / row["flex_swa512"]["fwd+bwd_ms"]
+                api = row["triton_fsl_api"].get(f"fwd+bwd_ms_{mode}")
+                if api is not None:
+                    row[f"ratio_api_{mode}_vs_sdpa"] = api / row["sdpa_causal"]["fwd+bwd_ms"]
+                    row[f"ratio_api_{mode}_vs_flex"] = api / row["flex_swa512"]["fwd+bwd_ms"]
         payload["results"][str(T)] = row
         tf = row["triton_fsl"]
         line = (
