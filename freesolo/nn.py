@@ -378,6 +378,8 @@ class FreeSoloAttention(_Projections):
         triton backend, whose kernels are custom ops with fake tensors (compile-native)."""
         if self.compile_mode == "auto":
             return (self.backend if self.backend is not None else get_backend()) != "triton"
+        if self.compile_mode not in ("opaque", "direct"):
+            raise ValueError(f"compile_mode={self.compile_mode!r} must be 'auto', 'opaque' or 'direct'")
         return self.compile_mode == "opaque"
 
     def forward(
