@@ -365,10 +365,10 @@ def _compile_matches_eager(model, ids):
     model.zero_grad()
     ref = model(ids)
     ref.float().square().mean().backward()
-    tol = 1e-5 if ids.is_cuda is False else 2e-2
-    assert_close(out.detach().float(), ref.detach().float(), tol, "compiled forward")
+    tol = 1e-4 if ids.is_cuda else 1e-5  # inductor reorders float32 reductions on the GPU
+    assert_close(out.detach().float().cpu(), ref.detach().float().cpu(), tol, "compiled forward")
     for n, p in model.named_parameters():
-        assert_close(grads[n].float(), p.grad.float(), tol * 10, f"compiled grad {n}")
+        assert_close(grads[n].float().cpu(), p.grad.float().cpu(), tol * 10, f"compiled grad {n}")
 
 
 @pytest.mark.parametrize("attention", ["fsl"])
@@ -407,14 +407,15 @@ def test_torch_backend_cannot_be_traced_directly():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the triton backend runs on CUDA; no GPU here")
-@pytest.mark.parametrize("attention", ["fsl", "fs"])
-def test_torch_compile_triton_cuda(attention):
-    """On the GPU: torch.compile(fullgraph=True, inductor) with backend='triton', forward and backward."""
-    if "triton" not in freesolo.available_backends():
-        pytest.fail("the triton backend is not available on this CUDA machine")
+@pytest.mark.parametrize("backend,attention", [("triton", "fsl"), ("triton", "fs"), ("torch", "fsl")])
+def test_torch_compile_cuda(backend, attention):
+    """On the GPU: torch.compile(fullgraph=True, inductor), forward and backward equal to eager; the
+    triton backend traced directly (its custom ops), the torch backend through the opaque op."""
+    if backend not in freesolo.available_backends():
+        pytest.fail(f"the {backend} backend is not available on this CUDA machine")
     torch.manual_seed(0)
     sizes = dict(vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2)
-    cfg = LMConfig(**sizes, attention=attention, freesolo=FS, backend="triton")
+    cfg = LMConfig(**sizes, attention=attention, freesolo=FS, backend=backend)
     model = FreeSoloLM(cfg).cuda()
     ids = torch.randint(0, VOCAB, (2, 256), device="cuda")
     torch._dynamo.reset()
