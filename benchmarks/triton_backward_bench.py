@@ -38,13 +38,14 @@ from freesolo.backends.torch import backend as torch_backend  # noqa: E402
 from freesolo.backends.torch._ops import rope_tables  # noqa: E402
 
 WINDOW = 512
+DEV = "cuda"  # "cpu" in --dry-run (Triton interpreter, tiny sizes: checks the plumbing, not speed)
 
 
 def _versions() -> dict:
     import triton
 
     return {
-        "gpu": torch.cuda.get_device_name(0),
+        "gpu": torch.cuda.get_device_name(0) if DEV == "cuda" else "cpu (dry run)",
         "torch": torch.__version__,
         "triton": triton.__version__,
         "python": sys.version.split()[0],
@@ -53,6 +54,10 @@ def _versions() -> dict:
 
 
 def _bench(fn, rep: int) -> float:
+    if DEV != "cuda":
+        t = time.perf_counter()
+        fn()
+        return 1e3 * (time.perf_counter() - t)
     import triton.testing
 
     fn()
@@ -61,11 +66,11 @@ def _bench(fn, rep: int) -> float:
 
 
 def _inputs(T, Hq, Hkv, D, dtype, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(1, T, Hq, D, device="cuda", dtype=dtype, generator=g)
-    k = torch.randn(1, T, Hkv, D, device="cuda", dtype=dtype, generator=g)
-    v = torch.randn(1, T, Hkv, D, device="cuda", dtype=dtype, generator=g)
-    do = torch.randn(1, T, Hq, D, device="cuda", dtype=dtype, generator=g)
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    q = torch.randn(1, T, Hq, D, device=DEV, dtype=dtype, generator=g)
+    k = torch.randn(1, T, Hkv, D, device=DEV, dtype=dtype, generator=g)
+    v = torch.randn(1, T, Hkv, D, device=DEV, dtype=dtype, generator=g)
+    do = torch.randn(1, T, Hq, D, device=DEV, dtype=dtype, generator=g)
     return q, k, v, do
 
 
@@ -76,7 +81,7 @@ def triton_fsl(T, Hq, Hkv, D, dtype, rep, cfg, profile=True) -> dict:
     q, k, v, do = _inputs(T, Hq, Hkv, D, dtype)
     with torch.no_grad():
         idx = torch_backend.select_cells(q, k, cfg)
-    beta = torch.ones(Hq, device="cuda", dtype=torch.float32)
+    beta = torch.ones(Hq, device=DEV, dtype=torch.float32)
     cos, sin = rope_tables(T, D, cfg.rope_theta, q.device, torch.float32)
     res = {}
     fwd = lambda: attention_forward(q, k, v, idx, beta, cos, sin, cfg)  # noqa: E731
@@ -94,6 +99,8 @@ def triton_fsl(T, Hq, Hkv, D, dtype, rep, cfg, profile=True) -> dict:
 
         res[f"bwd_ms_{name}"] = _bench(bwd, rep)
         res[f"fwd+bwd_ms_{name}"] = _bench(both, rep)
+        if DEV != "cuda":
+            continue
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -206,7 +213,7 @@ def peak_memory(T, Hq, Hkv, D, dtype, cfg) -> dict:
         idx = torch_backend.select_cells(q, k, cfg)
     torch.cuda.synchronize()
     sel_s = time.perf_counter() - t0
-    beta = torch.ones(Hq, device="cuda", dtype=torch.float32)
+    beta = torch.ones(Hq, device=DEV, dtype=torch.float32)
     cos, sin = rope_tables(T, D, cfg.rope_theta, q.device, torch.float32)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -247,7 +254,7 @@ def sweep(T, Hq, Hkv, D, dtype, rep, cfg) -> list:
     q, k, v, do = _inputs(T, Hq, Hkv, D, dtype)
     with torch.no_grad():
         idx = torch_backend.select_cells(q, k, cfg)
-    beta = torch.ones(Hq, device="cuda", dtype=torch.float32)
+    beta = torch.ones(Hq, device=DEV, dtype=torch.float32)
     cos, sin = rope_tables(T, D, cfg.rope_theta, q.device, torch.float32)
     saved = attention_forward(q, k, v, idx, beta, cos, sin, cfg)
     base = default_bwd_tiles(D, dtype, q.device)
@@ -346,17 +353,25 @@ def main(argv=None):
     ap.add_argument("--sweep", action="store_true", help="backward tile sweep at the first length")
     ap.add_argument("--regs", action="store_true", help="no GPU: sm_90 registers / spills of every kernel, then exit")
     ap.add_argument("--out", default=None, help="JSON output path")
+    ap.add_argument("--dry-run", action="store_true", help="CPU, Triton interpreter, T=64, small config: plumbing only")
     args = ap.parse_args(argv)
+    global DEV
+    if args.dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
+        DEV = "cpu"
+        args.lengths, args.no_baselines, args.dtype, args.heads, args.kv_heads = [64], True, "float32", 2, 1
     if args.regs:
         rows = regs_report()
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(rows, f, indent=1)
         return
-    if not torch.cuda.is_available():
-        sys.exit("needs a CUDA device")
+    if not torch.cuda.is_available() and not args.dry_run:
+        sys.exit("needs a CUDA device (or --dry-run)")
     dtype = getattr(torch, args.dtype)
     cfg = FreeSoloConfig(variant="fsl", window=WINDOW)
+    if args.dry_run:
+        cfg = FreeSoloConfig(variant="fsl", window=16, cell=4, block=8, pool=3, recent=2)
     H, Hkv, D = args.heads, args.kv_heads, args.head_dim
     payload = {"versions": _versions(), "shape": dict(B=1, Hq=H, Hkv=Hkv, D=D, dtype=args.dtype), "results": {}}
     print(json.dumps(payload["versions"]))
