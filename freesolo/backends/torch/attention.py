@@ -73,18 +73,23 @@ def choose_long_path(U: int, cfg: FreeSoloConfig, D: int) -> str:
     return "union" if 5 * U <= 4 * cfg.top_k * (D + 2) else "gather"
 
 
-def readout_bytes_per_query(Hq: int, D: int, cfg: FreeSoloConfig, itemsize: int, G: int, pool_bound: bool) -> int:
+def readout_bytes_per_query(
+    Hq: int, D: int, cfg: FreeSoloConfig, itemsize: int, G: int, pool_bound: bool, long_path: str = "auto"
+) -> int:
     """Transient bytes per query position of one row's readout chunk, backward recomputation
-    included, for the larger of the two layouts "auto" may pick (a function of the config and
-    the head shapes only, so the chunk size never depends on B, T or the data)."""
+    included, for the largest layout a chunk may take (a function of the config, the head shapes
+    and `long_path` only, so the chunk size never depends on B, T or the data)."""
     local = 6 * window_blocks(cfg) * cfg.block  # logits, mask, probabilities and their gradients
-    U = G * cfg.block * cfg.top_k
+    U = G * cfg.block * cfg.top_k  # the largest union_width
     if pool_bound:
         U = min(U, cfg.pool + cfg.recent)
-    U = min(U, max(1, 4 * cfg.top_k * (D + 2) // 5))  # "auto" takes union only below this
-    union = 6 * U * cfg.cell + U * cfg.top_k  # logits, probabilities, gradients, mask
     gather = 4 * cfg.top_k * cfg.cell * (D + 2)  # gathered k, v, their gradients, logits
-    return Hq * itemsize * (local + max(union, gather))
+    if long_path == "gather" or (long_path == "auto" and choose_long_path(U, cfg, D) == "gather"):
+        if long_path == "gather":
+            return Hq * itemsize * (local + gather)
+        U = max(1, 4 * cfg.top_k * (D + 2) // 5)  # "auto": the widest union a chunk still reads as union
+        return Hq * itemsize * (local + max(gather, 6 * U * cfg.cell + U * cfg.top_k))
+    return Hq * itemsize * (local + 6 * U * cfg.cell + U * cfg.top_k)  # union: logits, probabilities, grads, mask
 
 
 def window_blocks(cfg: FreeSoloConfig) -> int:

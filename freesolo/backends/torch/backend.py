@@ -149,7 +149,7 @@ def attention(
     if long_path not in ("auto", "union", "gather"):
         raise ValueError(f"long_path={long_path!r} must be 'auto', 'union' or 'gather'")
     pool_bound = idx is None and cfg.variant == "fsl"  # our FS-L selection: block unions <= P + W
-    per_query = readout_bytes_per_query(Hq, D, cfg, torch.finfo(cdt).bits // 8, G, pool_bound)
+    per_query = readout_bytes_per_query(Hq, D, cfg, torch.finfo(cdt).bits // 8, G, pool_bound, long_path)
     nbc = chunk_blocks(per_query, cfg.block, q.device, chunk_tokens, chunk_bytes)
     T_pad = padded_length(T, cfg.block, nbc)
     rows = []

@@ -63,8 +63,8 @@ def _fsl_block_candidates(rank, pool, j0: int, j1: int, cfg: FreeSoloConfig):
     dev = rank.device
     n_py = [min(j * cfg.block // s, C) for j in range(j0, j1 + 1)]  # available cells (after the end: C)
     m_py = [max(0, x - W) for x in n_py]  # older cells are c < m
-    n = torch.tensor(n_py, device=dev)  # (nb+1,)
-    m = torch.tensor(m_py, device=dev)
+    n = (torch.arange(j0, j1 + 1, device=dev) * cfg.block // s).clamp(max=C)  # (nb+1,) == n_py, no host copy
+    m = (n - W).clamp(min=0)  # == m_py
     nj = len(n_py)
     new = torch.arange(m_py[0], m_py[-1], device=dev)  # (Nn,) cells turning old during the chunk
     X = torch.cat([pool, new.expand(B, Hkv, -1)], dim=-1)  # (B, Hkv, P+Nn)
