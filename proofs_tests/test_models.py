@@ -228,6 +228,44 @@ def test_backend_agnostic_numpy_equals_torch():
     assert models["numpy"].new_cache(1)[0].backend == "numpy"
 
 
+def test_decode_graph_as_layer_cache(monkeypatch):
+    """`cache.decode_graph(beta)` stands for a layer's cache: with each CUDA graph replaced by a direct
+    call of the function it would capture (CPU), decoding through the graphs gives the eager cache's
+    logits, across block boundaries."""
+    from freesolo.streaming import torch_state
+
+    class FakeGraph:
+        def __init__(self, fn):
+            self.fn, self.out = fn, None
+
+        def replay(self):
+            self.out.copy_(self.fn())
+
+    def fake_capture(self, fn, share_with):
+        graph = FakeGraph(fn)
+        snapshot = self.state.state_dict()
+        graph.out = fn().clone()
+        self.state.load_state_dict(snapshot)
+        return graph, graph.out
+
+    monkeypatch.setattr(torch_state.DecodeGraph, "_check", staticmethod(lambda state: None))
+    monkeypatch.setattr(torch_state.DecodeGraph, "_warmup", lambda self, fns: [fn() for fn in fns])
+    monkeypatch.setattr(torch_state.DecodeGraph, "_capture", fake_capture)
+    model = make_lm("fsl")
+    ids = torch.randint(0, VOCAB, (1, 90), generator=torch.Generator().manual_seed(13))
+    eager, graphed = model.new_cache(1), model.new_cache(1)
+    with torch.no_grad():
+        model(ids[:, :50], cache=eager)
+        model(ids[:, :50], cache=graphed)
+        graphs = [c.decode_graph(layer.self_attn.beta.detach()) for c, layer in zip(graphed, model.layers)]
+        for t in range(50, 90):  # crosses the block boundaries at 64 and 80
+            a = model(ids[:, t : t + 1], cache=eager)
+            b = model(ids[:, t : t + 1], cache=graphs)
+            assert torch.equal(a, b), f"t={t}"
+        with pytest.raises(ValueError, match="one token per call"):
+            model(ids[:, :2], cache=graphs)
+
+
 # ---- save / load --------------------------------------------------------------------------------
 
 
