@@ -15,10 +15,12 @@ Backward, no gradient through statistics, scores or indices (spec §8):
     p = exp(s - lse);  ds = p * (dO . v_t - Delta)   (flash-attention 2, per branch)
 
 Kernels (in order of launch):
-1. `_bwd_long_query_kernel`, one program per (b, i, h): recomputes o_long from the K*s selected
-   tokens (the saved state is O(T*H): o_long is never stored), writes d_olong, Delta_loc,
-   Delta_long, the dbeta partial of the query, and dq of the long branch (its own cells only).
-   In the atomic mode it also scatters the long branch's dk / dv into fp32 buffers (tl.atomic_add).
+1. `_bwd_long_query_kernel`, one program per (query head h, `block_q` rows b*T + i; 1 on the GPU):
+   recomputes o_long from the K*s selected tokens gathered as one [K*s, D] tile (the saved state
+   is O(T*H): o_long is never stored), writes d_olong, Delta_loc, Delta_long, the dbeta partial
+   of the query, and dq of the long branch (its own cells only). In the atomic mode it also
+   scatters the long branch's dk / dv into fp32 buffers (tl.atomic_add, one per element: K*s*D
+   atomics per query and tensor, which is why the inverted selection is expected to be faster).
 2. deterministic mode: `_bwd_long_cell_kernel` over the inverted selection (for each (b, kv head,
    cell) the (query, head) pairs that read it, built by a stable sort of the saved indices:
    O(T*Hq*K), no host sync), one program per segment of `tiles.seg` readers of a cell, read in a
@@ -35,7 +37,14 @@ No atomics anywhere in the deterministic mode: same bits run to run.
 
 Vectors of the local branch are handled as two halves of D/2 (the half-split RoPE pairs x[m] with
 x[m + D/2]); each half is padded to a power of two >= 16 (tl.dot's minimum), so any even D works.
-All pointer offsets are int64.
+Offsets: program ids are cast to int64 before any multiplication (T*H*D > 2^31 works); inside a
+local tile, a per-program int64 base plus int32 tile offsets (bounded by tile * H * D).
+
+Transient memory (backward only; nothing of it is saved by the forward): fp32 dq_long
+[B, T, Hq, D], d_olong [B, T, Hq, D] in q's dtype, fp32 dk / dv of the long branch [B, T, Hkv, D],
+fp32 [B, Hq, T] deltas and dbeta partials; deterministic mode: the inverted selection (int64,
+B*T*Hq*K entries and its sort) and partial sums of split cells (<= 2*B*T*Hq*K/seg slots of
+[s, D] fp32, twice).
 """
 
 from __future__ import annotations
