@@ -444,7 +444,7 @@ def test_torch_backend_cannot_be_traced_directly():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the triton backend runs on CUDA; no GPU here")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="inductor on the GPU (triton and torch backends); no CUDA device here")
 @pytest.mark.parametrize("backend,attention", [("triton", "fsl"), ("triton", "fs"), ("torch", "fsl")])
 def test_torch_compile_cuda(backend, attention):
     """On the GPU: torch.compile(fullgraph=True, inductor), forward and backward equal to eager; the
