@@ -543,7 +543,7 @@ def default_bwd_tiles(D: int, dtype: torch.dtype, device: torch.device) -> BwdTi
     """Tiles by device (and later head dim / dtype); the interpreter (CPU) gets small tiles and many
     queries per program (it runs programs one after the other)."""
     if device.type != "cuda":
-        return BwdTiles(16, 16, 16, 16, block_r=16, block_q=16, seg=64, num_warps=1, num_stages=1, num_warps_long=1)
+        return BwdTiles(32, 32, 32, 32, block_r=16, block_q=16, seg=64, num_warps=1, num_stages=1, num_warps_long=1)
     if D > 64 or dtype == torch.float32:  # wider rows: thinner tiles keep the local kernels from spilling
         return BwdTiles(kv_block_n=32, kv_block_m=16, q_block_m=64, q_block_n=16)
     return BwdTiles()
