@@ -264,6 +264,7 @@ def sweep(T, Hq, Hkv, D, dtype, rep, cfg) -> list:
     ]
     configs += [dataclasses.replace(base, seg=sg, block_r=br) for sg, br in ((256, 32), (4096, 32), (1024, 16), (1024, 64))]
     configs += [dataclasses.replace(base, num_warps_long=4), dataclasses.replace(base, block_q=2, num_warps_long=8)]
+    configs += [dataclasses.replace(base, long_mode="union", block_u=bu, num_warps_long=8) for bu in (64, 32, 128)]
     out = []
     for tiles in configs:
         try:
@@ -272,6 +273,14 @@ def sweep(T, Hq, Hkv, D, dtype, rep, cfg) -> list:
             )
         except Exception as e:  # noqa: BLE001 (a configuration that does not compile / fit is reported)
             ms = f"error: {type(e).__name__}: {str(e)[:120]}"
+        if isinstance(ms, float) and tiles.long_mode == "union":  # the union mode also has cheaper atomics
+            try:
+                ms = {"det": ms, "atomic": _bench(
+                    lambda: attention_backward(
+                        do, q, k, v, saved[0], idx, beta, *saved[1:], cos, sin, cfg, tiles=tiles, deterministic=False
+                    ), rep)}  # fmt: skip
+            except Exception as e:  # noqa: BLE001
+                ms = {"det": ms, "atomic": f"error: {type(e).__name__}"}
         out.append({"tiles": dataclasses.asdict(tiles), "bwd_ms": ms})
         print("  sweep", dataclasses.asdict(tiles), ms, flush=True)
     return out
@@ -312,18 +321,24 @@ def regs_report(dtypes=("bf16", "fp16", "fp32"), dims=(32, 64, 128)) -> list:
             ieee = dt == "fp32"
             half, bd, bh = D // 2, max(16, D), max(16, D // 2)
             res = []
-            sig = dict(DO=P, Q=P, K=P, V=P, O=P, IDX=I, BETA=F, LSE_LONG=F, RSTD=F, DOLONG=F, DQLONG=F, DELTA_LOC=F,
+            sig = dict(DO=P, Q=P, K=P, V=P, O=P, IDX=I, BETA=F, LSE_LONG=F, RSTD=F, DOLONG=P, DQLONG=F, DELTA_LOC=F,
                        DELTA_LONG=F, DBETA_PART=F, DK_ACC=F, DV_ACC=F, T="i32", NROWS="i32", scale="fp32")  # fmt: skip
             for atomic in (False, True):
                 c = dict(HQ=16, HKV=4, D=D, TOPK=4, CELL=32, BLOCK_D=bd, BLOCK_KS=128, BLOCK_Q=tiles.block_q, ATOMIC=atomic)
                 res.append(build(m._bwd_long_query_kernel, sig, c, tiles.num_warps_long))
-            sig = dict(Q=P, K=P, V=P, DOLONG=F, LSE_LONG=F, DELTA_LONG=F, READERS=I, OFFSETS=I, WORK_CELL=I, WORK_SEG=I,
+            sig = dict(Q=P, K=P, V=P, DOLONG=P, LSE_LONG=F, DELTA_LONG=F, READERS=I, OFFSETS=I, WORK_CELL=I, WORK_SEG=I,
                        NSEG=I, PART_BASE=I, DK_ACC=F, DV_ACC=F, PART_DK=F, PART_DV=F, T="i32", C="i32", NCELLS="i32",
                        scale="fp32")  # fmt: skip
             c = dict(HQ=16, HKV=4, D=D, CELL=32, BLOCK_D=bd, BLOCK_C=32, BLOCK_R=tiles.block_r, SEG=tiles.seg, IEEE=ieee)
             res.append(build(m._bwd_long_cell_kernel, sig, c, tiles.num_warps_long))
             sig = dict(NSEG=I, PART_BASE=I, PART_DK=F, PART_DV=F, DK_ACC=F, DV_ACC=F, T="i32", C="i32")
             res.append(build(m._bwd_long_reduce_kernel, sig, dict(HKV=4, D=D, CELL=32, BLOCK_D=bd, BLOCK_C=32), 4))
+            sig = dict(DO=P, Q=P, K=P, V=P, O=P, IDX=I, UNION="*i32", COUNT="*i32", BETA=F, LSE_LONG=F, RSTD=F,
+                       DOLONG=P, DQLONG=F, DELTA_LOC=F, DELTA_LONG=F, DBETA_PART=F, DK_ACC=F, DV_ACC=F, T="i32",
+                       NT="i32", scale="fp32")  # fmt: skip
+            c = dict(HQ=16, HKV=4, D=D, TOPK=4, K_P=4, CELL=32, BLOCK_D=bd, BLOCK_C=32, BLOCK_M=tiles.block_u,
+                     IEEE=ieee, ATOMIC=False)  # fmt: skip
+            res.append(build(m._bwd_long_tile_kernel, sig, c, tiles.num_warps_long))
             common = dict(HQ=16, HKV=4, HALF=half, BLOCK_H=bh, IEEE=ieee)
             sig = dict(DO=P, Q=P, K=P, V=P, COS=F, SIN=F, LSE_LOC=F, DELTA_LOC=F, DK_LONG=F, DV_LONG=F, DK=P, DV=P,
                        T="i32", W="i32", scale="fp32")  # fmt: skip

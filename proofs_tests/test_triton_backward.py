@@ -193,6 +193,17 @@ def test_uneven_tiles(tiles, nan_poison):
     _check(got, torch_grads(q, k, v, beta, idx, cfg, do), 1e-5, "uneven tiles")
 
 
+@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
+def test_union_long_mode(deterministic, nan_poison):
+    """long_mode="union" (query tiles over their cell union with tl.dot, per-(tile, cell) atomics in
+    the atomic mode) gives the same gradients as the torch backend."""
+    cfg = FreeSoloConfig(window=16, cell=4, block=8, top_k=3, pool=3, recent=2)
+    q, k, v, beta, do, idx = make_inputs(14, 2, 41, 4, 2, 32, cfg)
+    tiles = dataclasses.replace(default_bwd_tiles(32, q.dtype, q.device), long_mode="union", block_u=16)
+    got = run_backward(q, k, v, beta, do, idx, cfg, deterministic, tiles=tiles)
+    _check(got, torch_grads(q, k, v, beta, idx, cfg, do), 1e-5, f"union mode, deterministic={deterministic}")
+
+
 def test_atomic_mode_matches_deterministic():
     """deterministic=False (tl.atomic_add into fp32 buffers) agrees with the inverted selection to fp32 rounding."""
     cfg = FreeSoloConfig(window=16, cell=4, block=8, top_k=3, pool=3, recent=2)

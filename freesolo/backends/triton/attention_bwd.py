@@ -164,6 +164,120 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _bwd_long_tile_kernel(
+    DO,
+    Q,
+    K,
+    V,
+    O,
+    IDX,
+    UNION,
+    COUNT,
+    BETA,
+    LSE_LONG,
+    RSTD,
+    DOLONG,
+    DQLONG,
+    DELTA_LOC,
+    DELTA_LONG,
+    DBETA_PART,
+    DK_ACC,
+    DV_ACC,
+    T,
+    NT,
+    scale,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+    TOPK: tl.constexpr,
+    K_P: tl.constexpr,
+    CELL: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    IEEE: tl.constexpr,
+    ATOMIC: tl.constexpr,
+):
+    """Same outputs as `_bwd_long_query_kernel`, with tensor cores: grid (NT, B * HQ), one program per
+    tile of BLOCK_M queries of head h, looping over the tile's cell union (UNION int32 [B*HQ, NT,
+    BLOCK_M*TOPK] ascending, COUNT int32 [B*HQ, NT]: `attention.tile_unions`); each step is a
+    [BLOCK_M, CELL] score tile masked to the queries that selected the cell. Two passes (o_long,
+    then dq). ATOMIC: the cell's dk / dv of the tile are added with one atomic per element."""
+    DOT_DTYPE = K.dtype.element_ty
+    tile = tl.program_id(0).to(tl.int64)
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // HQ
+    h = bh - b * HQ
+    g = h // (HQ // HKV)
+    m0 = tile * BLOCK_M
+    ar_m = tl.arange(0, BLOCK_M)
+    mmask = m0 + ar_m < T
+    rows = b * T + m0 + ar_m  # [BLOCK_M] int64
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    qm2 = mmask[:, None] & dmask[None, :]
+    qd = ((rows * HQ + h) * D)[:, None] + offs_d[None, :]
+    q = tl.load(Q + qd, mask=qm2, other=0.0)
+    qc = q.to(DOT_DTYPE)
+    q = q.to(tl.float32)
+    do = tl.load(DO + qd, mask=qm2, other=0.0).to(tl.float32)
+    o = tl.load(O + qd, mask=qm2, other=0.0).to(tl.float32)
+    beta = tl.load(BETA + h).to(tl.float32)
+    stat = (b * HQ + h) * T + m0 + ar_m
+    lse = tl.load(LSE_LONG + stat, mask=mmask, other=0.0)
+    lse = tl.where(lse == float("-inf"), 0.0, lse)  # rows without cells: every p is masked to 0
+    rstd = tl.load(RSTD + stat, mask=mmask, other=0.0)
+    kk = tl.arange(0, K_P)
+    sel_idx = tl.load(
+        IDX + ((rows * HQ + h) * TOPK)[:, None] + kk[None, :], mask=mmask[:, None] & (kk < TOPK)[None, :], other=-1
+    ).to(tl.int64)  # [BLOCK_M, K_P]
+    ubase = (bh * NT + tile) * (BLOCK_M * TOPK)
+    cnt = tl.load(COUNT + bh * NT + tile)
+    offs_u = tl.arange(0, BLOCK_C)
+    umask = offs_u < CELL
+    cm2 = umask[:, None] & dmask[None, :]
+    o_long = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    j = cnt * 0
+    while j < cnt:
+        c = tl.load(UNION + ubase + j).to(tl.int64)
+        sel = tl.sum((sel_idx == c).to(tl.int32), axis=1) > 0  # [BLOCK_M]
+        kv = (((b * T + c * CELL + offs_u) * HKV + g) * D)[:, None] + offs_d[None, :]
+        kc = tl.load(K + kv, mask=cm2, other=0.0).to(DOT_DTYPE)
+        vc = tl.load(V + kv, mask=cm2, other=0.0).to(DOT_DTYPE)
+        sc = _dot(qc, tl.trans(kc), IEEE)
+        p = tl.where(sel[:, None] & umask[None, :], tl.exp(sc * scale - lse[:, None]), 0.0)
+        o_long += _dot(p.to(DOT_DTYPE), vc, IEEE)
+        j += 1
+    y = o_long * rstd[:, None]
+    dy = beta * do
+    d_olong = rstd[:, None] * (dy - y * (tl.sum(dy * y, axis=1) / D)[:, None])
+    delta_long = tl.sum(d_olong * o_long, axis=1)
+    tl.store(DBETA_PART + stat, tl.sum(do * y, axis=1), mask=mmask)
+    tl.store(DELTA_LOC + stat, tl.sum(do * (o - beta * y), axis=1), mask=mmask)
+    tl.store(DELTA_LONG + stat, delta_long, mask=mmask)
+    tl.store(DOLONG + qd, d_olong.to(DOLONG.dtype.element_ty), mask=qm2)
+    dlc = d_olong.to(DOT_DTYPE)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    j = cnt * 0
+    while j < cnt:
+        c = tl.load(UNION + ubase + j).to(tl.int64)
+        sel = tl.sum((sel_idx == c).to(tl.int32), axis=1) > 0
+        kv = (((b * T + c * CELL + offs_u) * HKV + g) * D)[:, None] + offs_d[None, :]
+        kc = tl.load(K + kv, mask=cm2, other=0.0).to(DOT_DTYPE)
+        vc = tl.load(V + kv, mask=cm2, other=0.0).to(DOT_DTYPE)
+        sc = _dot(qc, tl.trans(kc), IEEE)
+        p = tl.where(sel[:, None] & umask[None, :], tl.exp(sc * scale - lse[:, None]), 0.0)
+        dp = _dot(dlc, tl.trans(vc), IEEE)
+        ds = p * (dp - delta_long[:, None])
+        dq += _dot(ds.to(DOT_DTYPE), kc, IEEE)
+        if ATOMIC:
+            tl.atomic_add(DK_ACC + kv, _dot(tl.trans(ds.to(DOT_DTYPE)), qc, IEEE) * scale, mask=cm2)
+            tl.atomic_add(DV_ACC + kv, _dot(tl.trans(p.to(DOT_DTYPE)), dlc, IEEE), mask=cm2)
+        j += 1
+    tl.store(DQLONG + qd, dq * scale, mask=qm2)
+
+
+@triton.jit
 def _bwd_long_cell_kernel(
     Q,
     K,
@@ -525,13 +639,18 @@ class BwdTiles:
     q_block_n: int = 32  # keys per step of the local dq kernel
     block_r: int = 32  # readers per step of the deterministic cell kernel (>= 16 on the GPU)
     block_q: int = 1  # queries per program of the per-query long-branch kernel
+    long_mode: str = "gather"  # long branch's per-query pass: "gather" (K*s tokens per query, CUDA cores)
+    # or "union" (a tile of block_u queries loops over its cell union with tl.dot; fewer atomics)
+    block_u: int = 64  # queries per program of the "union" mode (>= 16 on the GPU)
     seg: int = 1024  # readers per work item of the cell kernel: a cell read more often is split (fixed order)
     num_warps: int = 8  # warps of the local kernels
     num_stages: int = 2  # software pipelining depth of the local kernels' loops
     num_warps_long: int = 8  # warps of the per-query and per-cell kernels
 
     def __post_init__(self):
-        for name in ("kv_block_n", "kv_block_m", "q_block_m", "q_block_n", "block_r", "block_q"):
+        if self.long_mode not in ("gather", "union"):
+            raise ValueError(f"long_mode={self.long_mode!r} must be 'gather' or 'union'")
+        for name in ("kv_block_n", "kv_block_m", "q_block_m", "q_block_n", "block_r", "block_q", "block_u"):
             x = getattr(self, name)
             if x < 1 or x & (x - 1):
                 raise ValueError(f"{name}={x} must be a power of two")
@@ -693,7 +812,7 @@ def attention_backward(
     else:
         dk_long = dv_long = d_olong  # placeholders, never read (HAS_LONG False)
     ieee = q.dtype == torch.float32
-    if B * T * Hq > 0:
+    if B * T * Hq > 0 and tiles.long_mode == "gather":
         bq = tiles.block_q
         _bwd_long_query_kernel[(triton.cdiv(B * T, bq), Hq)](
             do,
@@ -723,6 +842,47 @@ def attention_backward(
             BLOCK_D=_pow2(D),
             BLOCK_KS=_pow2(K * s),
             BLOCK_Q=bq,
+            ATOMIC=(not deterministic) and has_long,
+            num_warps=tiles.num_warps_long,
+        )
+    elif B * T * Hq > 0:
+        from .attention import tile_unions
+
+        bu = tiles.block_u
+        union, count = tile_unions(idx, bu)
+        nt = union.shape[1]
+        _bwd_long_tile_kernel[(nt, B * Hq)](
+            do,
+            q,
+            k,
+            v,
+            o,
+            idx,
+            union,
+            count,
+            beta,
+            lse_long,
+            rstd,
+            d_olong,
+            dq_long,
+            delta_loc,
+            delta_long,
+            dbeta_part,
+            dk_long,
+            dv_long,
+            T,
+            nt,
+            scale,
+            HQ=Hq,
+            HKV=Hkv,
+            D=D,
+            TOPK=K,
+            K_P=_pow2(K),
+            CELL=s,
+            BLOCK_D=_pow2(D, 16),
+            BLOCK_C=_pow2(s, 16),
+            BLOCK_M=bu,
+            IEEE=ieee,
             ATOMIC=(not deterministic) and has_long,
             num_warps=tiles.num_warps_long,
         )
