@@ -205,15 +205,18 @@ def test_union_long_mode(deterministic, nan_poison):
 
 
 def test_atomic_mode_matches_deterministic():
-    """deterministic=False (tl.atomic_add into fp32 buffers) agrees with the inverted selection to fp32 rounding."""
+    """deterministic=False (tl.atomic_add into fp32 buffers; per query and, by default, per tile and cell)
+    agrees with the inverted selection to fp32 rounding."""
     cfg = FreeSoloConfig(window=16, cell=4, block=8, top_k=3, pool=3, recent=2)
     q, k, v, beta, do, idx = make_inputs(2, 1, 40, 4, 2, 32, cfg)
     saved = saved_tensors(q, k, v, idx, beta, cfg)
     det = run_backward(q, k, v, beta, do, idx, cfg, True, saved)
-    ato = run_backward(q, k, v, beta, do, idx, cfg, False, saved)
-    _check(ato, det, 1e-6, "atomic vs deterministic")
+    gather = dataclasses.replace(default_bwd_tiles(32, q.dtype, q.device), long_mode="gather")
+    ato = run_backward(q, k, v, beta, do, idx, cfg, False, saved, gather)  # per-query atomics
+    _check(ato, det, 1e-6, "atomic (gather) vs deterministic")
     ref = torch_grads(q, k, v, beta, idx, cfg, do)
-    _check(ato, ref, 1e-5, "atomic vs torch float64")
+    _check(ato, ref, 1e-5, "atomic (gather) vs torch float64")
+    _check(run_backward(q, k, v, beta, do, idx, cfg, False, saved), ref, 1e-5, "atomic (default tiles) vs torch")
 
 
 def test_deterministic_bitwise_run_to_run():

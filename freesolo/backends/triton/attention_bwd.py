@@ -49,6 +49,7 @@ B*T*Hq*K entries and its sort) and partial sums of split cells (<= 2*B*T*Hq*K/se
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -759,7 +760,8 @@ def attention_backward(
         cos, sin: fp32 [T, D/2] half-split RoPE tables (`rope_tables(T, D, cfg.rope_theta, ...)`).
         cfg: FreeSoloConfig (window, cell, top_k, eps are read).
         deterministic: True: inverted selection, no atomics, same bits run to run (default);
-            False: the long branch's dk / dv by tl.atomic_add into fp32 buffers.
+            False: the long branch's dk / dv by tl.atomic_add into fp32 buffers (default tiles then
+            use long_mode="union": one atomic per element of a query tile's cell, not per query).
         tiles: BwdTiles (default `default_bwd_tiles(D, dtype, device)`).
     Returns:
         dq [B, T, Hq, D] q.dtype; dk, dv [B, T, Hkv, D] k.dtype; dbeta fp32 [Hq].
@@ -784,6 +786,8 @@ def attention_backward(
         raise ValueError(f"cos / sin must be [T={T}, D/2={D // 2}], got {tuple(cos.shape)}, {tuple(sin.shape)}")
     if tiles is None:
         tiles = default_bwd_tiles(D, q.dtype, q.device)
+        if not deterministic:  # per-(tile, cell) atomics: ~K*Bq/U times fewer than per-query atomics
+            tiles = dataclasses.replace(tiles, long_mode="union")
     dev = q.device
     q, k, v, o, do = (x.contiguous() for x in (q, k, v, o, do))
     idx = idx.contiguous()
