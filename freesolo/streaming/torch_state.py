@@ -32,6 +32,8 @@ import torch.nn.functional as F
 
 from ..config import FreeSoloConfig
 
+SDPA_MAX_BATCH = 32768  # batch entries per SDPA call in the long-branch readout
+
 __all__ = ["DECODE_KERNELS", "DecodeGraph", "TorchCacheState", "fsl_candidate_count"]
 
 # One-token step: "torch" (torch ops), "triton" (fused kernel, freesolo.backends.triton.decode),
@@ -348,7 +350,17 @@ class TorchCacheState:
         keys = keys.reshape(N, 1, k_eff * s, D)
         values = values.reshape(N, 1, k_eff * s, D)
         query = qg.reshape(N, 1, 1, D)
-        o_long = F.scaled_dot_product_attention(query, keys, values, scale=1.0 / math.sqrt(D))  # (N, 1, 1, D)
+        # SDPA's CUDA kernels launch one grid row per batch entry (cuDNN fails past 65535): fixed slices of
+        # SDPA_MAX_BATCH entries (each entry is computed alone, so the slicing changes no bit).
+        o_long = torch.cat(
+            [
+                F.scaled_dot_product_attention(
+                    query[j : j + SDPA_MAX_BATCH], keys[j : j + SDPA_MAX_BATCH], values[j : j + SDPA_MAX_BATCH],
+                    scale=1.0 / math.sqrt(D),
+                )
+                for j in range(0, N, SDPA_MAX_BATCH)
+            ]
+        )  # (N, 1, 1, D)
         return o_long.to(self.acc).view(B, Hkv, G, n, D)
 
     # ---- public operations ----------------------------------------------------------------
