@@ -12,8 +12,9 @@ torch backend / the oracle (fla style) and must reproduce
 Outputs are allocated by the kernel's host code with torch.empty: a fixture poisons every
 torch.empty with NaN so that an unwritten element fails.
 
-On a CPU machine the kernel runs under Triton's interpreter (TRITON_INTERPRET=1) in float32;
-the CUDA tests (bf16 / fp16 / fp32, long T, int64 offsets) skip without a GPU. Run on the H200:
+On a CPU machine the kernel runs under Triton's interpreter (TRITON_INTERPRET=1) in float32
+(triton 3.6's interpreter computes tl.dot of bfloat16 operands wrongly, so 16-bit runs are GPU
+tests); the CUDA tests (bf16 / fp16 / fp32, long T, int64 offsets) skip without a GPU. Run on the H200:
     HYPOTHESIS_PROFILE=ci python -m pytest -q proofs_tests/test_triton_attention.py
 """
 
