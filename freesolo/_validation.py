@@ -36,15 +36,38 @@ class InputInfo:
 
 
 def _all_finite(x) -> bool:
-    """True if x has no nan / inf. Under torch.compile the check is skipped (it is a host sync,
-    which would break the graph): compiled callers get no finiteness check."""
+    """True if x has no nan / inf (exact, one element at a time)."""
     if is_torch_tensor(x):
         import torch
 
-        if torch.compiler.is_compiling():
-            return True
         return bool(torch.isfinite(x).all())
     return bool(np.isfinite(x).all())
+
+
+def _first_non_finite(named: dict) -> Optional[str]:
+    """The name of the first array in `named` holding a nan / inf, or None.
+
+    Torch tensors are screened together with one host sync: the sum of a tensor is nan / inf
+    whenever an element is (inf + finite = inf, inf - inf = nan, nan propagates), so finite sums
+    prove finite tensors. Only a non-finite sum (a bad element, or a sum that overflowed) triggers
+    the exact element-wise check. Under torch.compile the check is skipped (a host sync would break
+    the graph): compiled callers get no finiteness check."""
+    tensors = {name: x for name, x in named.items() if is_torch_tensor(x)}
+    if tensors:
+        import torch
+
+        if torch.compiler.is_compiling():
+            tensors = {}
+        else:
+            sums = torch.stack(
+                [x.sum(dtype=torch.float64 if x.dtype == torch.float64 else torch.float32) for x in tensors.values()]
+            )
+            if bool(torch.isfinite(sums).all()):
+                tensors = {}
+    for name, x in named.items():
+        if (name in tensors or not is_torch_tensor(x)) and not _all_finite(x):
+            return name
+    return None
 
 
 def check_inputs(q, k, v: Optional[Any], cfg: FreeSoloConfig, beta=None, check_finite: bool = True) -> InputInfo:
@@ -99,10 +122,6 @@ def check_inputs(q, k, v: Optional[Any], cfg: FreeSoloConfig, beta=None, check_f
         raise ValueError(f"v shape {tuple(v.shape)} must equal k shape {tuple(k.shape)}")
     if D % 2 != 0:
         raise ValueError(f"head dim D={D} must be even (RoPE)")
-    if check_finite:
-        for name, x in named.items():
-            if not _all_finite(x):
-                raise ValueError(f"{name} contains non-finite values (nan or inf)")
     if beta is not None:
         if not (is_torch_tensor(beta) or isinstance(beta, np.ndarray)):
             raise TypeError(f"beta must be a numpy array or torch tensor of shape [Hq={Hq}], got {type(beta).__name__}")
@@ -115,8 +134,10 @@ def check_inputs(q, k, v: Optional[Any], cfg: FreeSoloConfig, beta=None, check_f
                 import torch
 
                 requires_grad = requires_grad or torch.is_grad_enabled()  # beta is learnable (spec §1, §8)
-        if check_finite and not _all_finite(beta):
-            raise ValueError("beta contains non-finite values")
+    if check_finite:
+        bad = _first_non_finite(named if beta is None else {**named, "beta": beta})
+        if bad is not None:
+            raise ValueError(f"{bad} contains non-finite values (nan or inf)")
     cfg.per_head("sigma", Hq)
     cfg.per_head("lam", Hq)
     if cfg.variant == "fsb":

@@ -304,3 +304,20 @@ def test_beta_requiring_grad_is_not_dropped():
     out = freesolo.freesolo_attention(q, k, v, CFG, beta=beta, backend="torch")
     out.sum().backward()
     assert beta.grad is not None and torch.isfinite(beta.grad).all() and beta.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("bad", ["none", "q", "k", "v", "beta"])
+def test_torch_finite_screen_names_the_tensor_and_allows_overflowing_sums(bad):
+    """Torch inputs are screened by one fused sum (one host sync); a sum that overflows on finite
+    values must not raise, and a real nan / inf must name its tensor."""
+    torch = pytest.importorskip("torch")
+    from freesolo._validation import check_inputs
+
+    q, k, v = (torch.full((1, 40, 2, 8), 3.0e38, dtype=torch.float32) for _ in range(3))  # sums overflow to inf
+    beta = torch.ones(2)
+    if bad != "none":
+        {"q": q, "k": k, "v": v, "beta": beta}[bad][..., 0] = float("nan")
+        with pytest.raises(ValueError, match=f"^{bad} contains non-finite values"):
+            check_inputs(q, k, v, FreeSoloConfig(**SMALL), beta)
+    else:
+        assert check_inputs(q, k, v, FreeSoloConfig(**SMALL), beta).T == 40
