@@ -147,7 +147,8 @@ def chunk_forward(
             S <= L + (nwin-1)*Bq (missing tokens are padded with zeros and masked out).
         rope_q, rope_k: (cos, sin) [L, D/2] / [S, D/2] of those positions, in the compute dtype.
         k_long, v_long: "gather": [B, Hkv, G, L, K*s, D]; "union": [B, Hkv, nb, U*s, D] (unrotated).
-        long_mask: "gather": [B, Hkv, G, L, K*s]; "union": [B, Hkv, G, nb, Bq, U] bool (per cell).
+        long_mask: "gather": [B, Hkv, G, L, K*s] bool; "union": [B, Hkv, G, nb, Bq, K] int64, the
+            union slot of each of the query's K selected cells in selection order (U: none).
         beta: [Hkv, G]. pad_front: zero keys before kr_span (the window starts before token 0).
     Returns:
         o [B, Hkv, G, L, D] in the compute dtype.
@@ -177,14 +178,33 @@ def chunk_forward(
     o_loc = o_loc.reshape(B, Hkv, G, nb * Bq, D)[:, :, :, :L]
     # ---- long branch: NoPE softmax over the selected tokens
     if path == "union":
+        # logits of the block's union by one matmul; each query then reads its own K cells'
+        # logits (its selection order: a fixed layout), softmaxes them and scatters the weights
+        # back into the union's columns for the value matmul: the wide [Bq, U*s] tensors are
+        # written twice and read twice (no mask / exp / max passes over them)
+        s = cfg.cell
         qu = torch.nn.functional.pad(q, (0, 0, 0, pad_q)) if pad_q else q
         qu = qu.reshape(B, Hkv, G, nb, Bq, D)
-        lg = torch.einsum("bhgnqd,bhnud->bhgnqu", qu, k_long) * scale  # (B, Hkv, G, nb, Bq, U*s)
-        U = long_mask.shape[-1]
-        lg = lg.reshape(B, Hkv, G, nb, Bq, U, cfg.cell)  # mask per cell, broadcast over its tokens
-        num, den = _masked_softmax_readout(lg, long_mask[..., None], None, None)
-        num = torch.einsum("bhgnqu,bhnud->bhgnqd", num.reshape(B, Hkv, G, nb, Bq, U * cfg.cell), v_long)
-        den = den.sum(dim=-2)
+        lg = torch.einsum("bhgnqd,bhnud->bhgnqu", qu * scale, k_long)  # (B, Hkv, G, nb, Bq, U*s)
+        slot = long_mask  # (B, Hkv, G, nb, Bq, K): the union slot of each selected cell, U = none
+        U = k_long.shape[-2] // s
+        K = slot.shape[-1]
+        col = (slot[..., None] * s + torch.arange(s, device=q.device)).reshape(B, Hkv, G, nb, Bq, K * s)
+        col = col.clamp(max=U * s - 1)  # slot U (no cell): any column, its weight is 0 (masked below)
+        lk = torch.gather(lg, -1, col)  # (B, Hkv, G, nb, Bq, K*s): the query's own logits
+        ok = (slot < U)[..., None].expand(B, Hkv, G, nb, Bq, K, s).reshape(B, Hkv, G, nb, Bq, K * s)
+        lk = lk.masked_fill(~ok, float("-inf"))
+        mx = lk.detach().amax(dim=-1, keepdim=True)
+        mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))  # rows with no cell: 0
+        e = torch.exp(lk - mx)  # masked entries: +0
+        den = e.sum(dim=-1, keepdim=True)  # (B, Hkv, G, nb, Bq, 1), in the query's own order
+        # weights back into the union's columns; a masked entry adds +0 (exact, so the order of
+        # the additions into a column, atomic on CUDA, never changes a bit)
+        if torch.is_grad_enabled():
+            p = torch.zeros_like(lg).scatter_add(-1, col, e)
+        else:
+            p = lg.zero_().scatter_add_(-1, col, e)  # forward: reuse the logits' storage
+        num = torch.einsum("bhgnqu,bhnud->bhgnqd", p, v_long)
         num = num.reshape(B, Hkv, G, nb * Bq, D)[:, :, :, :L]
         den = den.reshape(B, Hkv, G, nb * Bq, 1)[:, :, :, :L]
     else:
@@ -223,8 +243,9 @@ class _Chunk:
             U = self.U
             self.tok = (uc.clamp(min=0)[..., None] * s + ar).clamp(max=T - 1).reshape(B, Hkv, nb, U * s)
             sel = torch.nn.functional.pad(cells, (0, 0, 0, nb * Bq - L), value=-1).reshape(B, Hkv, G, nb, Bq, K, 1)
-            hit = ((sel == uc[:, :, None, :, None, None, :]) & (sel >= 0)).any(dim=-2)  # (B, Hkv, G, nb, Bq, U)
-            self.mask = hit  # per cell; chunk_forward broadcasts it over the cell's tokens
+            hit = (sel == uc[:, :, None, :, None, None, :]) & (sel >= 0)  # (B, Hkv, G, nb, Bq, K, U)
+            slot = (hit * torch.arange(U, device=dev)).sum(dim=-1)  # the union slot of each selected cell
+            self.mask = torch.where(hit.any(dim=-1), slot, torch.full_like(slot, U))  # U: no cell
             self.bi = torch.arange(B, device=dev).view(B, 1, 1, 1)
             self.hi_ = torch.arange(Hkv, device=dev).view(1, Hkv, 1, 1)
         else:
