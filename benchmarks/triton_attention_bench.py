@@ -44,9 +44,12 @@ from freesolo.backends.triton.attention import (  # noqa: E402
 )
 
 WINDOW = 512
-SWEEP = [
+SWEEP = [  # (block_m, block_n, num_warps, num_stages, prefetch of the long loop)
     AttentionTiles(64, 64, 8, 2),
+    AttentionTiles(64, 64, 8, 2, False),
     AttentionTiles(64, 64, 4, 2),
+    AttentionTiles(64, 64, 4, 2, False),
+    AttentionTiles(32, 64, 4, 2, False),
     AttentionTiles(64, 64, 8, 3),
     AttentionTiles(64, 64, 4, 3),
     AttentionTiles(64, 128, 8, 2),

@@ -123,6 +123,7 @@ def _attention_fwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     U_MAX: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     pid_m = tl.program_id(0).to(tl.int64)
     pid_bh = tl.program_id(1).to(tl.int64)
@@ -194,14 +195,31 @@ def _attention_fwd_kernel(
     m_j = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
     l_j = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D_P], dtype=tl.float32)
+    urow = UNION + tile * U_MAX
+    if PREFETCH:
+        # software pipelining by hand: the cell ids two steps ahead and the keys / values one
+        # step ahead are loaded before the current step computes (the loop is latency-bound:
+        # id -> address -> k -> dot -> v -> dot; the compiler's pipeliner does not hoist the
+        # id-dependent loads). Out-of-union prefetches are masked (no reads past the union).
+        cell = tl.load(urow, mask=n_u > 0, other=0)
+        cell_n = tl.load(urow + 1, mask=n_u > 1, other=0)
+        cb = cell.to(tl.int64) * (CELL * kv_stride)
+        kc = tl.load(k_base + cb + cell_offs, mask=kv_mask & (n_u > 0), other=0.0)
+        vc = tl.load(v_base + cb + cell_offs, mask=kv_mask & (n_u > 0), other=0.0)
     for u in range(0, n_u):
-        cell = tl.load(UNION + tile * U_MAX + u)
-        hit = tl.sum((sel == cell).to(tl.int32), 1) > 0  # [BLOCK_M]: queries that selected this cell
-        cell_base = cell.to(tl.int64) * (CELL * kv_stride)  # element offset of the cell's first token
-        if CELL == CELL_P and D == D_P:
-            kc = tl.load(k_base + cell_base + cell_offs)
+        if PREFETCH:
+            cell_nn = tl.load(urow + u + 2, mask=u + 2 < n_u, other=0)
+            cb_n = cell_n.to(tl.int64) * (CELL * kv_stride)
+            kc_n = tl.load(k_base + cb_n + cell_offs, mask=kv_mask & (u + 1 < n_u), other=0.0)
+            vc_n = tl.load(v_base + cb_n + cell_offs, mask=kv_mask & (u + 1 < n_u), other=0.0)
         else:
-            kc = tl.load(k_base + cell_base + cell_offs, mask=kv_mask, other=0.0)
+            cell = tl.load(urow + u)
+            cb = cell.to(tl.int64) * (CELL * kv_stride)  # element offset of the cell's first token
+            if CELL == CELL_P and D == D_P:
+                kc = tl.load(k_base + cb + cell_offs)
+            else:
+                kc = tl.load(k_base + cb + cell_offs, mask=kv_mask, other=0.0)
+        hit = tl.sum((sel == cell).to(tl.int32), 1) > 0  # [BLOCK_M]: queries that selected this cell
         s = tl.dot(q, tl.trans(kc), input_precision="ieee")
         if CELL == CELL_P:
             s = tl.where(hit[:, None], s * qk_scale, float("-inf"))
@@ -211,12 +229,18 @@ def _attention_fwd_kernel(
         alpha = tl.math.exp2(m_j - m_new)
         p = tl.math.exp2(s - m_new[:, None])
         l_j = l_j * alpha + tl.sum(p, 1)
-        if CELL == CELL_P and D == D_P:
-            vc = tl.load(v_base + cell_base + cell_offs)
-        else:
-            vc = tl.load(v_base + cell_base + cell_offs, mask=kv_mask, other=0.0)
+        if not PREFETCH:
+            if CELL == CELL_P and D == D_P:
+                vc = tl.load(v_base + cb + cell_offs)
+            else:
+                vc = tl.load(v_base + cb + cell_offs, mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(dtype), vc, input_precision="ieee")
         m_j = m_new
+        if PREFETCH:
+            cell = cell_n
+            cell_n = cell_nn
+            kc = kc_n
+            vc = vc_n
     has = l_j > 0
     o_long = tl.where(has[:, None], acc / tl.where(has, l_j, 1.0)[:, None], 0.0)
     lse_long = tl.where(has, (m_j + tl.math.log2(tl.where(has, l_j, 1.0))) * 0.6931471805599453, float("-inf"))
@@ -277,6 +301,7 @@ class AttentionTiles:
     block_n: int  # keys per step of the local window loop
     num_warps: int  # warps per program (GPU only)
     num_stages: int  # software pipelining depth of the loops (GPU only)
+    prefetch: bool = True  # long loop: cell ids 2 steps and k / v 1 step ahead, loaded by hand
 
 
 def default_tiles(D: int, dtype: torch.dtype, device: torch.device) -> AttentionTiles:
@@ -432,6 +457,7 @@ def launch_forward(q, k, v, idx, union, count, beta, cos, sin, cfg, tiles: Atten
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n,
         U_MAX=tiles.block_m * K,
+        PREFETCH=tiles.prefetch,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
