@@ -44,8 +44,11 @@ from freesolo.backends.triton.attention import (  # noqa: E402
 )
 
 WINDOW = 512
-SWEEP = [  # (block_m, block_n, num_warps, num_stages, prefetch of the long loop)
+SWEEP = [  # (block_m, block_n, num_warps, num_stages, prefetch of the long loop, window phases)
     AttentionTiles(64, 64, 8, 2),
+    AttentionTiles(64, 64, 8, 2, True, False),
+    AttentionTiles(64, 64, 4, 2, True, False),
+    AttentionTiles(64, 64, 4, 3, True, False),
     AttentionTiles(64, 64, 8, 2, False),
     AttentionTiles(64, 64, 4, 2),
     AttentionTiles(64, 64, 4, 2, False),

@@ -124,6 +124,7 @@ def _attention_fwd_kernel(
     BLOCK_N: tl.constexpr,
     U_MAX: tl.constexpr,
     PREFETCH: tl.constexpr,
+    WINDOW_PHASES: tl.constexpr,
 ):
     pid_m = tl.program_id(0).to(tl.int64)
     pid_bh = tl.program_id(1).to(tl.int64)
@@ -163,18 +164,24 @@ def _attention_fwd_kernel(
     full_hi = tl.maximum(((m0 + 1) // BLOCK_N) * BLOCK_N, full_lo)  # n0 + BLOCK_N - 1 <= m0
     hi = tl.minimum(m0 + BLOCK_M, T)
     kr_base = KR + (b * T * Hkv + g) * D
-    acc, l_i, m_i = _window_steps(
-        acc, l_i, m_i, qr, m0, kr_base, v_base, lo, tl.minimum(full_lo, hi), T, W, kv_stride, qk_scale,
-        D, D_P, BLOCK_M, BLOCK_N, True,
-    )  # fmt: skip
-    acc, l_i, m_i = _window_steps(
-        acc, l_i, m_i, qr, m0, kr_base, v_base, full_lo, full_hi, T, W, kv_stride, qk_scale,
-        D, D_P, BLOCK_M, BLOCK_N, False,
-    )  # fmt: skip
-    acc, l_i, m_i = _window_steps(
-        acc, l_i, m_i, qr, m0, kr_base, v_base, full_hi, hi, T, W, kv_stride, qk_scale,
-        D, D_P, BLOCK_M, BLOCK_N, True,
-    )  # fmt: skip
+    if WINDOW_PHASES:
+        acc, l_i, m_i = _window_steps(
+            acc, l_i, m_i, qr, m0, kr_base, v_base, lo, tl.minimum(full_lo, hi), T, W, kv_stride, qk_scale,
+            D, D_P, BLOCK_M, BLOCK_N, True,
+        )  # fmt: skip
+        acc, l_i, m_i = _window_steps(
+            acc, l_i, m_i, qr, m0, kr_base, v_base, full_lo, full_hi, T, W, kv_stride, qk_scale,
+            D, D_P, BLOCK_M, BLOCK_N, False,
+        )  # fmt: skip
+        acc, l_i, m_i = _window_steps(
+            acc, l_i, m_i, qr, m0, kr_base, v_base, full_hi, hi, T, W, kv_stride, qk_scale,
+            D, D_P, BLOCK_M, BLOCK_N, True,
+        )  # fmt: skip
+    else:  # one masked, software-pipelined loop over every key tile
+        acc, l_i, m_i = _window_steps(
+            acc, l_i, m_i, qr, m0, kr_base, v_base, lo, hi, T, W, kv_stride, qk_scale,
+            D, D_P, BLOCK_M, BLOCK_N, True,
+        )  # fmt: skip
     l_i = tl.where(row_ok, l_i, 1.0)  # every real query sees its own key: l_i >= 1; padding rows: 1
     o_loc = acc / l_i[:, None]
     lse_loc = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
@@ -302,6 +309,7 @@ class AttentionTiles:
     num_warps: int  # warps per program (GPU only)
     num_stages: int  # software pipelining depth of the loops (GPU only)
     prefetch: bool = True  # long loop: cell ids 2 steps and k / v 1 step ahead, loaded by hand
+    window_phases: bool = True  # window loop split in masked / unmasked / diagonal loops (else one masked loop)
 
 
 def default_tiles(D: int, dtype: torch.dtype, device: torch.device) -> AttentionTiles:
@@ -458,6 +466,7 @@ def launch_forward(q, k, v, idx, union, count, beta, cos, sin, cfg, tiles: Atten
         BLOCK_N=tiles.block_n,
         U_MAX=tiles.block_m * K,
         PREFETCH=tiles.prefetch,
+        WINDOW_PHASES=tiles.window_phases,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
