@@ -38,8 +38,10 @@ DEFAULT_CHUNK_BYTES = {"cuda": 2 << 30, "cpu": 64 << 20}
 # Most query positions per budget-derived chunk: the last chunk of a row is padded to a whole
 # chunk (row independence), so a short sequence computes at most this many padded positions.
 # On CUDA the cheap stages (FS-L selection) reach it: a few launch-bound chunks cost less than
-# many small ones; the readout and FS / FS-B selection stay below it by their budgets.
-MAX_CHUNK_TOKENS = {"cuda": 8192, "cpu": 128}
+# many small ones; the readout and FS / FS-B selection stay below it by their budgets. 4096, not
+# more: a row shorter than the cap computes the whole cap (8192 doubled the FS-L selection's work
+# at T = 4096), and past it the extra chunks' launches overlap the GPU's work.
+MAX_CHUNK_TOKENS = {"cuda": 4096, "cpu": 128}
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -232,8 +232,9 @@ class _Chunk:
         self.lo, self.hi = max(0, start), min(T, j1 * Bq)
         self.pad_front = self.lo - start
         theta = cfg.rope_theta
-        self.cos_q, self.sin_q = rope_tables(self.i1 - self.i0, D, theta, dev, cdt, start=self.i0)  # [L, D/2]
         self.cos_k, self.sin_k = rope_tables(self.hi - self.lo, D, theta, dev, cdt, start=self.lo)  # [S, D/2]
+        # the key span ends with the chunk's queries (hi == i1): their table is its tail
+        self.cos_q, self.sin_q = self.cos_k[self.i0 - self.lo :], self.sin_k[self.i0 - self.lo :]  # [L, D/2]
         cells = idx[:, :, :, self.i0 : self.i1]  # (B, Hkv, G, L, K)
         B, Hkv, G, L, K = cells.shape
         ar = torch.arange(s, device=dev)
