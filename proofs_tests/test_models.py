@@ -9,7 +9,6 @@ window 32, pool 4, recent 2: prompts cross block boundaries and the window, so c
 
 from __future__ import annotations
 
-import inspect
 import json
 
 import numpy as np
@@ -28,7 +27,6 @@ VOCAB = 61
 PROMPT_LENGTHS = (21, 50, 37)  # crosses blocks (16), the window (32) and cell boundaries; rows differ
 NEW = 10
 
-HAS_CU_SEQLENS = "cu_seqlens" in inspect.signature(freesolo.freesolo_attention).parameters
 
 
 def make_lm(attention: str, seed: int = 0, **fields) -> FreeSoloLM:
@@ -375,8 +373,6 @@ def test_model_causality(attention):
 @pytest.mark.parametrize("attention", ["fsl", "dense", "window"])  # every FreeSolo variant: L11 in the op's tests
 def test_packed_sequences_equal_separate_runs(attention):
     """forward(input_ids [1, sum T_n], cu_seqlens) == each sequence run alone (positions restart)."""
-    if attention in ("fs", "fsl", "fsb") and not HAS_CU_SEQLENS:
-        pytest.skip("freesolo_attention has no cu_seqlens yet (being added to freesolo.api)")
     model = make_lm(attention)
     rows = prompts(9)
     packed = torch.cat(rows)[None]

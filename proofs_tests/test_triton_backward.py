@@ -342,11 +342,9 @@ def test_input_errors_name_the_field():
 
 
 def test_with_triton_forward_saved_tensors():
-    """End to end with the Triton forward's saved tensors (skips until `attention_forward` exists)."""
-    try:
-        from freesolo.backends.triton.attention import attention_forward
-    except ImportError as e:
-        pytest.skip(f"the Triton forward is not importable yet: {e}")
+    """End to end with the Triton forward's saved tensors."""
+    from freesolo.backends.triton.attention import attention_forward
+
     cfg = FreeSoloConfig(window=16, cell=4, block=8, top_k=2, pool=3, recent=2)
     q, k, v, beta, do, idx = make_inputs(8, 1, 37, 2, 1, 32, cfg)
     cos, sin = rope_tables(37, 32, cfg.rope_theta, q.device, torch.float32)
