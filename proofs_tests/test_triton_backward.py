@@ -27,10 +27,14 @@ from freesolo import FreeSoloConfig  # noqa: E402
 from freesolo.backends.torch import backend as torch_backend  # noqa: E402
 from freesolo.backends.torch._ops import rope, rope_tables  # noqa: E402
 from freesolo.backends.triton.attention_bwd import (  # noqa: E402
+    LONG_MODE_ENV,
+    LONG_MODES,
     BwdTiles,
     attention_backward,
     default_bwd_tiles,
+    default_long_mode,
     inverted_selection,
+    inverted_slots,
     segment_plan,
 )
 from freesolo.reference import oracle  # noqa: E402
@@ -204,6 +208,92 @@ def test_union_long_mode(deterministic, nan_poison):
     _check(got, torch_grads(q, k, v, beta, idx, cfg, do), 1e-5, f"union mode, deterministic={deterministic}")
 
 
+@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
+@pytest.mark.parametrize("mode", LONG_MODES)
+def test_every_long_mode_matches_torch_float64(mode, deterministic, nan_poison):
+    """The A/B switch: every long-branch mode ("cell" the default, "gather" and "union" the modes before
+    issue 11), deterministic and atomic, against the torch backend's float64 autograd (GQA group 2)."""
+    cfg = FreeSoloConfig(window=16, cell=4, block=8, top_k=3, pool=3, recent=2)
+    q, k, v, beta, do, idx = make_inputs(15, 2, 43, 4, 2, 32, cfg)
+    tiles = dataclasses.replace(default_bwd_tiles(32, q.dtype, q.device), long_mode=mode, block_u=16)
+    got = run_backward(q, k, v, beta, do, idx, cfg, deterministic, tiles=tiles)
+    _check(got, torch_grads(q, k, v, beta, idx, cfg, do), 1e-5, f"long_mode={mode}, deterministic={deterministic}")
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
+def test_cell_mode_chunks_of_queries(deterministic, nan_poison):
+    """The "cell" mode in chunks of `long_chunk` positions (uneven last chunk, hot cells split into
+    segments): same gradients as one chunk (fp32 rounding) and as torch float64; bitwise run to run."""
+    cfg = FreeSoloConfig(window=16, cell=4, block=8, top_k=3, pool=2, recent=1)
+    q, k, v, beta, do, idx = make_inputs(16, 2, 45, 4, 1, 32, cfg)
+    saved = saved_tensors(q, k, v, idx, beta, cfg)
+    base = default_bwd_tiles(32, q.dtype, q.device)
+    assert base.long_mode == "cell"
+    chunked = dataclasses.replace(base, long_chunk=13, seg=base.block_r)
+    a = run_backward(q, k, v, beta, do, idx, cfg, deterministic, saved, chunked)
+    if deterministic:
+        b = run_backward(q, k, v, beta, do, idx, cfg, deterministic, saved, chunked)
+        for name, x, y in zip(("dq", "dk", "dv", "dbeta"), a, b):
+            assert torch.equal(x, y), f"{name}: chunked cell mode differs between two runs"
+    _check(a, run_backward(q, k, v, beta, do, idx, cfg, deterministic, saved, base), 1e-6, "13-position chunks vs one")
+    _check(a, torch_grads(q, k, v, beta, idx, cfg, do), 1e-5, "chunked cell mode vs torch float64")
+
+
+def test_default_long_mode_env_switch(monkeypatch):
+    """FREESOLO_TRITON_BWD_LONG picks the default mode (A/B timing in one process); a bad value is an error."""
+    monkeypatch.delenv(LONG_MODE_ENV, raising=False)
+    assert default_long_mode(True) == "cell" and default_long_mode(False) == "cell"
+    monkeypatch.setenv(LONG_MODE_ENV, "legacy")
+    assert default_long_mode(True) == "gather" and default_long_mode(False) == "union"
+    monkeypatch.setenv(LONG_MODE_ENV, "gather")
+    assert default_long_mode(False) == "gather"
+    monkeypatch.setenv(LONG_MODE_ENV, "fast")
+    with pytest.raises(ValueError, match=LONG_MODE_ENV):
+        default_long_mode(True)
+    with pytest.raises(ValueError, match="long_mode"):
+        BwdTiles(long_mode="fast")
+    with pytest.raises(ValueError, match="long_chunk"):
+        BwdTiles(long_chunk=0)
+
+
+def test_legacy_env_default_matches_torch(monkeypatch):
+    """With FREESOLO_TRITON_BWD_LONG=legacy and no tiles, both modes run the pre-issue-11 paths."""
+    monkeypatch.setenv(LONG_MODE_ENV, "legacy")
+    cfg = FreeSoloConfig(window=16, cell=4, block=8, top_k=2, pool=3, recent=2)
+    q, k, v, beta, do, idx = make_inputs(17, 1, 33, 2, 1, 32, cfg)
+    ref = torch_grads(q, k, v, beta, idx, cfg, do)
+    for det in (True, False):
+        _check(run_backward(q, k, v, beta, do, idx, cfg, det), ref, 1e-5, f"legacy default, deterministic={det}")
+
+
+def test_inverted_slots_list_every_entry_in_order():
+    """slots/offsets hold, for every (b, kv head, cell), exactly the flat idx entries that read it, ascending;
+    also for a chunk of positions (a strided view) with the whole sequence's cell count."""
+    g = torch.Generator().manual_seed(18)
+    B, T, Hq, Hkv, K, C = 2, 24, 6, 2, 3, 7
+    full = torch.randint(-1, C, (B, T + 5, Hq, K), generator=g)
+    idx = full[:, 3 : 3 + T]
+    slots, offsets = inverted_slots(idx, Hkv, C)
+    assert slots.dtype == torch.int64 and offsets.shape == (B * Hkv * C + 1,) and int(offsets[0]) == 0
+    G = Hq // Hkv
+    flat = idx.reshape(-1)
+    for b in range(B):
+        for kvh in range(Hkv):
+            for c in range(C):
+                key = (b * Hkv + kvh) * C + c
+                want = [
+                    ((b * T + i) * Hq + h) * K + kk
+                    for i in range(T)
+                    for h in range(kvh * G, (kvh + 1) * G)
+                    for kk in range(K)
+                    if int(idx[b, i, h, kk]) == c
+                ]
+                got = slots[int(offsets[key]) : int(offsets[key + 1])].tolist()
+                assert got == want, f"entries of (b={b}, g={kvh}, c={c}): {got} != {want}"
+                assert all(int(flat[x]) == c for x in got)
+    assert int(offsets[-1]) == int((idx >= 0).sum())
+
+
 def test_atomic_mode_matches_deterministic():
     """deterministic=False (tl.atomic_add into fp32 buffers; per query and, by default, per tile and cell)
     agrees with the inverted selection to fp32 rounding."""
@@ -363,9 +453,10 @@ def test_with_triton_forward_saved_tensors():
 
 
 @needs_cuda
+@pytest.mark.parametrize("mode", ["cell", "gather"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
-def test_cuda_grads_within_4x_naive_same_precision(dtype, deterministic):
+def test_cuda_grads_within_4x_naive_same_precision(dtype, deterministic, mode):
     """Spec §13: error vs float64 at most 4x the error of a naive dense implementation in the same dtype."""
     cfg = FreeSoloConfig(window=128, cell=16, block=64, top_k=4, pool=16, recent=4)
     B, T, Hq, Hkv, D = 2, 1000, 6, 2, 64
@@ -377,21 +468,30 @@ def test_cuda_grads_within_4x_naive_same_precision(dtype, deterministic):
     with torch.no_grad():
         o = naive_forward(q, k, v, idx, beta, cfg, torch.float64)
     saved = (o[0].to(dtype), o[1].float(), o[2].float(), o[3].float())
-    got = run_backward(q, k, v, beta, do, idx, cfg, deterministic, saved)
+    tiles = dataclasses.replace(default_bwd_tiles(D, dtype, q.device), long_mode=mode)
+    got = run_backward(q, k, v, beta, do, idx, cfg, deterministic, saved, tiles)
     for name, a, n, r in zip(("dq", "dk", "dv", "dbeta"), got, naive, ref):
         err, base = rms_rel_error(a.double().cpu(), r.cpu()), rms_rel_error(n.double().cpu(), r.cpu())
-        assert err <= 4 * base + 1e-6, f"{dtype} {name}: error {err:.3e} > 4 x naive {base:.3e}"
+        assert err <= 4 * base + 1e-6, f"{dtype} {mode} {name}: error {err:.3e} > 4 x naive {base:.3e}"
 
 
 @needs_cuda
-def test_cuda_deterministic_bitwise():
+@pytest.mark.parametrize("chunk", [65536, 1536], ids=["one-chunk", "chunks"])
+@pytest.mark.parametrize("mode", ["cell", "gather"])
+def test_cuda_deterministic_bitwise(mode, chunk):
     cfg = FreeSoloConfig()
     q, k, v, beta, do, idx = make_inputs(10, 1, 4096, 16, 4, 64, cfg, dtype=torch.bfloat16)
     saved = saved_tensors(q, k, v, idx, beta, cfg)
-    a = run_backward(q, k, v, beta, do, idx, cfg, True, saved)
-    b = run_backward(q, k, v, beta, do, idx, cfg, True, saved)
+    tiles = dataclasses.replace(default_bwd_tiles(64, q.dtype, q.device), long_mode=mode, long_chunk=chunk)
+    a = run_backward(q, k, v, beta, do, idx, cfg, True, saved, tiles)
+    b = run_backward(q, k, v, beta, do, idx, cfg, True, saved, tiles)
     for name, x, y in zip(("dq", "dk", "dv", "dbeta"), a, b):
-        assert torch.equal(x, y), f"{name} differs between two deterministic runs on CUDA"
+        assert torch.equal(x, y), f"{name} differs between two deterministic runs on CUDA ({mode}, chunk {chunk})"
+    if mode == "cell":  # and agrees with the pre-issue-11 path
+        old = run_backward(q, k, v, beta, do, idx, cfg, True, saved, dataclasses.replace(tiles, long_mode="gather"))
+        for name, x, y in zip(("dq", "dk", "dv", "dbeta"), a, old):
+            err = rms_rel_error(x.double().cpu(), y.double().cpu())
+            assert err < 1e-2, f"{name}: cell vs gather mode rel RMS {err:.3e}"
 
 
 @needs_cuda

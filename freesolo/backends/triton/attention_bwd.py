@@ -51,13 +51,24 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["BwdTiles", "attention_backward", "default_bwd_tiles", "inverted_selection", "segment_plan"]
+__all__ = [
+    "LONG_MODES",
+    "LONG_MODE_ENV",
+    "BwdTiles",
+    "attention_backward",
+    "default_bwd_tiles",
+    "default_long_mode",
+    "inverted_selection",
+    "inverted_slots",
+    "segment_plan",
+]
 
 
 # --------------------------------------------------------------------------------------------
@@ -380,13 +391,15 @@ def _bwd_long_reduce_kernel(
     DV_ACC,
     T,
     C,
+    accum,
     HKV: tl.constexpr,
     D: tl.constexpr,
     CELL: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    """One program per cell key: a cell of NSEG > 1 segments sums its partial slots in order (fixed)."""
+    """One program per cell key: a cell of NSEG > 1 segments sums its partial slots in order (fixed),
+    plus the previous dk / dv_acc when `accum` (a later chunk of queries of the "cell" mode)."""
     key = tl.program_id(0).to(tl.int64)
     nseg = tl.load(NSEG + key)
     bg = key // C
@@ -407,8 +420,290 @@ def _bwd_long_reduce_kernel(
         dv += tl.load(PART_DV + slot, mask=m2, other=0.0)
         j += 1
     kv_off = ((b * T + c * CELL + offs_u) * HKV + g) * D
-    tl.store(DK_ACC + kv_off[:, None] + offs_d[None, :], dk, mask=m2 & (nseg > 1))
-    tl.store(DV_ACC + kv_off[:, None] + offs_d[None, :], dv, mask=m2 & (nseg > 1))
+    wmask = m2 & (nseg > 1)
+    if accum:
+        dk += tl.load(DK_ACC + kv_off[:, None] + offs_d[None, :], mask=wmask, other=0.0)
+        dv += tl.load(DV_ACC + kv_off[:, None] + offs_d[None, :], mask=wmask, other=0.0)
+    tl.store(DK_ACC + kv_off[:, None] + offs_d[None, :], dk, mask=wmask)
+    tl.store(DV_ACC + kv_off[:, None] + offs_d[None, :], dv, mask=wmask)
+
+
+# ---- long branch, "cell" mode: everything over the inverted selection (cells outer, readers inner)
+
+
+@triton.jit
+def _cell_reader_rows(SLOTS, r0, end, b, T, T0, TC, HQ: tl.constexpr, TOPK: tl.constexpr, BLOCK_R: tl.constexpr):
+    """BLOCK_R reader slots from SLOTS[r0:end] (chunk-local flat ((b*TC + ii)*HQ + h)*TOPK + kk);
+    returns (rmask, slot, q row (b*T + T0 + ii)*HQ + h, stat offset (b*HQ + h)*T + T0 + ii), int64."""
+    offs_r = tl.arange(0, BLOCK_R)
+    rmask = (r0 + offs_r) < end
+    sl = tl.load(SLOTS + r0 + offs_r, mask=rmask, other=0)
+    rl = sl // TOPK  # chunk-local query-head row (b*TC + ii)*HQ + h
+    h = rl % HQ
+    ii = (rl // HQ) % TC  # the cell's batch row b is the reader's
+    pos = T0 + ii
+    return rmask, sl, (b * T + pos) * HQ + h, (b * HQ + h) * T + pos
+
+
+@triton.jit
+def _bwd_cell_olong_kernel(
+    Q,
+    K,
+    V,
+    LSE_LONG,
+    SLOTS,
+    OFFSETS,
+    WORK_CELL,
+    WORK_SEG,
+    OPART,
+    T,
+    T0,
+    TC,
+    C,
+    NCELLS,
+    scale,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+    TOPK: tl.constexpr,
+    CELL: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    SEG: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """Pass 1 of the "cell" mode: the part of o_long that each selected cell contributes to each reader,
+    o_part[slot] = sum_{t in cell} exp(scale * q . k_t - lse_long) v_t (lse_long saved by the forward,
+    so the K parts of a query add up to o_long without a rescaling). One program per work item
+    (WORK_CELL[w] = cell key (b*HKV + g)*C + c, >= NCELLS: idle; WORK_SEG[w] = segment of SEG readers);
+    readers SLOTS[OFFSETS[key]:OFFSETS[key+1]] (`inverted_slots`). OPART fp32 [B*TC*HQ*TOPK, D]
+    (slots of unselected entries are not written)."""
+    DOT_DTYPE = K.dtype.element_ty
+    w = tl.program_id(0).to(tl.int64)
+    key_raw = tl.load(WORK_CELL + w)
+    active = key_raw < NCELLS
+    key = tl.where(active, key_raw, 0)
+    j = tl.load(WORK_SEG + w)
+    bg = key // C
+    c = key - bg * C
+    b = bg // HKV
+    g = bg - b * HKV
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    offs_u = tl.arange(0, BLOCK_C)
+    umask = offs_u < CELL
+    kv_off = ((b * T + c * CELL + offs_u) * HKV + g) * D
+    m2 = umask[:, None] & dmask[None, :]
+    kc = tl.load(K + kv_off[:, None] + offs_d[None, :], mask=m2, other=0.0).to(DOT_DTYPE)  # [BLOCK_C, BLOCK_D]
+    vc = tl.load(V + kv_off[:, None] + offs_d[None, :], mask=m2, other=0.0).to(DOT_DTYPE)
+    cell_end = tl.load(OFFSETS + key + 1)
+    start = tl.load(OFFSETS + key) + j * SEG
+    end = tl.where(active, tl.minimum(cell_end, start + SEG), start)
+    r0 = start
+    while r0 < end:
+        rmask, sl, qrow, stat = _cell_reader_rows(SLOTS, r0, end, b, T, T0, TC, HQ, TOPK, BLOCK_R)
+        rm2 = rmask[:, None] & dmask[None, :]
+        qr = tl.load(Q + qrow[:, None] * D + offs_d[None, :], mask=rm2, other=0.0).to(DOT_DTYPE)
+        lse = tl.load(LSE_LONG + stat, mask=rmask, other=0.0)
+        s = _dot(qr, tl.trans(kc), IEEE)  # [BLOCK_R, BLOCK_C]
+        p = tl.where(rmask[:, None] & umask[None, :], tl.exp(s * scale - lse[:, None]), 0.0)
+        o = _dot(p.to(DOT_DTYPE), vc, IEEE)  # [BLOCK_R, BLOCK_D]
+        tl.store(OPART + sl[:, None] * D + offs_d[None, :], o, mask=rm2)
+        r0 += BLOCK_R
+
+
+@triton.jit
+def _bwd_long_rows_kernel(
+    DO,
+    O,
+    IDX,
+    OPART,
+    BETA,
+    RSTD,
+    DOLONG,
+    DELTA_LOC,
+    DELTA_LONG,
+    DBETA_PART,
+    T,
+    T0,
+    TC,
+    NR,
+    HQ: tl.constexpr,
+    D: tl.constexpr,
+    TOPK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+):
+    """Pass 2 of the "cell" mode, one program per BLOCK_Q chunk-local rows rl = (b*TC + ii)*HQ + h (NR rows):
+    o_long = the sum of the row's TOPK parts in slot order (unselected slots skipped: fixed order), then
+    the RMSNorm backward: d_olong (DOLONG, q's dtype), Delta_loc, Delta_long, the dbeta partial (as
+    `_bwd_long_query_kernel`)."""
+    rl = tl.program_id(0).to(tl.int64) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    rmask = rl < NR
+    h = rl % HQ
+    bi = rl // HQ
+    b = bi // TC
+    pos = T0 + bi - b * TC
+    grow = (b * T + pos) * HQ + h
+    stat = (b * HQ + h) * T + pos
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    m2 = rmask[:, None] & dmask[None, :]
+    o_long = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
+    for kk in tl.static_range(TOPK):
+        cell = tl.load(IDX + grow * TOPK + kk, mask=rmask, other=-1)
+        o_long += tl.load(OPART + (rl * TOPK + kk)[:, None] * D + offs_d[None, :], mask=m2 & (cell >= 0)[:, None], other=0.0)
+    qd = grow[:, None] * D + offs_d[None, :]
+    do = tl.load(DO + qd, mask=m2, other=0.0).to(tl.float32)
+    o = tl.load(O + qd, mask=m2, other=0.0).to(tl.float32)
+    beta = tl.load(BETA + h, mask=rmask, other=0.0).to(tl.float32)[:, None]
+    rstd = tl.load(RSTD + stat, mask=rmask, other=0.0)
+    y = o_long * rstd[:, None]
+    dy = beta * do
+    d_olong = rstd[:, None] * (dy - y * (tl.sum(dy * y, axis=1) / D)[:, None])
+    tl.store(DBETA_PART + stat, tl.sum(do * y, axis=1), mask=rmask)
+    tl.store(DELTA_LOC + stat, tl.sum(do * (o - beta * y), axis=1), mask=rmask)
+    tl.store(DELTA_LONG + stat, tl.sum(d_olong * o_long, axis=1), mask=rmask)
+    tl.store(DOLONG + qd, d_olong.to(DOLONG.dtype.element_ty), mask=m2)
+
+
+@triton.jit
+def _bwd_cell_grad_kernel(
+    Q,
+    K,
+    V,
+    DOLONG,
+    LSE_LONG,
+    DELTA_LONG,
+    SLOTS,
+    OFFSETS,
+    WORK_CELL,
+    WORK_SEG,
+    NSEG,
+    PART_BASE,
+    QPART,
+    DK_ACC,
+    DV_ACC,
+    PART_DK,
+    PART_DV,
+    T,
+    T0,
+    TC,
+    C,
+    NCELLS,
+    accum,
+    scale,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+    TOPK: tl.constexpr,
+    CELL: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    SEG: tl.constexpr,
+    IEEE: tl.constexpr,
+    ATOMIC: tl.constexpr,
+):
+    """Pass 3 of the "cell" mode (work items and readers as `_bwd_cell_olong_kernel`): per reader block
+    p, dp = d_olong . v, ds = p * (dp - Delta_long); the reader's dq part (ds @ k * scale) goes to
+    QPART fp32 [B*TC*HQ*TOPK, D] at its slot, and the cell accumulates dv += p^T d_olong,
+    dk += ds^T q over its readers in their fixed order. dk / dv_acc fp32 [B, T, HKV, D]: a cell of one
+    segment stores (+ the previous value when `accum`, a later chunk of queries); a cell of NSEG > 1
+    segments writes partial slot PART_BASE[key] + j (reduced by `_bwd_long_reduce_kernel`), or with
+    ATOMIC adds itself with tl.atomic_add (dk / dv_acc then zeroed first)."""
+    DOT_DTYPE = K.dtype.element_ty
+    w = tl.program_id(0).to(tl.int64)
+    key_raw = tl.load(WORK_CELL + w)
+    active = key_raw < NCELLS
+    key = tl.where(active, key_raw, 0)
+    j = tl.load(WORK_SEG + w)
+    bg = key // C
+    c = key - bg * C
+    b = bg // HKV
+    g = bg - b * HKV
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    offs_u = tl.arange(0, BLOCK_C)
+    umask = offs_u < CELL
+    kv_off = ((b * T + c * CELL + offs_u) * HKV + g) * D
+    m2 = umask[:, None] & dmask[None, :]
+    kvp = kv_off[:, None] + offs_d[None, :]
+    kc = tl.load(K + kvp, mask=m2, other=0.0).to(DOT_DTYPE)
+    vc = tl.load(V + kvp, mask=m2, other=0.0).to(DOT_DTYPE)
+    dk = tl.zeros([BLOCK_C, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_C, BLOCK_D], dtype=tl.float32)
+    cell_end = tl.load(OFFSETS + key + 1)
+    start = tl.load(OFFSETS + key) + j * SEG
+    end = tl.where(active, tl.minimum(cell_end, start + SEG), start)
+    r0 = start
+    while r0 < end:
+        rmask, sl, qrow, stat = _cell_reader_rows(SLOTS, r0, end, b, T, T0, TC, HQ, TOPK, BLOCK_R)
+        rm2 = rmask[:, None] & dmask[None, :]
+        qd = qrow[:, None] * D + offs_d[None, :]
+        qr = tl.load(Q + qd, mask=rm2, other=0.0).to(DOT_DTYPE)
+        dor = tl.load(DOLONG + qd, mask=rm2, other=0.0).to(DOT_DTYPE)
+        lse = tl.load(LSE_LONG + stat, mask=rmask, other=0.0)
+        dl = tl.load(DELTA_LONG + stat, mask=rmask, other=0.0)
+        s = _dot(qr, tl.trans(kc), IEEE)  # [BLOCK_R, BLOCK_C]
+        p = tl.where(rmask[:, None] & umask[None, :], tl.exp(s * scale - lse[:, None]), 0.0)
+        dp = _dot(dor, tl.trans(vc), IEEE)
+        dv += _dot(tl.trans(p.to(DOT_DTYPE)), dor, IEEE)
+        ds = (p * (dp - dl[:, None])).to(DOT_DTYPE)
+        dk += _dot(tl.trans(ds), qr, IEEE)
+        tl.store(QPART + sl[:, None] * D + offs_d[None, :], _dot(ds, kc, IEEE) * scale, mask=rm2)
+        r0 += BLOCK_R
+    dk = dk * scale
+    nseg = tl.load(NSEG + key)
+    direct = active & (nseg == 1)
+    dmask2 = m2 & direct
+    if accum:
+        dk += tl.load(DK_ACC + kvp, mask=dmask2, other=0.0)
+        dv += tl.load(DV_ACC + kvp, mask=dmask2, other=0.0)
+    split = active & (nseg > 1)
+    if ATOMIC:
+        tl.store(DK_ACC + kvp, dk, mask=dmask2)
+        tl.store(DV_ACC + kvp, dv, mask=dmask2)
+        tl.atomic_add(DK_ACC + kvp, dk, mask=m2 & split)
+        tl.atomic_add(DV_ACC + kvp, dv, mask=m2 & split)
+    else:
+        tl.store(DK_ACC + kvp, dk, mask=dmask2)
+        tl.store(DV_ACC + kvp, dv, mask=dmask2)
+        slot = (tl.load(PART_BASE + key) + j) * (CELL * D) + offs_u[:, None] * D + offs_d[None, :]
+        tl.store(PART_DK + slot, dk, mask=m2 & split)
+        tl.store(PART_DV + slot, dv, mask=m2 & split)
+
+
+@triton.jit
+def _bwd_sum_parts_kernel(
+    IDX,
+    QPART,
+    DQLONG,
+    T,
+    T0,
+    TC,
+    NR,
+    HQ: tl.constexpr,
+    D: tl.constexpr,
+    TOPK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+):
+    """dq_long fp32 [B, T, HQ, D] of the chunk's rows = the sum of their TOPK dq parts in slot order."""
+    rl = tl.program_id(0).to(tl.int64) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    rmask = rl < NR
+    h = rl % HQ
+    bi = rl // HQ
+    b = bi // TC
+    grow = (b * T + T0 + bi - b * TC) * HQ + h
+    offs_d = tl.arange(0, BLOCK_D)
+    m2 = rmask[:, None] & (offs_d < D)[None, :]
+    acc = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
+    for kk in tl.static_range(TOPK):
+        cell = tl.load(IDX + grow * TOPK + kk, mask=rmask, other=-1)
+        acc += tl.load(QPART + (rl * TOPK + kk)[:, None] * D + offs_d[None, :], mask=m2 & (cell >= 0)[:, None], other=0.0)
+    tl.store(DQLONG + grow[:, None] * D + offs_d[None, :], acc, mask=m2)
 
 
 @triton.jit
@@ -625,6 +920,22 @@ def _bwd_local_dq_kernel(
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
+LONG_MODES = ("cell", "gather", "union")
+LONG_MODE_ENV = "FREESOLO_TRITON_BWD_LONG"  # A/B switch of the default: cell | gather | union | legacy
+
+
+def default_long_mode(deterministic: bool) -> str:
+    """The long branch's mode when no tiles are given: "cell", unless the environment variable
+    FREESOLO_TRITON_BWD_LONG says "gather", "union" or "legacy" (the defaults before issue 11:
+    "gather" when deterministic, "union" otherwise). Read at every call (A/B timing in one process)."""
+    mode = os.environ.get(LONG_MODE_ENV, "cell").strip().lower() or "cell"
+    if mode == "legacy":
+        return "gather" if deterministic else "union"
+    if mode not in LONG_MODES:
+        raise ValueError(f"{LONG_MODE_ENV}={mode!r} must be one of {LONG_MODES + ('legacy',)}")
+    return mode
+
+
 @dataclass(frozen=True)
 class BwdTiles:
     """Tile sizes of the backward kernels (they depend on D, dtype and device only, never on B or T).
@@ -639,19 +950,29 @@ class BwdTiles:
     q_block_m: int = 64  # queries per program of the local dq kernel
     q_block_n: int = 32  # keys per step of the local dq kernel
     block_r: int = 32  # readers per step of the deterministic cell kernel (>= 16 on the GPU)
-    block_q: int = 1  # queries per program of the per-query long-branch kernel
-    long_mode: str = "gather"  # long branch's per-query pass: "gather" (K*s tokens per query, CUDA cores)
-    # or "union" (a tile of block_u queries loops over its cell union with tl.dot; fewer atomics)
+    block_q: int = 1  # queries per program of the per-query long-branch kernel ("gather" mode)
+    long_mode: str = "cell"  # the long branch's backward:
+    # "cell" (default): three passes over the inverted selection, cells outer and the readers of a cell
+    #   inner with tl.dot (o_long parts, then the RMSNorm rows, then dq parts + dk / dv); no gather;
+    # "gather" (before issue 11): one program per query gathers its K*s tokens (CUDA cores), then dk / dv
+    #   per cell ("deterministic") or per-query atomics;
+    # "union": a tile of block_u queries loops over its cell union with tl.dot (per-(tile, cell) atomics)
     block_u: int = 64  # queries per program of the "union" mode (>= 16 on the GPU)
+    block_rows: int = 32  # query-head rows per program of the "cell" mode's row kernels
+    long_chunk: int = 65536  # "cell" mode: positions per chunk of queries (its fp32 parts hold
+    # B * long_chunk * Hq * K * D floats; a longer sequence runs chunk after chunk, in order)
     seg: int = 1024  # readers per work item of the cell kernel: a cell read more often is split (fixed order)
     num_warps: int = 8  # warps of the local kernels
     num_stages: int = 2  # software pipelining depth of the local kernels' loops
     num_warps_long: int = 8  # warps of the per-query and per-cell kernels
 
     def __post_init__(self):
-        if self.long_mode not in ("gather", "union"):
-            raise ValueError(f"long_mode={self.long_mode!r} must be 'gather' or 'union'")
-        for name in ("kv_block_n", "kv_block_m", "q_block_m", "q_block_n", "block_r", "block_q", "block_u"):
+        if self.long_mode not in LONG_MODES:
+            raise ValueError(f"long_mode={self.long_mode!r} must be one of {LONG_MODES}")
+        if self.long_chunk < 1:
+            raise ValueError(f"long_chunk={self.long_chunk} must be positive")
+        names = ("kv_block_n", "kv_block_m", "q_block_m", "q_block_n", "block_r", "block_q", "block_u", "block_rows")
+        for name in names:
             x = getattr(self, name)
             if x < 1 or x & (x - 1):
                 raise ValueError(f"{name}={x} must be a power of two")
@@ -663,7 +984,9 @@ def default_bwd_tiles(D: int, dtype: torch.dtype, device: torch.device) -> BwdTi
     """Tiles by device (and later head dim / dtype); the interpreter (CPU) gets small tiles and many
     queries per program (it runs programs one after the other)."""
     if device.type != "cuda":
-        return BwdTiles(32, 32, 32, 32, block_r=16, block_q=16, seg=64, num_warps=1, num_stages=1, num_warps_long=1)
+        return BwdTiles(
+            32, 32, 32, 32, block_r=16, block_q=16, seg=64, block_rows=16, num_warps=1, num_stages=1, num_warps_long=1
+        )
     if D > 64 or dtype == torch.float32:  # wider rows: thinner tiles keep the local kernels from spilling
         return BwdTiles(kv_block_n=32, kv_block_m=16, q_block_m=64, q_block_n=16)
     return BwdTiles()
@@ -703,11 +1026,38 @@ def inverted_selection(idx: torch.Tensor, num_kv_heads: int, cell: int) -> tuple
     return readers, offsets
 
 
-def segment_plan(offsets: torch.Tensor, num_entries: int, seg: int):
+def inverted_slots(idx: torch.Tensor, num_kv_heads: int, num_cells: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The entries of `idx` grouped by the cell they read (the "cell" mode's inverted selection).
+
+    Args:
+        idx: int [B, T', Hq, K] selected cells, -1 padded (T' may be a chunk of the positions: any view).
+        num_kv_heads: Hkv; num_cells: C, cells per kv head of the whole sequence (every idx < C).
+    Returns:
+        slots int64 [B*T'*Hq*K]: flat entry index ((b*T' + i)*Hq + h)*K + k, grouped by cell key
+            (b*Hkv + g)*C + c, inside a group in increasing flat order (-1 entries last);
+        offsets int64 [B*Hkv*C + 1]: the entries reading key c are slots[offsets[c]:offsets[c+1]].
+    One stable sort of int32 keys (int64 past 2^31 cells), no host synchronization.
+    """
+    B, T, Hq, K = idx.shape
+    G = Hq // num_kv_heads
+    ncells = B * num_kv_heads * num_cells
+    dev = idx.device
+    kdt = torch.int32 if ncells < 2**31 - 1 else torch.int64
+    b = torch.arange(B, device=dev, dtype=kdt).view(B, 1, 1, 1)
+    g = (torch.arange(Hq, device=dev, dtype=kdt) // G).view(1, 1, Hq, 1)
+    c = idx.to(kdt)
+    key = torch.where(c >= 0, (b * num_kv_heads + g) * num_cells + c, ncells).reshape(-1)  # (B*T'*Hq*K,)
+    sorted_key, slots = torch.sort(key, stable=True)  # ties keep the flat (b, i, h, k) order
+    offsets = torch.searchsorted(sorted_key, torch.arange(ncells + 1, device=dev, dtype=kdt))
+    return slots, offsets
+
+
+def segment_plan(offsets: torch.Tensor, num_entries: int, seg: int, min_seg: int = 1):
     """Work items of the cell kernel: each cell's readers cut into segments of `seg` (no host sync).
 
     Args:
         offsets: int64 [NCELLS + 1] from `inverted_selection`; num_entries: B*T*Hq*K (a bound on readers).
+        min_seg: 1: every cell gets a work item (an unread cell writes zeros); 0: unread cells get none.
     Returns:
         work_cell int64 [W]: cell key of each work item (NCELLS: idle), W = NCELLS + ceil(num_entries / seg);
         work_seg int64 [W]: segment index inside the cell;
@@ -717,7 +1067,7 @@ def segment_plan(offsets: torch.Tensor, num_entries: int, seg: int):
     """
     ncells = offsets.numel() - 1
     counts = offsets[1:] - offsets[:-1]
-    nseg = torch.clamp((counts + seg - 1) // seg, min=1)
+    nseg = torch.clamp((counts + seg - 1) // seg, min=min_seg)
     incl = torch.cumsum(nseg, 0)
     W = ncells + -(-num_entries // seg)
     w = torch.arange(W, device=offsets.device, dtype=torch.int64)
@@ -729,6 +1079,67 @@ def segment_plan(offsets: torch.Tensor, num_entries: int, seg: int):
     part_base = torch.cumsum(multi, 0) - multi
     num_slots = 2 * -(-num_entries // seg) + 1  # cells of > 1 segments have > seg readers each
     return work_cell, work_seg, nseg, part_base, num_slots
+
+
+def _long_branch_cells(
+    do, q, k, v, o, idx, beta, lse_long, rstd, d_olong, dq_long, delta_loc, delta_long, dbeta_part,
+    dk_long, dv_long, C, s, scale, deterministic, tiles,
+):  # fmt: skip
+    """The long branch's backward in the "cell" mode (writes d_olong, dq_long, the deltas, the dbeta
+    partials and dk / dv_long: zeroed beforehand unless deterministic), chunk of `tiles.long_chunk`
+    positions after chunk, in order:
+    1. `inverted_slots` of the chunk's idx; work items (cell, segment of `seg` readers);
+    2. `_bwd_cell_olong_kernel`: each cell's part of o_long for each of its readers (fp32 parts);
+    3. `_bwd_long_rows_kernel`: o_long = sum of a row's K parts, RMSNorm backward, deltas, dbeta;
+    4. `_bwd_cell_grad_kernel`: dq parts per reader, dk / dv per cell (+ `_bwd_long_reduce_kernel` for
+       cells split into segments, deterministic mode);
+    5. `_bwd_sum_parts_kernel`: dq_long = sum of a row's K dq parts (the o_long parts' buffer reused).
+    Sums run in fixed orders (slots, readers, segments, chunks): the same bits run to run (no atomics
+    unless not deterministic, where split cells add with tl.atomic_add).
+    """
+    B, T, Hq, D = q.shape
+    Hkv = k.shape[2]
+    K = idx.shape[-1]
+    ieee = q.dtype == torch.float32
+    f32 = dict(device=q.device, dtype=torch.float32)
+    ncells = B * Hkv * C
+    tc_max = min(T, tiles.long_chunk)
+    parts = torch.empty(B * tc_max * Hq * K, D, **f32)  # o_long parts, then dq parts, per (row, slot)
+    blocks = dict(BLOCK_D=_pow2(D, 16), BLOCK_C=_pow2(s, 16))
+    common = dict(HQ=Hq, HKV=Hkv, D=D, TOPK=K, CELL=s, BLOCK_R=tiles.block_r, SEG=tiles.seg, IEEE=ieee, **blocks)
+    rows = dict(HQ=Hq, D=D, TOPK=K, BLOCK_D=blocks["BLOCK_D"], BLOCK_Q=tiles.block_rows, num_warps=4)
+    part_dk = part_dv = None
+    for t0 in range(0, T, tc_max):
+        tc = min(tc_max, T - t0)
+        nr = B * tc * Hq
+        if ncells:
+            slots, offsets = inverted_slots(idx[:, t0 : t0 + tc], Hkv, C)
+            first = t0 == 0 and deterministic  # writes every cell (zeros where unread); later chunks add
+            work_cell, work_seg, nseg, part_base, num_slots = segment_plan(offsets, nr * K, tiles.seg, int(first))
+            grid = (work_cell.numel(),)
+            _bwd_cell_olong_kernel[grid](
+                q, k, v, lse_long, slots, offsets, work_cell, work_seg, parts, T, t0, tc, C, ncells, scale,
+                num_warps=tiles.num_warps_long, **common,
+            )  # fmt: skip
+        _bwd_long_rows_kernel[(triton.cdiv(nr, tiles.block_rows),)](
+            do, o, idx, parts, beta, rstd, d_olong, delta_loc, delta_long, dbeta_part, T, t0, tc, nr, **rows
+        )  # fmt: skip
+        if ncells:
+            if deterministic and part_dk is None:
+                part_dk = torch.empty(num_slots, s, D, **f32)  # num_slots: largest for the first (longest) chunk
+                part_dv = torch.empty(num_slots, s, D, **f32)
+            accum = int(not first)
+            _bwd_cell_grad_kernel[grid](
+                q, k, v, d_olong, lse_long, delta_long, slots, offsets, work_cell, work_seg, nseg, part_base, parts,
+                dk_long, dv_long, part_dk if deterministic else parts, part_dv if deterministic else parts,
+                T, t0, tc, C, ncells, accum, scale, ATOMIC=not deterministic, num_warps=tiles.num_warps_long, **common,
+            )  # fmt: skip
+            if deterministic:
+                _bwd_long_reduce_kernel[(ncells,)](
+                    nseg, part_base, part_dk, part_dv, dk_long, dv_long, T, C, accum,
+                    HKV=Hkv, D=D, CELL=s, num_warps=4, **blocks,
+                )  # fmt: skip
+        _bwd_sum_parts_kernel[(triton.cdiv(nr, tiles.block_rows),)](idx, parts, dq_long, T, t0, tc, nr, **rows)
 
 
 def attention_backward(
@@ -785,9 +1196,7 @@ def attention_backward(
     if cos.shape != (T, D // 2) or sin.shape != (T, D // 2):
         raise ValueError(f"cos / sin must be [T={T}, D/2={D // 2}], got {tuple(cos.shape)}, {tuple(sin.shape)}")
     if tiles is None:
-        tiles = default_bwd_tiles(D, q.dtype, q.device)
-        if not deterministic:  # per-(tile, cell) atomics: ~K*Bq/U times fewer than per-query atomics
-            tiles = dataclasses.replace(tiles, long_mode="union")
+        tiles = dataclasses.replace(default_bwd_tiles(D, q.dtype, q.device), long_mode=default_long_mode(deterministic))
     dev = q.device
     q, k, v, o, do = (x.contiguous() for x in (q, k, v, o, do))
     idx = idx.contiguous()
@@ -816,7 +1225,13 @@ def attention_backward(
     else:
         dk_long = dv_long = d_olong  # placeholders, never read (HAS_LONG False)
     ieee = q.dtype == torch.float32
-    if B * T * Hq > 0 and tiles.long_mode == "gather":
+    if tiles.long_mode == "cell":
+        if B * T * Hq > 0:
+            _long_branch_cells(
+                do, q, k, v, o, idx, beta, lse_long, rstd, d_olong, dq_long, delta_loc, delta_long, dbeta_part,
+                dk_long, dv_long, C, s, scale, deterministic, tiles,
+            )  # fmt: skip
+    elif B * T * Hq > 0 and tiles.long_mode == "gather":
         bq = tiles.block_q
         _bwd_long_query_kernel[(triton.cdiv(B * T, bq), Hq)](
             do,
@@ -890,7 +1305,7 @@ def attention_backward(
             ATOMIC=(not deterministic) and has_long,
             num_warps=tiles.num_warps_long,
         )
-    if has_long and deterministic:
+    if has_long and deterministic and tiles.long_mode != "cell":
         readers, offsets = inverted_selection(idx, Hkv, s)
         ncells = B * Hkv * C
         work_cell, work_seg, nseg, part_base, num_slots = segment_plan(offsets, B * T * Hq * K, tiles.seg)
@@ -929,7 +1344,7 @@ def attention_backward(
             **blocks,
         )
         _bwd_long_reduce_kernel[(ncells,)](
-            nseg, part_base, part_dk, part_dv, dk_long, dv_long, T, C, HKV=Hkv, D=D, CELL=s, num_warps=4, **blocks
+            nseg, part_base, part_dk, part_dv, dk_long, dv_long, T, C, 0, HKV=Hkv, D=D, CELL=s, num_warps=4, **blocks
         )
     half = D // 2
     common = dict(
