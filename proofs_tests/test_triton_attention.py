@@ -151,6 +151,11 @@ CASES = [
     # of 32 never have one at windows <= 32), tiles smaller than the window and than T
     # (D 24: padded to 32 lanes, so the unmasked phase masks the padding dims)
     (1, 100, 2, 1, 24, dict(window=48, cell=8, block=16, top_k=2, tiles=AttentionTiles(16, 16, 1, 1))),
+    # the long branch in its own kernel over 16-query tiles (smaller unions), with and without
+    # prefetch, and over tiles larger than the window kernel's (long_block 64 > block_m 32)
+    (2, 77, 3, 1, 16, dict(variant="fsl", top_k=3, tiles=AttentionTiles(32, 32, 1, 1, long_block=16))),
+    (1, 129, 2, 2, 24, dict(cell=8, block=16, window=32, top_k=2,
+                            tiles=AttentionTiles(32, 32, 1, 1, prefetch=False, long_block=64, maxnreg=128))),
 ]
 
 
@@ -268,7 +273,10 @@ def test_l12_prefix_equals_full_sequence():
     _bitwise_equal([full[0][:, :P]] + [x[..., :P] for x in full[1:]], pre, "prefix vs full")
 
 
-def test_l12_other_queries_selections_change_nothing():
+@pytest.mark.parametrize(
+    "tiles", [None, AttentionTiles(32, 32, 1, 1, long_block=16)], ids=["fused", "long-block-16"]
+)
+def test_l12_other_queries_selections_change_nothing(tiles):
     """Queries 40 and 41 keep their cells; every other query of the sequence selects other cells
     (including cells between theirs, so the tile's union interleaves new cells): the two rows'
     bits do not change, while the changed rows do change."""
@@ -286,13 +294,61 @@ def test_l12_other_queries_selections_change_nothing():
         n_avail = (i // cfg.block) * cfg.block // cfg.cell
         other[0, i, :, :] = [rng.choice(n_avail, size=2, replace=False) for _ in range(2)]
     other[0, 44, :, :] = [[3, 5], [2, 6]]  # cells strictly between 1 and 7, in the same tile
-    a = _run(q, k, v, idx, beta, cfg)
-    b = _run(q, k, v, other, beta, cfg)
+    other[0, 42, :, :] = [[2, 4], [3, 6]]  # and in the same 16-query long tile
+    a = _run(q, k, v, idx, beta, cfg, tiles=tiles)
+    b = _run(q, k, v, other, beta, cfg, tiles=tiles)
     keep = [40, 41]
     rows = [[x[:, keep] for x in r[:1]] + [x[..., keep] for x in r[1:]] for r in (a, b)]
     _bitwise_equal(rows[0], rows[1], "rows 40, 41")
     assert not np.array_equal(a[0][:, 44], b[0][:, 44]), "row 44 selects other cells: its output must change"
     assert_close(b[0], _oracle(q, k, v, other, cfg, beta), 1e-5, "o (other selections)")
+
+
+def test_long_block_equals_fused_path():
+    """The separate long kernel (long_block 16 and 64) gives the fused kernel's outputs and
+    statistics: the same per-row steps over smaller or larger unions (float32; equal to
+    rounding: different tile shapes may round differently on a GPU)."""
+    cfg = _cfg(variant="fsl", top_k=3)
+    q, k, v = random_qkv(11, 2, 90, 4, 2, 16)
+    beta = np.array([1.0, -0.5, 0.25, 2.0])
+    idx = _selection(q, k, cfg)
+    ref = _run(q, k, v, idx, beta, cfg, tiles=AttentionTiles(32, 32, 1, 1))
+    for long_block in (16, 64):
+        got = _run(q, k, v, idx, beta, cfg, tiles=AttentionTiles(32, 32, 1, 1, long_block=long_block))
+        for name, x, y in zip(("o", "lse_loc", "lse_long", "rstd"), got, ref):
+            fin = np.isfinite(y)
+            assert np.array_equal(fin, np.isfinite(x)), f"long_block={long_block}: {name} finite pattern"
+            assert_close(x[fin], y[fin], 1e-6, f"long_block={long_block} {name}")
+
+
+def test_tiles_switches():
+    """AttentionTiles validates long_block / maxnreg; the environment switches reach default_tiles;
+    launch_forward refuses a union computed for other tile rows."""
+    from freesolo.backends.triton import attention as att
+
+    with pytest.raises(ValueError, match="long_block=24"):
+        AttentionTiles(32, 32, 1, 1, long_block=24)
+    with pytest.raises(ValueError, match="maxnreg=7"):
+        AttentionTiles(32, 32, 1, 1, maxnreg=7)
+    base = att.default_tiles(16, torch.float32, torch.device(DEVICE))
+    mp = pytest.MonkeyPatch()
+    try:
+        mp.setenv(att.ENV_LONG_BLOCK, "16")
+        mp.setenv(att.ENV_MAXNREG, "128")
+        tiles = att.default_tiles(16, torch.float32, torch.device(DEVICE))
+        assert (tiles.long_block, tiles.maxnreg, tiles.union_rows) == (16, 128, 16)
+        assert tiles.block_m == base.block_m
+        mp.setenv(att.ENV_LONG_BLOCK, "x")
+        with pytest.raises(ValueError, match=att.ENV_LONG_BLOCK):
+            att.default_tiles(16, torch.float32, torch.device(DEVICE))
+    finally:
+        mp.undo()
+    args = _inputs(T=40)
+    q, k, v, idx, beta, cos, sin = args
+    union, count = tile_unions(idx, 32)
+    with pytest.raises(ValueError, match="tile_unions\\(idx, 16\\)"):
+        att.launch_forward(q, k, v, idx, union, count, beta, cos, sin, _cfg(top_k=2),
+                           AttentionTiles(32, 32, 1, 1, long_block=16))  # fmt: skip
 
 
 # ---- errors ------------------------------------------------------------------------------------

@@ -13,6 +13,11 @@ g = h // (Hq // Hkv). The program
    (unrotated, tensor cores), masked to the queries that selected that cell, online softmax;
 3. writes o = o_loc + beta_h * o_long * rstd and the statistics the backward needs
    (lse_loc, lse_long, rstd).
+With `AttentionTiles.long_block > 0` step 2 runs first, in its own kernel (`_long_fwd_kernel`)
+over tiles of long_block queries whose unions are computed per long_block queries (fewer
+masked steps per query, smaller programs, more of them resident), and writes
+beta_h * rmsnorm(o_long) in fp32; the window kernel then adds it (same fp32 formula as the
+fused path). `AttentionTiles.maxnreg` caps the window kernel's registers (occupancy).
 Why a tile union and not a per-query gather: per-query-head selections leave no group of
 queries sharing one selection (NSA's trick: fla's parallel_nsa puts the G heads of a GQA group
 on the M side of the dot); the union keeps the tensor cores busy at the price of masked work
@@ -25,14 +30,17 @@ ascending order, whatever the other queries selected: a cell selected only by ot
 is a fully masked step (logits -inf, running max starting at the finite NEG_BIG), so
 m_new = m, alpha = exp2(0) = 1, p = 0, and (m, l, acc) keep every bit. One cell per step
 (never two cells grouped in one step) keeps the grouping of a query's tokens independent of
-the others. The window phases depend on the tile start only; tile sizes depend on (D, dtype,
-device) only, never on B or T.
+the others. The window phases depend on the tile start only; tile sizes (block_m, long_block)
+depend on (D, dtype, device) and process-wide switches only, never on B or T.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import triton
@@ -40,7 +48,15 @@ import triton.language as tl
 
 from ._common import NEG_BIG, padded_dims, rope_rotate
 
-__all__ = ["AttentionTiles", "attention_forward", "default_tiles", "launch_forward", "tile_unions"]
+__all__ = [
+    "ENV_LONG_BLOCK",
+    "ENV_MAXNREG",
+    "AttentionTiles",
+    "attention_forward",
+    "default_tiles",
+    "launch_forward",
+    "tile_unions",
+]
 
 LOG2E = 1.4426950408889634
 
@@ -91,21 +107,166 @@ def _window_steps(
 
 
 @triton.jit
+def _long_steps(
+    q, IDX, urow, NU_PTR, k_base, v_base, b, h, T, Hq, offs_m, row_ok, kv_stride, qk_scale,
+    D: tl.constexpr, D_P: tl.constexpr, CELL: tl.constexpr, CELL_P: tl.constexpr, KSEL: tl.constexpr,
+    K_P: tl.constexpr, BLOCK_M: tl.constexpr, PREFETCH: tl.constexpr,
+):  # fmt: skip
+    """Online-softmax steps of the long branch for the queries offs_m [BLOCK_M] (q [BLOCK_M, D_P]
+    unrotated, q's dtype) over their tile's cell union: urow points at the union's sorted cell ids,
+    NU_PTR at its length. One cell per step: logits [BLOCK_M, CELL] = q . k (tensor cores), masked
+    to the queries that selected the cell. Returns (acc [BLOCK_M, D_P], l [BLOCK_M], m [BLOCK_M]),
+    fp32, exp2 domain (m starts at the finite NEG_BIG: a fully masked step keeps every bit)."""
+    dtype = q.dtype
+    dd = tl.arange(0, D_P)
+    d_ok = dd < D
+    kk = tl.arange(0, K_P)
+    sel = tl.load(
+        IDX + ((b * T + offs_m) * Hq + h)[:, None] * KSEL + kk[None, :],
+        mask=row_ok[:, None] & (kk[None, :] < KSEL),
+        other=-1,
+    ).to(tl.int32)  # [BLOCK_M, K_P]
+    n_u = tl.load(NU_PTR)
+    offs_c = tl.arange(0, CELL_P)
+    c_ok = offs_c < CELL
+    cell_offs = offs_c[:, None] * kv_stride + dd[None, :]  # [CELL_P, D_P] int32 inside one cell
+    kv_mask = c_ok[:, None] & d_ok[None, :]
+    m_j = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
+    l_j = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D_P], dtype=tl.float32)
+    if PREFETCH:
+        # software pipelining by hand: the cell ids two steps ahead and the keys / values one
+        # step ahead are loaded before the current step computes (the loop is latency-bound:
+        # id -> address -> k -> dot -> v -> dot; the compiler's pipeliner does not hoist the
+        # id-dependent loads). Out-of-union prefetches are masked (no reads past the union).
+        cell = tl.load(urow, mask=n_u > 0, other=0)
+        cell_n = tl.load(urow + 1, mask=n_u > 1, other=0)
+        cb = cell.to(tl.int64) * (CELL * kv_stride)
+        kc = tl.load(k_base + cb + cell_offs, mask=kv_mask & (n_u > 0), other=0.0)
+        vc = tl.load(v_base + cb + cell_offs, mask=kv_mask & (n_u > 0), other=0.0)
+    for u in range(0, n_u):
+        if PREFETCH:
+            cell_nn = tl.load(urow + u + 2, mask=u + 2 < n_u, other=0)
+            cb_n = cell_n.to(tl.int64) * (CELL * kv_stride)
+            kc_n = tl.load(k_base + cb_n + cell_offs, mask=kv_mask & (u + 1 < n_u), other=0.0)
+            vc_n = tl.load(v_base + cb_n + cell_offs, mask=kv_mask & (u + 1 < n_u), other=0.0)
+        else:
+            cell = tl.load(urow + u)
+            cb = cell.to(tl.int64) * (CELL * kv_stride)  # element offset of the cell's first token
+            if CELL == CELL_P and D == D_P:
+                kc = tl.load(k_base + cb + cell_offs)
+            else:
+                kc = tl.load(k_base + cb + cell_offs, mask=kv_mask, other=0.0)
+        hit = tl.sum((sel == cell).to(tl.int32), 1) > 0  # [BLOCK_M]: queries that selected this cell
+        s = tl.dot(q, tl.trans(kc), input_precision="ieee")
+        if CELL == CELL_P:
+            s = tl.where(hit[:, None], s * qk_scale, float("-inf"))
+        else:
+            s = tl.where(hit[:, None] & c_ok[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_j, tl.max(s, 1))
+        alpha = tl.math.exp2(m_j - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l_j = l_j * alpha + tl.sum(p, 1)
+        if not PREFETCH:
+            if CELL == CELL_P and D == D_P:
+                vc = tl.load(v_base + cb + cell_offs)
+            else:
+                vc = tl.load(v_base + cb + cell_offs, mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(dtype), vc, input_precision="ieee")
+        m_j = m_new
+        if PREFETCH:
+            cell = cell_n
+            cell_n = cell_nn
+            kc = kc_n
+            vc = vc_n
+    return acc, l_j, m_j
+
+
+@triton.jit
+def _long_finish(acc, l_j, m_j, beta_ptr, eps, D: tl.constexpr):
+    """(beta_h * rmsnorm(o_long) [M, D_P] fp32, lse_long [M] natural log (-inf: no cell),
+    rstd [M]) from the long loop's state; o_long = 0 where no cell was selected."""
+    has = l_j > 0
+    o_long = tl.where(has[:, None], acc / tl.where(has, l_j, 1.0)[:, None], 0.0)
+    lse_long = tl.where(has, (m_j + tl.math.log2(tl.where(has, l_j, 1.0))) * 0.6931471805599453, float("-inf"))
+    rstd = 1.0 / tl.sqrt_rn(tl.sum(o_long * o_long, 1) / D + eps)
+    beta = tl.load(beta_ptr)
+    return beta * (o_long * rstd[:, None]), lse_long, rstd
+
+
+@triton.jit
+def _long_fwd_kernel(
+    Q,  # [B, T, Hq, D]
+    K,  # [B, T, Hkv, D] unrotated keys
+    V,  # [B, T, Hkv, D]
+    IDX,  # int32 / int64 [B, T, Hq, KSEL], -1 padded
+    UNION,  # int32 [B * Hq, NT, U_MAX]: sorted cells of each tile of BLOCK_M queries, -1 padded
+    NUNION,  # int32 [B * Hq, NT]
+    BETA,  # fp32 [Hq]
+    LONG_TERM,  # fp32 [B, T, Hq, D] (out): beta_h * rmsnorm(o_long)
+    LSE_LONG,  # fp32 [B, Hq, T] (out)
+    RSTD,  # fp32 [B, Hq, T] (out)
+    T,
+    Hq,
+    Hkv,
+    NT,
+    qk_scale,  # scale * log2(e)
+    eps,
+    D: tl.constexpr,
+    D_P: tl.constexpr,
+    CELL: tl.constexpr,
+    CELL_P: tl.constexpr,
+    KSEL: tl.constexpr,
+    K_P: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    U_MAX: tl.constexpr,
+    PREFETCH: tl.constexpr,
+):
+    """The long branch alone (AttentionTiles.long_block > 0): one program per (tile of BLOCK_M
+    queries, b * Hq + h), the same steps as the fused kernel's long loop over this smaller tile's
+    smaller union; writes beta_h * rmsnorm(o_long) in fp32 for `_attention_fwd_kernel` to add."""
+    pid_m = tl.program_id(0).to(tl.int64)
+    pid_bh = tl.program_id(1).to(tl.int64)
+    b = pid_bh // Hq
+    h = pid_bh % Hq
+    g = h // (Hq // Hkv)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    row_ok = offs_m < T
+    dd = tl.arange(0, D_P)
+    d_ok = dd < D
+    rows = ((b * T + offs_m) * Hq + h)[:, None] * D + dd[None, :]  # [BLOCK_M, D_P] int64
+    mask = row_ok[:, None] & d_ok[None, :]
+    q = tl.load(Q + rows, mask=mask, other=0.0)
+    kv_stride = Hkv * D
+    acc, l_j, m_j = _long_steps(
+        q, IDX, UNION + (pid_bh * NT + pid_m) * U_MAX, NUNION + pid_bh * NT + pid_m,
+        K + (b * T * Hkv + g) * D, V + (b * T * Hkv + g) * D, b, h, T, Hq, offs_m, row_ok, kv_stride, qk_scale,
+        D, D_P, CELL, CELL_P, KSEL, K_P, BLOCK_M, PREFETCH,
+    )  # fmt: skip
+    long_term, lse_long, rstd = _long_finish(acc, l_j, m_j, BETA + h, eps, D)
+    tl.store(LONG_TERM + rows, long_term, mask=mask)
+    stat = (b * Hq + h) * T + offs_m
+    tl.store(LSE_LONG + stat, lse_long, mask=row_ok)
+    tl.store(RSTD + stat, rstd, mask=row_ok)
+
+
+@triton.jit
 def _attention_fwd_kernel(
     Q,  # [B, T, Hq, D]
     K,  # [B, T, Hkv, D] unrotated keys (long branch)
     KR,  # [B, T, Hkv, D] rotated keys (local branch, `_common.rope_rotate`)
     V,  # [B, T, Hkv, D]
     IDX,  # int32 / int64 [B, T, Hq, KSEL], -1 padded
-    UNION,  # int32 [B * Hq, NT, U_MAX]: sorted cells of each tile, -1 padded
-    NUNION,  # int32 [B * Hq, NT]: cells in each tile's union
+    UNION,  # int32 [B * Hq, NT, U_MAX]: sorted cells of each tile, -1 padded (HAS_LONG)
+    NUNION,  # int32 [B * Hq, NT]: cells in each tile's union (HAS_LONG)
     BETA,  # fp32 [Hq]
+    LONG_TERM,  # fp32 [B, T, Hq, D]: beta_h * rmsnorm(o_long) of `_long_fwd_kernel` (not HAS_LONG)
     COS,  # fp32 [T, HALF]
     SIN,  # fp32 [T, HALF]
     O,  # [B, T, Hq, D], q's dtype
     LSE_LOC,  # fp32 [B, Hq, T]
-    LSE_LONG,  # fp32 [B, Hq, T]
-    RSTD,  # fp32 [B, Hq, T]
+    LSE_LONG,  # fp32 [B, Hq, T] (written here when HAS_LONG)
+    RSTD,  # fp32 [B, Hq, T] (written here when HAS_LONG)
     T,
     Hq,
     Hkv,
@@ -125,6 +286,7 @@ def _attention_fwd_kernel(
     U_MAX: tl.constexpr,
     PREFETCH: tl.constexpr,
     WINDOW_PHASES: tl.constexpr,
+    HAS_LONG: tl.constexpr,  # the long loop here (else LONG_TERM is read)
 ):
     pid_m = tl.program_id(0).to(tl.int64)
     pid_bh = tl.program_id(1).to(tl.int64)
@@ -186,81 +348,23 @@ def _attention_fwd_kernel(
     o_loc = acc / l_i[:, None]
     lse_loc = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
 
-    # ---- long branch: NoPE softmax over the tokens of each query's selected cells
-    kk = tl.arange(0, K_P)
-    sel = tl.load(
-        IDX + ((b * T + offs_m) * Hq + h)[:, None] * KSEL + kk[None, :],
-        mask=row_ok[:, None] & (kk[None, :] < KSEL),
-        other=-1,
-    ).to(tl.int32)  # [BLOCK_M, K_P]
-    tile = pid_bh * NT + pid_m
-    n_u = tl.load(NUNION + tile)
-    offs_c = tl.arange(0, CELL_P)
-    c_ok = offs_c < CELL
-    cell_offs = offs_c[:, None] * kv_stride + dd[None, :]  # [CELL_P, D_P] int32 inside one cell
-    kv_mask = c_ok[:, None] & d_ok[None, :]
-    m_j = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
-    l_j = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, D_P], dtype=tl.float32)
-    urow = UNION + tile * U_MAX
-    if PREFETCH:
-        # software pipelining by hand: the cell ids two steps ahead and the keys / values one
-        # step ahead are loaded before the current step computes (the loop is latency-bound:
-        # id -> address -> k -> dot -> v -> dot; the compiler's pipeliner does not hoist the
-        # id-dependent loads). Out-of-union prefetches are masked (no reads past the union).
-        cell = tl.load(urow, mask=n_u > 0, other=0)
-        cell_n = tl.load(urow + 1, mask=n_u > 1, other=0)
-        cb = cell.to(tl.int64) * (CELL * kv_stride)
-        kc = tl.load(k_base + cb + cell_offs, mask=kv_mask & (n_u > 0), other=0.0)
-        vc = tl.load(v_base + cb + cell_offs, mask=kv_mask & (n_u > 0), other=0.0)
-    for u in range(0, n_u):
-        if PREFETCH:
-            cell_nn = tl.load(urow + u + 2, mask=u + 2 < n_u, other=0)
-            cb_n = cell_n.to(tl.int64) * (CELL * kv_stride)
-            kc_n = tl.load(k_base + cb_n + cell_offs, mask=kv_mask & (u + 1 < n_u), other=0.0)
-            vc_n = tl.load(v_base + cb_n + cell_offs, mask=kv_mask & (u + 1 < n_u), other=0.0)
-        else:
-            cell = tl.load(urow + u)
-            cb = cell.to(tl.int64) * (CELL * kv_stride)  # element offset of the cell's first token
-            if CELL == CELL_P and D == D_P:
-                kc = tl.load(k_base + cb + cell_offs)
-            else:
-                kc = tl.load(k_base + cb + cell_offs, mask=kv_mask, other=0.0)
-        hit = tl.sum((sel == cell).to(tl.int32), 1) > 0  # [BLOCK_M]: queries that selected this cell
-        s = tl.dot(q, tl.trans(kc), input_precision="ieee")
-        if CELL == CELL_P:
-            s = tl.where(hit[:, None], s * qk_scale, float("-inf"))
-        else:
-            s = tl.where(hit[:, None] & c_ok[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_j, tl.max(s, 1))
-        alpha = tl.math.exp2(m_j - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
-        l_j = l_j * alpha + tl.sum(p, 1)
-        if not PREFETCH:
-            if CELL == CELL_P and D == D_P:
-                vc = tl.load(v_base + cb + cell_offs)
-            else:
-                vc = tl.load(v_base + cb + cell_offs, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(dtype), vc, input_precision="ieee")
-        m_j = m_new
-        if PREFETCH:
-            cell = cell_n
-            cell_n = cell_nn
-            kc = kc_n
-            vc = vc_n
-    has = l_j > 0
-    o_long = tl.where(has[:, None], acc / tl.where(has, l_j, 1.0)[:, None], 0.0)
-    lse_long = tl.where(has, (m_j + tl.math.log2(tl.where(has, l_j, 1.0))) * 0.6931471805599453, float("-inf"))
-    rstd = 1.0 / tl.sqrt_rn(tl.sum(o_long * o_long, 1) / D + eps)
-    beta = tl.load(BETA + h)
-    out = o_loc + beta * (o_long * rstd[:, None])
-
-    o_ptrs = O + ((b * T + offs_m) * Hq + h)[:, None] * D + dd[None, :]
-    tl.store(o_ptrs, out.to(dtype), mask=row_ok[:, None] & d_ok[None, :])
+    o_offs = ((b * T + offs_m) * Hq + h)[:, None] * D + dd[None, :]  # [BLOCK_M, D_P] int64
     stat = (b * Hq + h) * T + offs_m
+    if HAS_LONG:
+        # ---- long branch: NoPE softmax over the tokens of each query's selected cells
+        acc, l_j, m_j = _long_steps(
+            q, IDX, UNION + (pid_bh * NT + pid_m) * U_MAX, NUNION + pid_bh * NT + pid_m, k_base, v_base,
+            b, h, T, Hq, offs_m, row_ok, kv_stride, qk_scale,
+            D, D_P, CELL, CELL_P, KSEL, K_P, BLOCK_M, PREFETCH,
+        )  # fmt: skip
+        long_term, lse_long, rstd = _long_finish(acc, l_j, m_j, BETA + h, eps, D)
+        tl.store(LSE_LONG + stat, lse_long, mask=row_ok)
+        tl.store(RSTD + stat, rstd, mask=row_ok)
+    else:  # beta_h * rmsnorm(o_long), fp32, written by _long_fwd_kernel
+        long_term = tl.load(LONG_TERM + o_offs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    out = o_loc + long_term
+    tl.store(O + o_offs, out.to(dtype), mask=row_ok[:, None] & d_ok[None, :])
     tl.store(LSE_LOC + stat, lse_loc, mask=row_ok)
-    tl.store(LSE_LONG + stat, lse_long, mask=row_ok)
-    tl.store(RSTD + stat, rstd, mask=row_ok)
 
 
 @triton.jit
@@ -310,10 +414,60 @@ class AttentionTiles:
     num_stages: int  # software pipelining depth of the loops (GPU only)
     prefetch: bool = True  # long loop: cell ids 2 steps and k / v 1 step ahead, loaded by hand
     window_phases: bool = True  # window loop split in masked / unmasked / diagonal loops (else one masked loop)
+    # 0: the long branch runs inside the window kernel over the union of its block_m queries' cells
+    # (one launch). > 0: a separate kernel (`_long_fwd_kernel`) runs it over tiles of long_block
+    # queries, each with its own, smaller union (on iid keys ~13 cells for 16 queries vs ~20 for
+    # 64: less masked work, more programs in flight), and hands beta_h * rmsnorm(o_long) to the
+    # window kernel through an fp32 [B, T, Hq, D] buffer (one more launch, 8 bytes per element
+    # more traffic). A power of two >= 16 (tl.dot's minimum M).
+    long_block: int = 0
+    long_warps: int = 4  # warps per program of the separate long kernel (GPU only)
+    # register cap per thread for the window kernel (ptxas -maxrregcount; GPU only). The default
+    # bf16 D 64 tiles use 129 registers x 256 threads: one program per SM; 128 fits two.
+    maxnreg: Optional[int] = None
+
+    def __post_init__(self):
+        if self.long_block and (self.long_block < 16 or self.long_block & (self.long_block - 1)):
+            raise ValueError(f"long_block={self.long_block} must be 0 or a power of two >= 16")
+        if self.maxnreg is not None and not 24 <= self.maxnreg <= 255:
+            raise ValueError(f"maxnreg={self.maxnreg} must be None or in [24, 255]")
+
+    @property
+    def union_rows(self) -> int:
+        """Queries per cell union (`tile_unions(idx, tiles.union_rows)` feeds `launch_forward`)."""
+        return self.long_block or self.block_m
+
+
+# A/B switches for the default tiles (benchmarks/triton_forward_ab.py passes tiles explicitly):
+# FREESOLO_TRITON_LONG_BLOCK=16 (AttentionTiles.long_block), FREESOLO_TRITON_MAXNREG=128.
+ENV_LONG_BLOCK = "FREESOLO_TRITON_LONG_BLOCK"
+ENV_MAXNREG = "FREESOLO_TRITON_MAXNREG"
+
+
+def _env_int(name: str) -> Optional[int]:
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={text!r} must be an integer") from None
 
 
 def default_tiles(D: int, dtype: torch.dtype, device: torch.device) -> AttentionTiles:
-    """Tile sizes by head dim and dtype (see AttentionTiles). On the CPU (interpreter) small tiles."""
+    """Tile sizes by head dim and dtype (see AttentionTiles). On the CPU (interpreter) small tiles.
+    The environment variables ENV_LONG_BLOCK / ENV_MAXNREG override long_block / maxnreg
+    (process-wide, read at each call; they never depend on B or T)."""
+    tiles = _base_tiles(D, dtype, device)
+    long_block, maxnreg = _env_int(ENV_LONG_BLOCK), _env_int(ENV_MAXNREG)
+    if long_block is not None:
+        tiles = dataclasses.replace(tiles, long_block=long_block)
+    if maxnreg is not None:
+        tiles = dataclasses.replace(tiles, maxnreg=maxnreg or None)
+    return tiles
+
+
+def _base_tiles(D: int, dtype: torch.dtype, device: torch.device) -> AttentionTiles:
     if device.type != "cuda":
         return AttentionTiles(block_m=32, block_n=32, num_warps=1, num_stages=1)
     d_p, _ = padded_dims(D)
@@ -415,59 +569,50 @@ def attention_forward(q, k, v, idx, beta, cos, sin, cfg, tiles: AttentionTiles |
     """
     _check_inputs(q, k, v, idx, beta, cos, sin, cfg)
     tiles = tiles or default_tiles(q.shape[3], q.dtype, q.device)
-    union, count = tile_unions(idx, tiles.block_m)
+    union, count = tile_unions(idx, tiles.union_rows)
     return launch_forward(q, k, v, idx, union, count, beta, cos, sin, cfg, tiles)
 
 
 def launch_forward(q, k, v, idx, union, count, beta, cos, sin, cfg, tiles: AttentionTiles):
-    """The kernel launch of `attention_forward` on validated inputs and `tile_unions(idx, tiles.block_m)`
-    (exposed so that benchmarks can time the kernel apart from the union's sort)."""
+    """The kernel launches of `attention_forward` on validated inputs and
+    `tile_unions(idx, tiles.union_rows)` (exposed so that benchmarks can time the kernels apart
+    from the union's sort): RoPE of k, then the fused kernel, or (tiles.long_block > 0) the long
+    kernel and then the window kernel."""
     B, T, Hq, D = q.shape
     Hkv = k.shape[2]
     d_p, _ = padded_dims(D)
+    K = cfg.top_k
+    rows = tiles.union_rows
     NT = -(-T // tiles.block_m)
+    NU = -(-T // rows)
+    if tuple(union.shape) != (B * Hq, NU, rows * K) or tuple(count.shape) != (B * Hq, NU):
+        raise ValueError(
+            f"union {tuple(union.shape)} / count {tuple(count.shape)} must come from tile_unions(idx, {rows}): "
+            f"[{B * Hq}, {NU}, {rows * K}] / [{B * Hq}, {NU}]"
+        )
     kr = rope_rotate(k, cos, sin)  # (B, T, Hkv, D) rotated keys of the window
     o = torch.empty_like(q)
     lse_loc = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
     lse_long = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
     rstd = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
-    K = cfg.top_k
-    grid = (NT, B * Hq)
-    _attention_fwd_kernel[grid](
-        q,
-        k,
-        kr,
-        v,
-        idx,
-        union,
-        count,
-        beta,
-        cos,
-        sin,
-        o,
-        lse_loc,
-        lse_long,
-        rstd,
-        T,
-        Hq,
-        Hkv,
-        NT,
-        cfg.window,
-        LOG2E / math.sqrt(D),
-        cfg.eps,
-        D=D,
-        HALF=D // 2,
-        D_P=d_p,
-        CELL=cfg.cell,
-        CELL_P=max(16, triton.next_power_of_2(cfg.cell)),
-        KSEL=K,
-        K_P=triton.next_power_of_2(K),
-        BLOCK_M=tiles.block_m,
-        BLOCK_N=tiles.block_n,
-        U_MAX=tiles.block_m * K,
-        PREFETCH=tiles.prefetch,
-        WINDOW_PHASES=tiles.window_phases,
-        num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages,
-    )
+    qk_scale = LOG2E / math.sqrt(D)
+    common = dict(D=D, D_P=d_p, CELL=cfg.cell, CELL_P=max(16, triton.next_power_of_2(cfg.cell)), KSEL=K,
+                  K_P=triton.next_power_of_2(K), PREFETCH=tiles.prefetch)  # fmt: skip
+    split = tiles.long_block > 0
+    if split:
+        long_term = torch.empty(B, T, Hq, D, dtype=torch.float32, device=q.device)
+        _long_fwd_kernel[(NU, B * Hq)](
+            q, k, v, idx, union, count, beta, long_term, lse_long, rstd, T, Hq, Hkv, NU, qk_scale, cfg.eps,
+            BLOCK_M=rows, U_MAX=rows * K, num_warps=tiles.long_warps, num_stages=1, **common,
+        )  # fmt: skip
+    else:
+        long_term = o  # not read
+    extra = {} if tiles.maxnreg is None else {"maxnreg": tiles.maxnreg}
+    _attention_fwd_kernel[(NT, B * Hq)](
+        q, k, kr, v, idx, union, count, beta, long_term, cos, sin, o, lse_loc, lse_long, rstd,
+        T, Hq, Hkv, NT, cfg.window, qk_scale, cfg.eps,
+        HALF=D // 2, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, U_MAX=rows * K,
+        WINDOW_PHASES=tiles.window_phases, HAS_LONG=not split,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **common, **extra,
+    )  # fmt: skip
     return o, lse_loc, lse_long, rstd
