@@ -56,6 +56,9 @@ class FreeSoloCache:
             `freesolo.backends.triton.decode`; CUDA, or CPU under TRITON_INTERPRET=1), or "auto"
             (triton on CUDA when triton imports and the dtype is float32 / bfloat16 / float16).
             Chunks of n > 1 tokens and block boundaries always run torch ops.
+        decode_tiles: torch backend, fused step: a `freesolo.streaming.torch_state.DecodeTiles`
+            (how the step's work is split across programs; default `DecodeTiles()`; its
+            `impl="single"` is the first one-program-per-(row, kv head) kernel, for A/B timing).
     """
 
     def __init__(
@@ -70,6 +73,7 @@ class FreeSoloCache:
         device=None,
         check_finite: bool = True,
         decode_kernel: str = "torch",
+        decode_tiles=None,
     ):
         if not isinstance(cfg, FreeSoloConfig):
             raise TypeError(f"cfg must be a freesolo.FreeSoloConfig, got {type(cfg).__name__}")
@@ -90,8 +94,10 @@ class FreeSoloCache:
         self.check_finite = bool(check_finite)
         self._input: Optional[tuple] = None  # (array kind, dtype, device) of the first chunk
         if self.backend in ("numpy", "numba"):
-            if decode_kernel != "torch":
-                raise ValueError(f"decode_kernel={decode_kernel!r} needs backend='torch', not {self.backend!r}")
+            if decode_kernel != "torch" or decode_tiles is not None:
+                raise ValueError(
+                    f"decode_kernel={decode_kernel!r} (and decode_tiles) needs backend='torch', not {self.backend!r}"
+                )
             if dtype is not None or device is not None:
                 raise ValueError(f"backend={self.backend!r} computes in float64 on the CPU: leave dtype / device None")
             from .streaming.host import HostCacheState
@@ -113,8 +119,9 @@ class FreeSoloCache:
                 self._state = TorchFsbDeviceState(cfg, B, Hq, Hkv, D, dtype=dtype, device=device)
             else:
                 self._state = TorchCacheState(
-                    cfg, B, Hq, Hkv, D, dtype=dtype, device=device, decode_kernel=decode_kernel
-                )
+                    cfg, B, Hq, Hkv, D, dtype=dtype, device=device, decode_kernel=decode_kernel,
+                    decode_tiles=decode_tiles,
+                )  # fmt: skip
             self._dtype, self._device = dtype, device
         elif self.backend == "triton":
             raise BackendUnavailableError(

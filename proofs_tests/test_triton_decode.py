@@ -25,6 +25,7 @@ from .helpers import assert_close, random_qkv
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
+from freesolo.streaming.torch_state import DecodeTiles  # noqa: E402 (needs torch)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 needs_kernels = pytest.mark.skipif(
@@ -40,16 +41,17 @@ def tensors(seed, B, T, Hq, Hkv, D, device="cpu", dtype=torch.float32):
     return q, k, v, beta
 
 
-def decode_both(cfg, q, k, v, beta, t0: int, fused_only: bool = False):
+def decode_both(cfg, q, k, v, beta, t0: int, fused_only: bool = False, tiles=None):
     """Caches fed [0, t0) as one chunk (torch ops), then one token at a time up to T with the fused
-    step ("triton") and, unless fused_only, the torch step. Returns (fused, torch) outputs
-    [B, T - t0, Hq, D] and the two caches."""
+    step ("triton", shaped by `tiles`: a DecodeTiles or None) and, unless fused_only, the torch
+    step. Returns (fused, torch) outputs [B, T - t0, Hq, D] and the two caches."""
     B, T, Hq, D = q.shape
     Hkv = k.shape[2]
     caches = {}
     outs = {}
     for kind in ("triton",) if fused_only else ("triton", "torch"):
-        cache = FreeSoloCache(cfg, B, Hq, Hkv, D, backend="torch", decode_kernel=kind)
+        extra = dict(decode_tiles=tiles) if kind == "triton" else {}
+        cache = FreeSoloCache(cfg, B, Hq, Hkv, D, backend="torch", decode_kernel=kind, **extra)
         if t0 > 0:
             cache.extend(q[:, :t0], k[:, :t0], v[:, :t0], beta=beta)
         steps = [cache.extend(q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], beta=beta) for t in range(t0, T)]
@@ -69,15 +71,26 @@ CASES = [
 ]
 
 
+# Fused-step shapes: the split kernels with the window in chunks of 8 slots (2-3 chunks, the last
+# one partly past w = 20 / 24), the split kernels with one chunk (default 128 >= w), FS archive
+# chunks of 4 cells (several scoring programs), and the first single-program kernel.
+TILES = {
+    "split-w8-fs4": DecodeTiles(window_chunk=8, fs_chunk=4, num_warps=4),
+    "split-default": DecodeTiles(),
+    "single": DecodeTiles(impl="single"),
+}
+
+
 @needs_kernels
+@pytest.mark.parametrize("tiles", list(TILES), ids=list(TILES))
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_fused_decode_equals_parallel_op_and_torch_step(case):
+def test_fused_decode_equals_parallel_op_and_torch_step(case, tiles):
     """L6 token by token: fused decode == the parallel op (torch backend, float32) and == the torch
     cache's decode step; afterwards the two caches hold the same state."""
     _, variant, changes, B, T, t0, Hq, Hkv, D = case
     cfg = FreeSoloConfig(variant=variant, **changes)
     q, k, v, beta = tensors(CASES.index(case), B, T, Hq, Hkv, D)
-    fused, eager, caches = decode_both(cfg, q, k, v, beta, t0)
+    fused, eager, caches = decode_both(cfg, q, k, v, beta, t0, tiles=TILES[tiles])
     parallel = freesolo.freesolo_attention(q, k, v, cfg, beta=beta, backend="torch")[:, t0:]
     assert torch.isfinite(fused).all(), "fused decode wrote non-finite values"
     assert_close(fused.double().numpy(), parallel.double().numpy(), rtol=1e-5, name=f"{case[0]} fused vs parallel")
@@ -108,27 +121,33 @@ def test_fused_decode_tie_rule_prefers_larger_cell(variant):
 
 
 @needs_kernels
-def test_fused_step_writes_every_element():
-    """decode_step on NaN-poisoned output (and FS partial-candidate) buffers: all overwritten."""
+@pytest.mark.parametrize("tiles", ["split-w8-fs4", "single"])
+@pytest.mark.parametrize("variant", ["fs", "fsl"])
+def test_fused_step_writes_every_element(variant, tiles):
+    """decode_step on NaN-poisoned output and scratch buffers (split partials, FS candidates):
+    every element the result depends on is overwritten."""
     from freesolo.backends.triton.decode import decode_step
 
-    cfg = FreeSoloConfig(variant="fs", window=16, cell=4, block=8, top_k=2)
+    cfg = FreeSoloConfig(variant=variant, window=16, cell=4, block=8, top_k=2, pool=2, recent=1)
     B, T, Hq, Hkv, D = 2, 21, 2, 1, 6
     q, k, v, beta = tensors(5, B, T + 1, Hq, Hkv, D)
-    cache = FreeSoloCache(cfg, B, Hq, Hkv, D, backend="torch", decode_kernel="triton")
+    cache = FreeSoloCache(cfg, B, Hq, Hkv, D, backend="torch", decode_kernel="triton", decode_tiles=TILES[tiles])
     cache.extend(q[:, :T], k[:, :T], v[:, :T], beta=beta)
     twin = FreeSoloCache(cfg, B, Hq, Hkv, D, backend="torch")
     twin.load_state_dict(cache.state_dict())
     state = cache.state
     out = torch.full((B, 1, Hq, D), float("nan"))
-    decode_step(state, q[:, T : T + 1], k[:, T : T + 1], v[:, T : T + 1], beta)  # allocates the FS scratch
+    decode_step(state, q[:, T : T + 1], k[:, T : T + 1], v[:, T : T + 1], beta)  # allocates the scratch
     cache.load_state_dict(twin.state_dict())
-    for buf in state._triton_fs_scratch:
+    scratch = list(getattr(state, "_triton_fs_scratch", ())) + list(getattr(state, "_triton_split_scratch", ())[1:])
+    assert scratch or (variant, tiles) == ("fsl", "single"), "no scratch buffer found: the test would not bite"
+    for buf in scratch:
         buf.fill_(-7 if buf.dtype == torch.int64 else float("nan"))
     decode_step(state, q[:, T : T + 1], k[:, T : T + 1], v[:, T : T + 1], beta, out=out)
     expected = twin.extend(q[:, T : T + 1], k[:, T : T + 1], v[:, T : T + 1], beta=beta)
     assert not torch.isnan(out).any(), "fused step left output elements unwritten"
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(state.pos, twin.state.pos), "decode_step must advance pos by one"
 
 
 @needs_kernels

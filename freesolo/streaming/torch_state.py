@@ -25,6 +25,7 @@ in CUDA graphs.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -34,11 +35,42 @@ from ..config import FreeSoloConfig
 
 SDPA_MAX_BATCH = 32768  # batch entries per SDPA call in the long-branch readout
 
-__all__ = ["DECODE_KERNELS", "DecodeGraph", "TorchCacheState", "fsl_candidate_count"]
+__all__ = ["DECODE_KERNELS", "DecodeGraph", "DecodeTiles", "TorchCacheState", "fsl_candidate_count"]
 
-# One-token step: "torch" (torch ops), "triton" (fused kernel, freesolo.backends.triton.decode),
-# "auto" (triton on CUDA when triton imports and the dtype is float32 / bfloat16 / float16).
+# One-token step: "torch" (torch ops), "triton" (fused kernels, freesolo.backends.triton.decode,
+# shaped by `DecodeTiles`), "auto" (triton on CUDA when triton imports and the dtype is float32 /
+# bfloat16 / float16).
 DECODE_KERNELS = ("torch", "triton", "auto")
+
+
+@dataclass(frozen=True)
+class DecodeTiles:
+    """How the fused Triton decode step splits its work (`TorchCacheState.decode_tiles`).
+
+    None of these depends on B, T or the data (row independence, L12); they change float32
+    rounding order only (the window's online-softmax split), never the selection.
+    """
+
+    impl: str = "split"
+    """"split": two kernels: (B*Hkv, NW + NL) programs (window chunks of `window_chunk` slots for
+    the G query heads of a kv head; FS-L: one long-branch program per query head; FS: one scoring
+    program per archive chunk), then (B*Hq,) programs that merge the partials (FS: the top-K merge
+    and the readout) and advance pos. "single": the first version, one program per (row, kv head)
+    doing everything for its G heads in sequence (kept for A/B timing)."""
+    window_chunk: int = 128
+    """ring slots per window program (power of 2; the window is split in ceil(w / window_chunk))."""
+    num_warps: int = 8
+    """warps per program of the split kernels."""
+    fs_chunk: Optional[int] = None
+    """FS: archive cells per scoring program (power of 2); None: 128, more past 2048 chunks."""
+
+    def __post_init__(self):
+        if self.impl not in ("split", "single"):
+            raise ValueError(f"DecodeTiles.impl={self.impl!r} must be 'split' or 'single'")
+        for name in ("window_chunk", "num_warps") + (("fs_chunk",) if self.fs_chunk is not None else ()):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1 or value & (value - 1):
+                raise ValueError(f"DecodeTiles.{name}={value!r} must be a power of 2")
 
 _BUFFERS = (
     "pos",
@@ -106,6 +138,7 @@ class TorchCacheState:
         dtype: Optional[torch.dtype] = None,
         device=None,
         decode_kernel: str = "torch",
+        decode_tiles: Optional[DecodeTiles] = None,
     ):
         if cfg.variant not in self.variants:
             raise ValueError(f"{type(self).__name__} implements variants {self.variants}, not {cfg.variant!r}")
@@ -113,7 +146,10 @@ class TorchCacheState:
             raise ValueError(f"decode_kernel={decode_kernel!r} must be one of {DECODE_KERNELS}")
         if decode_kernel == "triton" and cfg.variant not in ("fs", "fsl"):
             raise ValueError(f"decode_kernel='triton' implements variants 'fs' and 'fsl', not {cfg.variant!r}")
+        if decode_tiles is not None and not isinstance(decode_tiles, DecodeTiles):
+            raise TypeError(f"decode_tiles must be a DecodeTiles, got {type(decode_tiles).__name__}")
         self.decode_kernel = decode_kernel
+        self.decode_tiles = DecodeTiles() if decode_tiles is None else decode_tiles
         self.cfg = cfg
         self.B, self.Hq, self.Hkv, self.D = batch, num_heads, num_kv_heads, head_dim
         self.group = num_heads // num_kv_heads
@@ -275,9 +311,7 @@ class TorchCacheState:
         if n == 1 and self._fused:  # fused Triton step (ring / block writes, both branches, output)
             from ..backends.triton.decode import decode_step
 
-            out = decode_step(self, q, k, v, beta)
-            self.pos += 1
-            return out
+            return decode_step(self, q, k, v, beta)  # advances pos
         w = cfg.window
         scale = 1.0 / math.sqrt(D)
         steps = torch.arange(n, device=self.device)
@@ -430,7 +464,10 @@ class TorchCacheState:
     def load_state_dict(self, state: dict) -> None:
         """Restore from `state_dict()`; FS-L copies into the existing buffers (CUDA graphs stay valid)."""
         if state.get("dtype") is None:
-            self.__init__(self.cfg, self.B, self.Hq, self.Hkv, self.D, decode_kernel=self.decode_kernel)
+            self.__init__(
+                self.cfg, self.B, self.Hq, self.Hkv, self.D,
+                decode_kernel=self.decode_kernel, decode_tiles=self.decode_tiles,
+            )  # fmt: skip
             return
         dtype = getattr(torch, state["dtype"].replace("torch.", ""))
         if not self.allocated:

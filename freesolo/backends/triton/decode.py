@@ -1,25 +1,31 @@
 """Fused Triton decode step (n = 1 new token per row) for FS-L and FS over `FreeSoloCache`'s
 torch state (`freesolo.streaming.torch_state.TorchCacheState`, spec §9).
 
-One decode step = one kernel (FS-L) or two kernels (FS), plus `pos += 1`:
+Two implementations, chosen by `state.decode_tiles` (`DecodeTiles`; A/B timing in
+benchmarks/gpu_decode.py):
 
-- `_fs_score_kernel` (FS only), grid (B * Hkv, NCHUNK): the archive's cells in chunks of CHUNK;
-  per query head the chunk's cell scores (§4, position prior included) and the chunk's top-K
-  (score desc, then larger c), written as partial candidates [B, Hq, NCHUNK * K]. The top-K of
-  the union of the chunks' top-K is the global top-K (a total order), so this is exact.
-- `_decode_kernel`, grid (B * Hkv,): one program per (batch row, kv head), looping over its G
-  query heads. It
-  1. reads the token position `pos` from the device (no host sync), rotates the new key and the
-     queries at `pos` (cos / sin of `pos * inv_freq` in float64, cast to float32, as the torch path),
-     writes the new token into the ring (rotated) and into the block buffer (unrotated);
-  2. local branch: online softmax over the ring slots holding positions pos-w+1 .. pos-1 (slot
-     pos % w still holds token pos-w, outside the window: masked) plus the new token (registers);
-  3. long branch: scores the candidates (FS-L: the <= P+W cells held in the store, which are
-     exactly C_j; FS: the partial candidates of `_fs_score_kernel`), takes the top-K with K
-     argmax passes (ties: larger c), reads the selected cells' raw tokens (NoPE) as one tile with a
-     softmax, RMSNorm, beta, and writes o = o_loc + beta * rmsnorm(o_long).
-  Rounding points follow the torch path: rotated q / k and the two branch outputs are rounded to
-  the storage dtype (the torch path runs SDPA in the storage dtype), everything else is float32.
+"split" (default): two kernels per step, the work of one (row, head) spread over several programs.
+- `_split_partials_kernel`, grid (B * Hkv, NW + NL), program (row * Hkv + kv head, j):
+  j < NW: window chunk j (`window_chunk` ring slots) for the G query heads of the kv head, read
+  once: RoPE at `pos` (read on the device: no host sync), a partial online softmax (m, l, acc);
+  chunk 0 also writes the new token into the ring (rotated) and the block buffer (raw) and counts
+  it in its partial (slot pos % w still holds token pos - w: masked everywhere).
+  j >= NW, FS-L: the long branch of query head j - NW (scores of the <= P+W held cells = C_j,
+  top-K by K argmax passes, ties to the larger c, the chosen cells' raw tokens read as one tile,
+  softmax, RMSNorm, beta). FS: archive chunk j - NW (`fs_chunk` cells): per query head the
+  chunk's cell scores (position prior included) and the chunk's top-K (split-K over cells).
+- `_split_finish_kernel`, grid (B * Hq,): merges the window partials; FS-L adds the long
+  partial; FS merges the chunks' candidates (the top-K of the union of per-chunk top-K is the
+  global top-K: a total order) and does the readout; writes o = o_loc + beta * rmsnorm(o_long);
+  program 0 then advances `pos` (nothing in this kernel reads it), so a step is two launches.
+
+"single" (the first version): `_fs_score_kernel` (FS only) then `_decode_kernel`, one program per
+(row, kv head) doing the window and the long branch of its G heads in sequence; pos += 1 after.
+
+Rounding points follow the torch path: rotated q / k and the two branch outputs are rounded to
+the storage dtype (the torch path runs SDPA in the storage dtype), everything else is float32.
+Split sizes are constexprs, never functions of B, T or data (L12: each program touches only its
+own batch row).
 
 The block-boundary state update (cells becoming available, FS-L pool) stays the torch state's
 `_advance` (torch ops, no host sync for FS-L, captured in `DecodeGraph`'s boundary graph).
@@ -28,8 +34,8 @@ No `.item()`, no host branch on tensor values: the launch depends only on host-k
 
 Use: `FreeSoloCache(cfg, B, Hq, Hkv, D, backend="torch", decode_kernel="triton")` (or "auto":
 triton on CUDA); every `extend` of one token then runs this step, and `cache.decode_graph()`
-captures it in a CUDA graph. Each program touches only its own batch row (row independence,
-L12). Not supported: rows at different positions (the torch state holds one `pos` for all rows).
+captures it in a CUDA graph. Rows at different positions: `FreeSoloCache.extend(..., lengths=)`
+runs one B = 1 state per row (the kernels hold one `pos` per state).
 """
 
 from __future__ import annotations
@@ -295,6 +301,317 @@ def _decode_kernel(
         tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=dmask)
 
 
+# ---- split step: the work of one (row, head) spread over several programs ---------------------
+@triton.jit
+def _long_branch(
+    sc,
+    cid,
+    slots,
+    q,
+    cell_k_ptr,
+    cell_v_ptr,
+    kv_row,
+    beta,
+    scale,
+    eps,
+    dtype: tl.constexpr,
+    SLOT_IS_ID: tl.constexpr,
+    D: tl.constexpr,
+    CELL: tl.constexpr,
+    SLOTS: tl.constexpr,
+    TOPK: tl.constexpr,
+    TOPK_P2: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_CELL: tl.constexpr,
+):
+    """beta * rmsnorm(o_long) [BLOCK_D] float32 of one query head.
+
+    sc [BLOCK_S] float32 candidate scores (-inf = none), cid [BLOCK_S] int64 their cell ids,
+    slots [BLOCK_S] their store slots (SLOT_IS_ID: the slot is the cell id, FS's archive);
+    q [BLOCK_D] float32 unrotated query; kv_row = b * Hkv + kv head. Top-K by K argmax passes
+    (score desc, then larger c), then the chosen cells' raw tokens read as one tile (NoPE) with
+    one softmax; o_long rounded to the storage dtype as the torch path's SDPA output.
+    """
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    rows = tl.arange(0, TOPK_P2 * BLOCK_CELL)
+    row_cell = rows // BLOCK_CELL  # which chosen cell (0 .. TOPK-1; >= TOPK: padding)
+    row_tok = rows % BLOCK_CELL  # token inside it
+    row_slot = tl.zeros([TOPK_P2 * BLOCK_CELL], tl.int64)
+    row_len = tl.zeros([TOPK_P2 * BLOCK_CELL], tl.int32)  # tokens of the row's cell: CELL, 0 = none
+    for kk in tl.static_range(TOPK):
+        best = tl.reduce(sc, 0, _MAX)  # best score, then the larger cell
+        best_id = tl.reduce(tl.where(sc == best, cid, -1), 0, _MAX)
+        sc = tl.where((cid == best_id) & (sc == best), float("-inf"), sc)
+        ok = best > float("-inf")
+        if SLOT_IS_ID:
+            slot = best_id
+        else:
+            slot = tl.reduce(tl.where(cid == best_id, slots.to(tl.int64), -1), 0, _MAX)
+        row_slot = tl.where(row_cell == kk, tl.where(ok, slot, 0), row_slot)
+        row_len = tl.where(row_cell == kk, tl.where(ok, CELL, 0), row_len)
+    live = row_tok < row_len
+    off = ((kv_row * SLOTS + row_slot) * CELL + row_tok)[:, None] * D + d[None, :]
+    lmask = live[:, None] & dmask[None, :]
+    kt = tl.load(cell_k_ptr + off, mask=lmask, other=0.0).to(tl.float32)
+    vt = tl.load(cell_v_ptr + off, mask=lmask, other=0.0).to(tl.float32)
+    logit = tl.where(live, tl.reduce(kt * q[None, :], 1, _ADD) * scale, float("-inf"))
+    m_l = tl.maximum(tl.reduce(logit, 0, _MAX), -1.0e30)  # finite when no cell is chosen
+    p = tl.exp(logit - m_l)
+    l_l = tl.reduce(p, 0, _ADD)
+    acc_l = tl.reduce(p[:, None] * vt, 0, _ADD)
+    o_long = tl.where(l_l > 0.0, acc_l / tl.maximum(l_l, 1e-30), 0.0).to(dtype).to(tl.float32)
+    ms = tl.reduce(o_long * o_long, 0, _ADD) / D
+    return beta * (o_long * (1.0 / tl.sqrt(ms + eps)))
+
+
+@triton.jit
+def _split_partials_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    beta_ptr,
+    pos_ptr,
+    inv_freq_ptr,
+    sigma_ptr,
+    lam_ptr,
+    ring_k_ptr,
+    ring_v_ptr,
+    block_k_ptr,
+    block_v_ptr,
+    ids_ptr,
+    kbar_ptr,
+    a_ptr,
+    cell_k_ptr,
+    cell_v_ptr,
+    win_ml_ptr,
+    win_acc_ptr,
+    long_ptr,
+    part_score_ptr,
+    part_id_ptr,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_kh,
+    stride_vb,
+    stride_vh,
+    scale,
+    eps,
+    HKV: tl.constexpr,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    WINDOW: tl.constexpr,
+    QBLOCK: tl.constexpr,
+    CELL: tl.constexpr,
+    TOPK: tl.constexpr,
+    TOPK_P2: tl.constexpr,
+    SLOTS: tl.constexpr,
+    FS: tl.constexpr,
+    NW: tl.constexpr,
+    WCHUNK: tl.constexpr,
+    NCHUNK: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_CELL: tl.constexpr,
+):
+    """Split step, part 1. Grid (B * Hkv, NW + NL); program (b * Hkv + kv head, j):
+
+    - j < NW: window chunk j, ring slots [j * WCHUNK, (j + 1) * WCHUNK), for the G query heads of
+      the kv head (the chunk's keys / values are read once): partial online softmax (m, l, acc)
+      -> win_ml [B * Hq, NW, 2], win_acc [B * Hq, NW, D] (float32). Chunk 0 also holds the new
+      token (from registers) and writes it into the ring (rotated) and the block buffer (raw).
+    - j >= NW, FS-L: the long branch of query head kv head * G + (j - NW): scores of the <= P+W
+      held cells, top-K, sparse readout, RMSNorm, beta -> long [B * Hq, D] float32.
+    - j >= NW, FS: archive cells [(j - NW) * CHUNK, ...): per query head the chunk's top-K
+      candidates -> part_score / part_id [B * Hq, NCHUNK * TOPK] (-inf / -1 = none).
+
+    Shapes as `_decode_kernel`. The split sizes are constexprs (never B, T or data): L12-safe.
+    """
+    pid = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    b = pid // HKV
+    kvh = pid % HKV
+    HQ: tl.constexpr = HKV * G
+    dtype = ring_k_ptr.dtype.element_ty
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    pos = tl.load(pos_ptr)
+    if j < NW:
+        HALF: tl.constexpr = D // 2
+        dh = tl.where(d < HALF, d, d - HALF)
+        partner = tl.where(d < HALF, d + HALF, d - HALF)
+        sign = tl.where(d < HALF, -1.0, 1.0)
+        inv_freq = tl.load(inv_freq_ptr + dh, mask=dmask, other=0.0)
+        angle = pos.to(tl.float64) * inv_freq
+        cos = tl.cos(angle).to(tl.float32)
+        sin = tl.sin(angle).to(tl.float32)
+        first = j == 0
+        k_row = k_ptr + b * stride_kb + kvh * stride_kh
+        k_new = tl.load(k_row + d, mask=dmask, other=0.0)
+        k_par = tl.load(k_row + partner, mask=dmask, other=0.0).to(tl.float32)
+        v_new = tl.load(v_ptr + b * stride_vb + kvh * stride_vh + d, mask=dmask, other=0.0)
+        k_rot = (k_new.to(tl.float32) * cos + sign * k_par * sin).to(dtype)
+        w_slot = pos % WINDOW
+        b_slot = pos % QBLOCK
+        smask = dmask & first
+        tl.store(ring_k_ptr + (pid * WINDOW + w_slot) * D + d, k_rot, mask=smask)
+        tl.store(ring_v_ptr + (pid * WINDOW + w_slot) * D + d, v_new.to(dtype), mask=smask)
+        tl.store(block_k_ptr + (pid * QBLOCK + b_slot) * D + d, k_new.to(dtype), mask=smask)
+        tl.store(block_v_ptr + (pid * QBLOCK + b_slot) * D + d, v_new.to(dtype), mask=smask)
+        k_rot = k_rot.to(tl.float32)
+        v_new = v_new.to(tl.float32)
+        # the chunk's ring slots (slot pos % w holds token pos - w, outside the window: masked;
+        # the other programs never read the slot chunk 0 writes)
+        u = j * WCHUNK + tl.arange(0, WCHUNK).to(tl.int64)
+        held_pos = pos - ((pos - u) % WINDOW + WINDOW) % WINDOW  # position in slot u
+        ok = (u < WINDOW) & (u != w_slot) & (held_pos >= 0)
+        off = (pid * WINDOW + u)[:, None] * D + d[None, :]
+        kt = tl.load(ring_k_ptr + off, mask=ok[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+        vt = tl.load(ring_v_ptr + off, mask=ok[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+        for g in range(G):
+            h = kvh * G + g
+            q_row = q_ptr + b * stride_qb + h * stride_qh
+            q_raw = tl.load(q_row + d, mask=dmask, other=0.0)
+            q_par = tl.load(q_row + partner, mask=dmask, other=0.0).to(tl.float32)
+            q_rot = (q_raw.to(tl.float32) * cos + sign * q_par * sin).to(dtype).to(tl.float32)
+            m0 = tl.where(first, tl.reduce(q_rot * k_rot, 0, _ADD) * scale, -1.0e30)  # finite: no inf - inf
+            logit = tl.where(ok, tl.reduce(kt * q_rot[None, :], 1, _ADD) * scale, float("-inf"))
+            m = tl.maximum(m0, tl.reduce(logit, 0, _MAX))
+            alpha = tl.exp(m0 - m)
+            p = tl.exp(logit - m)
+            l_i = tl.where(first, 1.0, 0.0) * alpha + tl.reduce(p, 0, _ADD)
+            acc = tl.where(first, v_new, 0.0) * alpha + tl.reduce(p[:, None] * vt, 0, _ADD)
+            row = (b * HQ + h) * NW + j
+            tl.store(win_ml_ptr + row * 2, m)
+            tl.store(win_ml_ptr + row * 2 + 1, l_i)
+            tl.store(win_acc_ptr + row * D + d, acc, mask=dmask)
+    else:
+        if FS:  # score a chunk of the archive for the G query heads, keep each head's top-K
+            chunk = (j - NW).to(tl.int64)
+            n_avail = (pos // QBLOCK) * QBLOCK // CELL
+            cells = chunk * CHUNK + tl.arange(0, CHUNK).to(tl.int64)  # [CHUNK]
+            valid = (cells < n_avail) & (cells < SLOTS)
+            crow = pid * SLOTS + cells
+            kbar = tl.load(kbar_ptr + crow[:, None] * D + d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
+            a = tl.load(a_ptr + crow, mask=valid, other=0.0)
+            dist = (pos - cells * CELL).to(tl.float32)  # i - p_c
+            for g in range(G):
+                h = kvh * G + g
+                q = tl.load(q_ptr + b * stride_qb + h * stride_qh + d, mask=dmask, other=0.0).to(tl.float32)
+                sigma = tl.load(sigma_ptr + h)
+                lam = tl.load(lam_ptr + h)
+                dots = tl.reduce(kbar * q[None, :], 1, _ADD)  # [CHUNK]
+                prior = tl.math.erf(sigma * dist / (2.0 * CELL))
+                sc = tl.where(valid, dots * scale + lam * a * prior, float("-inf"))
+                base = (b * HQ + h) * (NCHUNK * TOPK) + chunk * TOPK
+                for kk in tl.static_range(TOPK):
+                    best = tl.reduce(sc, 0, _MAX)  # best score, then the larger cell
+                    best_id = tl.reduce(tl.where(sc == best, cells, -1), 0, _MAX)
+                    sc = tl.where(cells == best_id, float("-inf"), sc)
+                    tl.store(part_score_ptr + base + kk, best)
+                    tl.store(part_id_ptr + base + kk, tl.where(best > float("-inf"), best_id, -1))
+        else:  # FS-L: the long branch of one query head over the held cells
+            h = kvh * G + (j - NW)
+            q = tl.load(q_ptr + b * stride_qb + h * stride_qh + d, mask=dmask, other=0.0).to(tl.float32)
+            slots = tl.arange(0, BLOCK_S)
+            ids = tl.load(ids_ptr + pid * SLOTS + slots, mask=slots < SLOTS, other=-1)
+            held = ids >= 0
+            kbar = tl.load(
+                kbar_ptr + (pid * SLOTS + slots)[:, None] * D + d[None, :],
+                mask=held[:, None] & dmask[None, :],
+                other=0.0,
+            )
+            a = tl.load(a_ptr + pid * SLOTS + slots, mask=held, other=0.0)
+            dist = (pos - ids * CELL).to(tl.float32)
+            sigma = tl.load(sigma_ptr + h)
+            lam = tl.load(lam_ptr + h)
+            dots = tl.reduce(kbar * q[None, :], 1, _ADD)
+            prior = tl.math.erf(sigma * dist / (2.0 * CELL))
+            sc = tl.where(held, dots * scale + lam * a * prior, float("-inf"))
+            beta = tl.load(beta_ptr + h).to(tl.float32)
+            out = _long_branch(
+                sc, ids, slots, q, cell_k_ptr, cell_v_ptr, pid, beta, scale, eps,
+                dtype, False, D, CELL, SLOTS, TOPK, TOPK_P2, BLOCK_D, BLOCK_CELL,
+            )  # fmt: skip
+            tl.store(long_ptr + (b * HQ + h) * D + d, out, mask=dmask)
+
+
+@triton.jit
+def _split_finish_kernel(
+    q_ptr,
+    beta_ptr,
+    out_ptr,
+    pos_ptr,
+    cell_k_ptr,
+    cell_v_ptr,
+    win_ml_ptr,
+    win_acc_ptr,
+    long_ptr,
+    part_score_ptr,
+    part_id_ptr,
+    stride_qb,
+    stride_qh,
+    stride_ob,
+    stride_oh,
+    scale,
+    eps,
+    HKV: tl.constexpr,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    CELL: tl.constexpr,
+    TOPK: tl.constexpr,
+    TOPK_P2: tl.constexpr,
+    SLOTS: tl.constexpr,
+    FS: tl.constexpr,
+    NW: tl.constexpr,
+    NW_P2: tl.constexpr,
+    NPART: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_CELL: tl.constexpr,
+):
+    """Split step, part 2. Grid (B * Hq,); program b * Hq + h: merges the NW window partials
+    (o_loc rounded to the storage dtype, as the torch path's SDPA output); FS-L: adds the long
+    partial; FS: merges the chunks' candidates (top-K of the union of per-chunk top-K = the
+    global top-K: a total order), reads the chosen cells, RMSNorm, beta. Writes out [B, 1, Hq, D];
+    program 0 then advances pos (nothing in this kernel reads it)."""
+    pid = tl.program_id(0).to(tl.int64)
+    HQ: tl.constexpr = HKV * G
+    b = pid // HQ
+    h = pid % HQ
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    dtype = out_ptr.dtype.element_ty
+    r = tl.arange(0, NW_P2)
+    rmask = r < NW
+    m = tl.load(win_ml_ptr + (pid * NW + r) * 2, mask=rmask, other=-1.0e30)
+    l_r = tl.load(win_ml_ptr + (pid * NW + r) * 2 + 1, mask=rmask, other=0.0)
+    acc_off = (pid * NW + r)[:, None] * D + d[None, :]
+    acc = tl.load(win_acc_ptr + acc_off, mask=rmask[:, None] & dmask[None, :], other=0.0)
+    m_all = tl.reduce(m, 0, _MAX)
+    wgt = tl.exp(m - m_all)
+    l_all = tl.reduce(l_r * wgt, 0, _ADD)
+    o_loc = (tl.reduce(acc * wgt[:, None], 0, _ADD) / l_all).to(dtype).to(tl.float32)
+    if FS:
+        slots = tl.arange(0, BLOCK_S)
+        pmask = slots < NPART
+        sc = tl.load(part_score_ptr + pid * NPART + slots, mask=pmask, other=float("-inf"))
+        cid = tl.load(part_id_ptr + pid * NPART + slots, mask=pmask, other=-1)
+        q = tl.load(q_ptr + b * stride_qb + h * stride_qh + d, mask=dmask, other=0.0).to(tl.float32)
+        beta = tl.load(beta_ptr + h).to(tl.float32)
+        long = _long_branch(
+            sc, cid, slots, q, cell_k_ptr, cell_v_ptr, b * HKV + h // G, beta, scale, eps,
+            dtype, True, D, CELL, SLOTS, TOPK, TOPK_P2, BLOCK_D, BLOCK_CELL,
+        )  # fmt: skip
+    else:
+        long = tl.load(long_ptr + pid * D + d, mask=dmask, other=0.0)
+    out = o_loc + long
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(dtype), mask=dmask)
+    if pid == 0:
+        tl.store(pos_ptr, tl.load(pos_ptr) + 1)
+
+
 # ---- host launcher --------------------------------------------------------------------------
 def _pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
@@ -349,15 +666,16 @@ def decode_step(state, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: 
     """The fused one-token step of a `TorchCacheState` (FS-L or FS), without host sync.
 
     Args:
-        state: an allocated `TorchCacheState` whose block boundary (if any) was applied already.
+        state: an allocated `TorchCacheState` whose block boundary (if any) was applied already;
+            `state.decode_tiles` (a `DecodeTiles`) picks the kernels ("split" or "single").
         q: [B, 1, Hq, D]; k, v: [B, 1, Hkv, D] (storage dtype, last dim contiguous).
         beta: [Hq] long-range mixing coefficient (any float dtype, same device).
         out: optional [B, 1, Hq, D] tensor of the storage dtype to write (default: a new one).
     Returns:
-        o [B, 1, Hq, D] in the storage dtype. Writes the token into the ring and block buffers;
-        does not advance `state.pos` (the caller does: `state.pos += 1`).
+        o [B, 1, Hq, D] in the storage dtype. Writes the token into the ring and block buffers
+        and advances `state.pos` by one (on the device).
     """
-    cfg, B, Hq, Hkv, G, D = state.cfg, state.B, state.Hq, state.Hkv, state.group, state.D
+    B, Hq, Hkv, D = state.B, state.Hq, state.Hkv, state.D
     reasons = decode_supported_reasons(state)
     if reasons:
         raise ValueError("fused Triton decode unavailable: " + "; ".join(reasons))
@@ -368,15 +686,143 @@ def decode_step(state, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: 
             raise ValueError(f"{name} must be contiguous in its last dim (stride {x.stride(-1)})")
     if state.cell_kbar.dtype != torch.float32:
         raise ValueError(f"cell statistics dtype {state.cell_kbar.dtype}: the fused decode reads float32")
-    beta = beta.contiguous()
-    sigma, lam = _float32_params(state)
-    scale = 1.0 / math.sqrt(D)  # rounded to float32 at the launch, as the torch path's python scalar
     if out is None:
         out = torch.empty(B, 1, Hq, D, dtype=state.dtype, device=state.device)
     elif out.shape != (B, 1, Hq, D) or out.dtype != state.dtype or out.stride(-1) != 1:
         raise ValueError(
             f"out {tuple(out.shape)} {out.dtype} must be ({B}, 1, {Hq}, {D}) {state.dtype}, last dim contiguous"
         )
+    tiles = state.decode_tiles
+    if tiles.impl == "single":
+        _single_step(state, q, k, v, beta.contiguous(), out)
+        state.pos += 1
+    else:
+        _split_step(state, q, k, v, beta.contiguous(), out, tiles)
+    return out
+
+
+def _split_scratch(state, nw: int, n_part: int):
+    """Partials of the split step (float32 window m / l / acc, FS-L long outputs, FS candidates),
+    reused while the sizes hold (a CUDA graph keeps their addresses)."""
+    key = (state.B, state.Hq, state.D, nw, n_part, state.device)
+    cached = getattr(state, "_triton_split_scratch", None)
+    if cached is None or cached[0] != key:
+        rows = state.B * state.Hq
+        f32 = dict(dtype=torch.float32, device=state.device)
+        cached = (
+            key,
+            torch.empty(rows, nw, 2, **f32),  # window partial (m, l)
+            torch.empty(rows, nw, state.D, **f32),  # window partial acc
+            torch.empty(rows, state.D, **f32),  # FS-L: beta * rmsnorm(o_long)
+            torch.empty(rows, max(1, n_part), **f32),  # FS: chunk candidates' scores
+            torch.empty(rows, max(1, n_part), dtype=torch.int64, device=state.device),  # and cell ids
+        )
+        state._triton_split_scratch = cached
+    return cached[1:]
+
+
+def _split_step(state, q, k, v, beta, out, tiles) -> None:
+    """Launch the split step: `_split_partials_kernel` then `_split_finish_kernel` (advances pos)."""
+    cfg, B, Hq, Hkv, G, D = state.cfg, state.B, state.Hq, state.Hkv, state.group, state.D
+    sigma, lam = _float32_params(state)
+    scale = 1.0 / math.sqrt(D)  # rounded to float32 at the launch, as the torch path's python scalar
+    slots = state.cell_ids.shape[2]
+    fs = cfg.variant == "fs"
+    wchunk = min(tiles.window_chunk, _pow2(cfg.window))
+    nw = -(-cfg.window // wchunk)
+    if fs:
+        chunk = tiles.fs_chunk or _fs_chunk(slots)
+        nchunk = -(-slots // chunk)
+        n_part = nchunk * cfg.top_k
+        n_long = nchunk
+    else:
+        chunk, nchunk, n_part, n_long = 1, 1, 0, G
+    win_ml, win_acc, long, part_score, part_id = _split_scratch(state, nw, n_part)
+    BLOCK_D = _pow2(D)
+    common = dict(
+        HKV=Hkv,
+        G=G,
+        D=D,
+        CELL=cfg.cell,
+        TOPK=cfg.top_k,
+        TOPK_P2=_pow2(cfg.top_k),
+        SLOTS=slots,
+        FS=fs,
+        NW=nw,
+        BLOCK_D=BLOCK_D,
+        BLOCK_CELL=_pow2(cfg.cell),
+        num_warps=tiles.num_warps,
+    )
+    _split_partials_kernel[(B * Hkv, nw + n_long)](
+        q,
+        k,
+        v,
+        beta,
+        state.pos,
+        state.inv_freq,
+        sigma,
+        lam,
+        state.ring_k,
+        state.ring_v,
+        state.block_k,
+        state.block_v,
+        state.cell_ids,
+        state.cell_kbar,
+        state.cell_a,
+        state.cell_k,
+        state.cell_v,
+        win_ml,
+        win_acc,
+        long,
+        part_score,
+        part_id,
+        q.stride(0),
+        q.stride(2),
+        k.stride(0),
+        k.stride(2),
+        v.stride(0),
+        v.stride(2),
+        scale,
+        float(cfg.eps),
+        WINDOW=cfg.window,
+        QBLOCK=cfg.block,
+        WCHUNK=wchunk,
+        NCHUNK=nchunk,
+        CHUNK=chunk,
+        BLOCK_S=16 if fs else _pow2(slots),  # FS-L only
+        **common,
+    )
+    _split_finish_kernel[(B * Hq,)](
+        q,
+        beta,
+        out,
+        state.pos,
+        state.cell_k,
+        state.cell_v,
+        win_ml,
+        win_acc,
+        long,
+        part_score,
+        part_id,
+        q.stride(0),
+        q.stride(2),
+        out.stride(0),
+        out.stride(2),
+        scale,
+        float(cfg.eps),
+        NW_P2=_pow2(nw),
+        NPART=max(1, n_part),
+        BLOCK_S=_pow2(max(1, n_part)),
+        **common,
+    )
+
+
+def _single_step(state, q, k, v, beta, out) -> None:
+    """Launch the first version ("single"): `_fs_score_kernel` (FS) and `_decode_kernel`; the
+    caller advances pos."""
+    cfg, B, Hq, Hkv, G, D = state.cfg, state.B, state.Hq, state.Hkv, state.group, state.D
+    sigma, lam = _float32_params(state)
+    scale = 1.0 / math.sqrt(D)
     slots = state.cell_ids.shape[2]
     fs = cfg.variant == "fs"
     BLOCK_D = _pow2(D)
@@ -462,5 +908,4 @@ def decode_step(state, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: 
         BLOCK_CELL=_pow2(cfg.cell),
         num_warps=8,
     )
-    return out
 
