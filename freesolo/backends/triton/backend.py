@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 from typing import Iterator, Optional
@@ -105,7 +106,10 @@ def config_to_json(cfg: FreeSoloConfig) -> str:
     return "{" + ", ".join(f'"{name}": {_json_value(getattr(cfg, name))}' for name in _CONFIG_FIELDS) + "}"
 
 
+@functools.lru_cache(maxsize=64)
 def config_from_json(text: str) -> FreeSoloConfig:
+    """The config of `config_to_json`'s string, cached (a frozen dataclass: parsing and validating
+    it on every call cost host time at short T)."""
     fields = json.loads(text)
     for name in ("sigma", "lam", "tau"):
         if isinstance(fields.get(name), list):
@@ -141,9 +145,22 @@ def _select(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig) -> torch.Tens
     return triton_select(q, k, cfg)
 
 
+_ONES: dict = {}
+
+
 def _beta32(beta: Optional[torch.Tensor], Hq: int, device) -> torch.Tensor:
+    """beta as fp32 [Hq]; None: a cached ones vector per (Hq, device) (no allocation + fill per call;
+    the operators never write into beta)."""
     if beta is None:
-        return torch.ones(Hq, dtype=torch.float32, device=device)
+        if torch.compiler.is_compiling():  # traced: a graph constant, no side effect on the cache
+            return torch.ones(Hq, dtype=torch.float32, device=device)
+        key = (Hq, str(device))
+        ones = _ONES.get(key)
+        if ones is None:
+            if len(_ONES) >= 64:
+                _ONES.clear()
+            ones = _ONES[key] = torch.ones(Hq, dtype=torch.float32, device=device)
+        return ones
     return beta.to(torch.float32)
 
 

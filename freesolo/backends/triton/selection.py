@@ -41,7 +41,16 @@ import triton.language as tl
 from ...config import FreeSoloConfig
 from . import _common  # noqa: F401  (its import patches the interpreter's dynamic loop bounds for NumPy >= 2.4)
 
-__all__ = ["MAX_POOL", "ScoreTiles", "cell_stats", "fsl_candidates", "pool_chunk", "score_tiles", "select_cells"]
+__all__ = [
+    "MAX_POOL",
+    "ScoreTiles",
+    "cell_stats",
+    "fsl_candidates",
+    "head_params",
+    "pool_chunk",
+    "score_tiles",
+    "select_cells",
+]
 
 # The FS-L pool lives in registers: P rounded up to a power of two lanes per program (with
 # [P, chunk] comparison tiles; 256 x 16 compiles for sm_90 without spills at 8 warps).
@@ -479,6 +488,24 @@ def score_tiles(cfg: FreeSoloConfig, D: int, dtype: torch.dtype) -> ScoreTiles:
     return ScoreTiles(block_m, 32, 4)
 
 
+_HEAD_PARAMS: dict = {}
+
+
+def head_params(cfg: FreeSoloConfig, Hq: int, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """sigma, lam as fp32 [Hq] tensors on `device`, cached per (sigma, lam, Hq, device): a call
+    does not copy host values to the GPU (two synchronous H2D copies per forward before)."""
+    key = (cfg.sigma, cfg.lam, Hq, str(device))
+    hit = _HEAD_PARAMS.get(key)
+    if hit is None:
+        if len(_HEAD_PARAMS) >= 64:
+            _HEAD_PARAMS.clear()
+        hit = tuple(
+            torch.as_tensor(cfg.per_head(name, Hq), dtype=torch.float32, device=device) for name in ("sigma", "lam")
+        )
+        _HEAD_PARAMS[key] = hit
+    return hit
+
+
 def select_cells(
     q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig, tiles: Optional[ScoreTiles] = None
 ) -> torch.Tensor:
@@ -504,8 +531,7 @@ def select_cells(
     kbar, amax = cell_stats(k, cfg.cell)
     n_cand = cfg.pool + cfg.recent if fsl else 0
     cand = fsl_candidates(amax, T, cfg) if fsl else torch.empty(1, dtype=torch.int32, device=q.device)
-    sigma = torch.as_tensor(cfg.per_head("sigma", Hq), dtype=torch.float32, device=q.device)
-    lam = torch.as_tensor(cfg.per_head("lam", Hq), dtype=torch.float32, device=q.device)
+    sigma, lam = head_params(cfg, Hq, q.device)
     idx = torch.empty((B, T, Hq, K), dtype=torch.int64, device=q.device)
     tiles = tiles or score_tiles(cfg, D, q.dtype)
     BLOCK_M, BLOCK_N, BLOCK_D = tiles.block_m, tiles.block_n, max(16, triton.next_power_of_2(D))
