@@ -421,7 +421,7 @@ def main(argv=None) -> int:
     m.add_argument("--train-minutes", type=float, default=4.0)
     m.set_defaults(func=cmd_model)
     o = sub.add_parser("oneshot", parents=[common], help="train several models, then evaluate until the deadline")
-    o.add_argument("--models", nargs="+", default=["dense:1.5", "fs:3.0", "fsl:0.6"], help="which:minutes, in order")
+    o.add_argument("--models", nargs="+", default=["dense:1.3", "window:0.6", "fs:3.0", "fsl:0.7"], help="which:minutes, in order")
     o.add_argument("--reserve", type=float, default=25.0, help="seconds kept after the last evaluation")
     o.set_defaults(func=cmd_oneshot)
     r = sub.add_parser("report", help="markdown table and plots from the JSON")

@@ -339,3 +339,39 @@ def test_cli_train_then_eval_cuda(tmp_path):
     data = json.load(open(out))
     assert len(data["results"]) == 3 * 2 * len(TASK_NAMES)
     assert {d["variant"] for d in data["diagnosis"]} == {"fs", "fsl", "fsb"}
+
+
+def test_drills_are_well_formed():
+    from freesolo.retrieval.data import ROW_KINDS, copy_sequence, recall_sequence
+
+    rng = np.random.default_rng(5)
+    for L in (5, 6, 64, 257):
+        tok, m = copy_sequence(L, rng)
+        half = (L - 1) // 2
+        assert tok.shape == m.shape == (L,) and tok[0] == T["<bos>"]
+        assert (tok[1 + half : 1 + 2 * half] == tok[1 : 1 + half]).all()  # the repeat
+        assert np.flatnonzero(m).tolist() == list(range(half + 2, L))  # every predictable repeat token
+    for L in (64, 200, 1024, 2048):
+        tok, m = recall_sequence(L, rng, "noise" if L % 2 else "text")
+        assert tok.shape == m.shape == (L,) and tok[0] == T["<bos>"]
+        n = int(np.clip(L // 64, 2, 16))
+        needles = np.flatnonzero(tok == T["<needle>"])
+        queries = np.flatnonzero(tok == T["<query>"])
+        assert len(needles) == n and len(queries) == max(1, n // 2) == m.sum() // 4
+        assert len(set(tok[needles + 1].tolist())) == n  # distinct keys
+        value_of = {int(tok[p + 1]): tok[p + 3 : p + 7].tolist() for p in needles}
+        for q in queries:  # each answer (masked) is the value of the asked key's needle
+            assert tok[q + 2] == T["<is>"] and m[q + 3 : q + 7].all() and not m[q : q + 3].any()
+            assert tok[q + 3 : q + 7].tolist() == value_of[int(tok[q + 1])]
+    mix = Mixture(lengths=(256,), batch_tokens=256 * 32, lm_fraction=0.1, copy_fraction=0.3, recall_fraction=0.3)
+    tokens, mask, kinds = make_batch(mix, np.random.default_rng(3), return_kinds=True)
+    assert set(kinds.tolist()) == set(ROW_KINDS.values())
+    assert not mask[kinds == ROW_KINDS["lm"]].any() and mask[kinds != ROW_KINDS["lm"]].any(1).all()
+    # without drills the stream is the one earlier checkpoints were trained on (same RNG use)
+    a = make_batch(Mixture(lengths=(256,), batch_tokens=2048), np.random.default_rng(9))
+    b = make_batch(Mixture(lengths=(256,), batch_tokens=2048, copy_fraction=0.0), np.random.default_rng(9), return_kinds=True)
+    assert (a[0] == b[0]).all() and (a[1] == b[1]).all()
+    with pytest.raises(ValueError, match="must be <= 1"):
+        Mixture(lm_fraction=0.5, copy_fraction=0.3, recall_fraction=0.3)
+    with pytest.raises(ValueError, match="too short for a recall drill"):
+        recall_sequence(20, rng)

@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 
-from .data import Mixture, batches, lengths_up_to
+from .data import ROW_KINDS, Mixture, batches, lengths_up_to
 from .modelio import (
     backend_scope,
     build_model,
@@ -33,10 +33,11 @@ from .vocab import VOCAB
 __all__ = ["add_train_parser", "cmd_train", "loss_fn"]
 
 
-def loss_fn(logits, tokens, answer_mask, lm_weight: float):
+def loss_fn(logits, tokens, answer_mask, lm_weight: float, acc_mask=None):
     """Weighted next-token loss. logits [B, T, V], tokens int64 [B, T], answer_mask bool [B, T].
 
-    Returns (loss, answer-token accuracy or nan when the batch has none)."""
+    Returns (loss, accuracy over the answer tokens that `acc_mask` bool [B, T] also marks (default:
+    all answer tokens), nan when there are none)."""
     import torch
     import torch.nn.functional as F
 
@@ -50,8 +51,11 @@ def loss_fn(logits, tokens, answer_mask, lm_weight: float):
     acc = torch.tensor(float("nan"))
     if n_ans > 0:
         loss = loss + (ce * ans).sum() / n_ans
+    scored = ans if acc_mask is None else ans & acc_mask[:, 1:]
+    n_scored = scored.sum()
+    if n_scored > 0:
         pred = logits[:, :-1].argmax(-1)
-        acc = ((pred == tokens[:, 1:]) & ans).sum().float() / n_ans
+        acc = ((pred == tokens[:, 1:]) & scored).sum().float() / n_scored
     return loss, acc
 
 
@@ -105,6 +109,8 @@ def cmd_train(args) -> int:
         lm_fraction=args.lm_fraction,
         lengths=lengths_up_to(args.train_length, args.n_lengths),
         batch_tokens=args.batch_tokens,
+        copy_fraction=args.copy_fraction,
+        recall_fraction=args.recall_fraction,
     )
     decay, no_decay = [], []
     for name, p in model.named_parameters():
@@ -122,7 +128,7 @@ def cmd_train(args) -> int:
         f"train_length={args.train_length} lengths={list(mix.lengths)} batch_tokens={mix.batch_tokens} "
         f"budget={args.minutes} min" + (f" steps<={args.steps}" if args.steps else "")
     )
-    stream = batches(mix, args.seed)
+    stream = batches(mix, args.seed, return_kinds=True)
     if args.prefetch > 0:
         stream = _prefetch(stream, args.prefetch)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
@@ -142,12 +148,14 @@ def cmd_train(args) -> int:
             lr = args.lr * warm * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0))))
             for g in opt.param_groups:
                 g["lr"] = lr
-            tok_np, mask_np = next(stream)
+            tok_np, mask_np, kinds_np = next(stream)
             tok = torch.from_numpy(tok_np).to(device, non_blocking=True)
             mask = torch.from_numpy(mask_np).to(device, non_blocking=True)
+            task_rows = torch.from_numpy(kinds_np == ROW_KINDS["task"]).to(device, non_blocking=True)
             with autocast:
                 logits = model(tok)
-            loss, acc = loss_fn(logits, tok, mask, args.lm_weight)
+            # the logged accuracy is the tasks' (the drills' targets are easier and would hide it)
+            loss, acc = loss_fn(logits, tok, mask, args.lm_weight, acc_mask=task_rows[:, None].expand_as(mask))
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -166,7 +174,7 @@ def cmd_train(args) -> int:
                 bar.set_postfix(loss=f"{ema_loss:.3f}", ans_acc=f"{(ema_acc or 0):.3f}", tok_s=f"{tokens_seen / el:,.0f}")
                 if args.quiet and el - last_print >= 30:  # no bar: a plain line every 30 s
                     last_print = el
-                    print(f"  step {step}  {el:.0f} s  loss {ema_loss:.3f}  answer-token acc {(ema_acc or 0):.3f}  {tokens_seen / el:,.0f} tok/s", flush=True)
+                    print(f"  step {step}  {el:.0f} s  loss {ema_loss:.3f}  task answer-token acc {(ema_acc or 0):.3f}  {tokens_seen / el:,.0f} tok/s", flush=True)
             bar.update(1)
     bar.close()
     elapsed = time.perf_counter() - start
@@ -215,6 +223,8 @@ def add_train_parser(sub) -> None:
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--lm-weight", type=float, default=0.1, help="weight of the non-answer tokens' loss")
     p.add_argument("--lm-fraction", type=float, default=0.1, help="fraction of rows that are plain filler text")
+    p.add_argument("--copy-fraction", type=float, default=0.15, help="fraction of rows that are copy drills")
+    p.add_argument("--recall-fraction", type=float, default=0.35, help="fraction of rows that are many-key recall drills")
     p.add_argument("--tasks", nargs="*", default=None, help=f"tasks of the mixture (default all: {list(TASKS)})")
     p.add_argument("--d-model", type=int, default=384)
     p.add_argument("--n-layers", type=int, default=6)
