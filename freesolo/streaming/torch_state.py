@@ -585,8 +585,14 @@ class DecodeGraph:
         return graph, out
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        state = self.state
         torch._foreach_copy_((self.q, self.k, self.v), (q, k, v))  # one launch where it can (host time)
+        return self.replay()
+
+    def replay(self) -> torch.Tensor:
+        """The step on the static inputs `self.q` [B, 1, Hq, D], `self.k` / `self.v` [B, 1, Hkv, D]
+        as they are (a caller that writes its q / k / v there, e.g. as the output of its
+        projection, saves `__call__`'s copy launch). Returns the static output."""
+        state = self.state
         if self.archive:
             cfg = state.cfg
             if state.length % cfg.block == 0:  # FS: append the block's cells eagerly (no sync)

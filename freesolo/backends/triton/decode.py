@@ -314,11 +314,11 @@ def _long_branch(
     beta,
     scale,
     eps,
+    n_slots,
     dtype: tl.constexpr,
     SLOT_IS_ID: tl.constexpr,
     D: tl.constexpr,
     CELL: tl.constexpr,
-    SLOTS: tl.constexpr,
     TOPK: tl.constexpr,
     TOPK_P2: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -328,7 +328,7 @@ def _long_branch(
 
     sc [BLOCK_S] float32 candidate scores (-inf = none), cid [BLOCK_S] int64 their cell ids,
     slots [BLOCK_S] their store slots (SLOT_IS_ID: the slot is the cell id, FS's archive);
-    q [BLOCK_D] float32 unrotated query; kv_row = b * Hkv + kv head. Top-K by K argmax passes
+    q [BLOCK_D] float32 unrotated query; kv_row = b * Hkv + kv head; n_slots: the store's slots. Top-K by K argmax passes
     (score desc, then larger c), then the chosen cells' raw tokens read as one tile (NoPE) with
     one softmax; o_long rounded to the storage dtype as the torch path's SDPA output.
     """
@@ -351,7 +351,7 @@ def _long_branch(
         row_slot = tl.where(row_cell == kk, tl.where(ok, slot, 0), row_slot)
         row_len = tl.where(row_cell == kk, tl.where(ok, CELL, 0), row_len)
     live = row_tok < row_len
-    off = ((kv_row * SLOTS + row_slot) * CELL + row_tok)[:, None] * D + d[None, :]
+    off = ((kv_row * n_slots + row_slot) * CELL + row_tok)[:, None] * D + d[None, :]
     lmask = live[:, None] & dmask[None, :]
     kt = tl.load(cell_k_ptr + off, mask=lmask, other=0.0).to(tl.float32)
     vt = tl.load(cell_v_ptr + off, mask=lmask, other=0.0).to(tl.float32)
@@ -397,6 +397,8 @@ def _split_partials_kernel(
     stride_vh,
     scale,
     eps,
+    n_slots,
+    n_chunk,
     HKV: tl.constexpr,
     G: tl.constexpr,
     D: tl.constexpr,
@@ -405,11 +407,9 @@ def _split_partials_kernel(
     CELL: tl.constexpr,
     TOPK: tl.constexpr,
     TOPK_P2: tl.constexpr,
-    SLOTS: tl.constexpr,
     FS: tl.constexpr,
     NW: tl.constexpr,
     WCHUNK: tl.constexpr,
-    NCHUNK: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
@@ -424,9 +424,10 @@ def _split_partials_kernel(
     - j >= NW, FS-L: the long branch of query head kv head * G + (j - NW): scores of the <= P+W
       held cells, top-K, sparse readout, RMSNorm, beta -> long [B * Hq, D] float32.
     - j >= NW, FS: archive cells [(j - NW) * CHUNK, ...): per query head the chunk's top-K
-      candidates -> part_score / part_id [B * Hq, NCHUNK * TOPK] (-inf / -1 = none).
+      candidates -> part_score / part_id [B * Hq, n_chunk * TOPK] (-inf / -1 = none).
 
-    Shapes as `_decode_kernel`. The split sizes are constexprs (never B, T or data): L12-safe.
+    Shapes as `_decode_kernel`, with n_slots store slots (a runtime int: FS's capacity changes
+    without a recompile). The split sizes are constexprs (never B, T or data): L12-safe.
     """
     pid = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
@@ -491,8 +492,8 @@ def _split_partials_kernel(
             chunk = (j - NW).to(tl.int64)
             n_avail = (pos // QBLOCK) * QBLOCK // CELL
             cells = chunk * CHUNK + tl.arange(0, CHUNK).to(tl.int64)  # [CHUNK]
-            valid = (cells < n_avail) & (cells < SLOTS)
-            crow = pid * SLOTS + cells
+            valid = (cells < n_avail) & (cells < n_slots)
+            crow = pid * n_slots + cells
             kbar = tl.load(kbar_ptr + crow[:, None] * D + d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
             a = tl.load(a_ptr + crow, mask=valid, other=0.0)
             dist = (pos - cells * CELL).to(tl.float32)  # i - p_c
@@ -504,7 +505,7 @@ def _split_partials_kernel(
                 dots = tl.reduce(kbar * q[None, :], 1, _ADD)  # [CHUNK]
                 prior = tl.math.erf(sigma * dist / (2.0 * CELL))
                 sc = tl.where(valid, dots * scale + lam * a * prior, float("-inf"))
-                base = (b * HQ + h) * (NCHUNK * TOPK) + chunk * TOPK
+                base = (b * HQ + h) * (n_chunk * TOPK) + chunk * TOPK
                 for kk in tl.static_range(TOPK):
                     best = tl.reduce(sc, 0, _MAX)  # best score, then the larger cell
                     best_id = tl.reduce(tl.where(sc == best, cells, -1), 0, _MAX)
@@ -515,14 +516,14 @@ def _split_partials_kernel(
             h = kvh * G + (j - NW)
             q = tl.load(q_ptr + b * stride_qb + h * stride_qh + d, mask=dmask, other=0.0).to(tl.float32)
             slots = tl.arange(0, BLOCK_S)
-            ids = tl.load(ids_ptr + pid * SLOTS + slots, mask=slots < SLOTS, other=-1)
+            ids = tl.load(ids_ptr + pid * n_slots + slots, mask=slots < n_slots, other=-1)
             held = ids >= 0
             kbar = tl.load(
-                kbar_ptr + (pid * SLOTS + slots)[:, None] * D + d[None, :],
+                kbar_ptr + (pid * n_slots + slots)[:, None] * D + d[None, :],
                 mask=held[:, None] & dmask[None, :],
                 other=0.0,
             )
-            a = tl.load(a_ptr + pid * SLOTS + slots, mask=held, other=0.0)
+            a = tl.load(a_ptr + pid * n_slots + slots, mask=held, other=0.0)
             dist = (pos - ids * CELL).to(tl.float32)
             sigma = tl.load(sigma_ptr + h)
             lam = tl.load(lam_ptr + h)
@@ -531,8 +532,8 @@ def _split_partials_kernel(
             sc = tl.where(held, dots * scale + lam * a * prior, float("-inf"))
             beta = tl.load(beta_ptr + h).to(tl.float32)
             out = _long_branch(
-                sc, ids, slots, q, cell_k_ptr, cell_v_ptr, pid, beta, scale, eps,
-                dtype, False, D, CELL, SLOTS, TOPK, TOPK_P2, BLOCK_D, BLOCK_CELL,
+                sc, ids, slots, q, cell_k_ptr, cell_v_ptr, pid, beta, scale, eps, n_slots,
+                dtype, False, D, CELL, TOPK, TOPK_P2, BLOCK_D, BLOCK_CELL,
             )  # fmt: skip
             tl.store(long_ptr + (b * HQ + h) * D + d, out, mask=dmask)
 
@@ -556,17 +557,17 @@ def _split_finish_kernel(
     stride_oh,
     scale,
     eps,
+    n_slots,
+    n_part,
     HKV: tl.constexpr,
     G: tl.constexpr,
     D: tl.constexpr,
     CELL: tl.constexpr,
     TOPK: tl.constexpr,
     TOPK_P2: tl.constexpr,
-    SLOTS: tl.constexpr,
     FS: tl.constexpr,
     NW: tl.constexpr,
     NW_P2: tl.constexpr,
-    NPART: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_CELL: tl.constexpr,
@@ -595,14 +596,14 @@ def _split_finish_kernel(
     o_loc = (tl.reduce(acc * wgt[:, None], 0, _ADD) / l_all).to(dtype).to(tl.float32)
     if FS:
         slots = tl.arange(0, BLOCK_S)
-        pmask = slots < NPART
-        sc = tl.load(part_score_ptr + pid * NPART + slots, mask=pmask, other=float("-inf"))
-        cid = tl.load(part_id_ptr + pid * NPART + slots, mask=pmask, other=-1)
+        pmask = slots < n_part
+        sc = tl.load(part_score_ptr + pid * n_part + slots, mask=pmask, other=float("-inf"))
+        cid = tl.load(part_id_ptr + pid * n_part + slots, mask=pmask, other=-1)
         q = tl.load(q_ptr + b * stride_qb + h * stride_qh + d, mask=dmask, other=0.0).to(tl.float32)
         beta = tl.load(beta_ptr + h).to(tl.float32)
         long = _long_branch(
-            sc, cid, slots, q, cell_k_ptr, cell_v_ptr, b * HKV + h // G, beta, scale, eps,
-            dtype, True, D, CELL, SLOTS, TOPK, TOPK_P2, BLOCK_D, BLOCK_CELL,
+            sc, cid, slots, q, cell_k_ptr, cell_v_ptr, b * HKV + h // G, beta, scale, eps, n_slots,
+            dtype, True, D, CELL, TOPK, TOPK_P2, BLOCK_D, BLOCK_CELL,
         )  # fmt: skip
     else:
         long = tl.load(long_ptr + pid * D + d, mask=dmask, other=0.0)
@@ -746,7 +747,6 @@ def _split_step(state, q, k, v, beta, out, tiles) -> None:
         CELL=cfg.cell,
         TOPK=cfg.top_k,
         TOPK_P2=_pow2(cfg.top_k),
-        SLOTS=slots,
         FS=fs,
         NW=nw,
         BLOCK_D=BLOCK_D,
@@ -784,10 +784,11 @@ def _split_step(state, q, k, v, beta, out, tiles) -> None:
         v.stride(2),
         scale,
         float(cfg.eps),
+        slots,
+        nchunk,
         WINDOW=cfg.window,
         QBLOCK=cfg.block,
         WCHUNK=wchunk,
-        NCHUNK=nchunk,
         CHUNK=chunk,
         BLOCK_S=16 if fs else _pow2(slots),  # FS-L only
         **common,
@@ -810,8 +811,9 @@ def _split_step(state, q, k, v, beta, out, tiles) -> None:
         out.stride(2),
         scale,
         float(cfg.eps),
+        slots,
+        max(1, n_part),
         NW_P2=_pow2(nw),
-        NPART=max(1, n_part),
         BLOCK_S=_pow2(max(1, n_part)),
         **common,
     )
