@@ -36,6 +36,7 @@ from freesolo.backends.triton.attention_bwd import (  # noqa: E402
     inverted_selection,
     inverted_slots,
     segment_plan,
+    tiles_prerotate_default,
 )
 from freesolo.reference import oracle  # noqa: E402
 
@@ -189,12 +190,14 @@ def test_grads_match_torch_backend_float64(case, nan_poison):
     ],
     ids=["kv32x16-q16x32", "kv16x32-q32x16"],  # every tl.dot dimension >= 16 (the GPU's minimum)
 )
-def test_uneven_tiles(tiles, nan_poison):
-    """Tile shapes other than the defaults (thin / wide, window not a multiple of a tile): same gradients."""
+@pytest.mark.parametrize("prerotate", [True, False], ids=["prerot", "rot-in-kernel"])
+def test_uneven_tiles(tiles, prerotate, nan_poison):
+    """Tile shapes other than the defaults (thin / wide, window not a multiple of a tile), local kernels
+    on pre-rotated q / k (default) or rotating in the kernel (before issue 11): same gradients."""
     cfg = FreeSoloConfig(window=24, cell=4, block=8, top_k=2, pool=3, recent=2)
     q, k, v, beta, do, idx = make_inputs(13, 1, 45, 2, 1, 32, cfg)
-    got = run_backward(q, k, v, beta, do, idx, cfg, tiles=tiles)
-    _check(got, torch_grads(q, k, v, beta, idx, cfg, do), 1e-5, "uneven tiles")
+    got = run_backward(q, k, v, beta, do, idx, cfg, tiles=dataclasses.replace(tiles, prerotate=prerotate))
+    _check(got, torch_grads(q, k, v, beta, idx, cfg, do), 1e-5, f"uneven tiles, prerotate={prerotate}")
 
 
 @pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
@@ -243,8 +246,10 @@ def test_default_long_mode_env_switch(monkeypatch):
     """FREESOLO_TRITON_BWD_LONG picks the default mode (A/B timing in one process); a bad value is an error."""
     monkeypatch.delenv(LONG_MODE_ENV, raising=False)
     assert default_long_mode(True) == "cell" and default_long_mode(False) == "cell"
+    assert tiles_prerotate_default()
     monkeypatch.setenv(LONG_MODE_ENV, "legacy")
     assert default_long_mode(True) == "gather" and default_long_mode(False) == "union"
+    assert not tiles_prerotate_default()
     monkeypatch.setenv(LONG_MODE_ENV, "gather")
     assert default_long_mode(False) == "gather"
     monkeypatch.setenv(LONG_MODE_ENV, "fast")

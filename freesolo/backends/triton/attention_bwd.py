@@ -58,6 +58,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._common import rope_rotate
+
 __all__ = [
     "LONG_MODES",
     "LONG_MODE_ENV",
@@ -68,6 +70,7 @@ __all__ = [
     "inverted_selection",
     "inverted_slots",
     "segment_plan",
+    "tiles_prerotate_default",
 ]
 
 
@@ -432,17 +435,21 @@ def _bwd_long_reduce_kernel(
 
 
 @triton.jit
-def _cell_reader_rows(SLOTS, r0, end, b, T, T0, TC, HQ: tl.constexpr, TOPK: tl.constexpr, BLOCK_R: tl.constexpr):
-    """BLOCK_R reader slots from SLOTS[r0:end] (chunk-local flat ((b*TC + ii)*HQ + h)*TOPK + kk);
-    returns (rmask, slot, q row (b*T + T0 + ii)*HQ + h, stat offset (b*HQ + h)*T + T0 + ii), int64."""
-    offs_r = tl.arange(0, BLOCK_R)
-    rmask = (r0 + offs_r) < end
-    sl = tl.load(SLOTS + r0 + offs_r, mask=rmask, other=0)
+def _cell_slots(SLOTS, r0, end, BLOCK_R: tl.constexpr):
+    """(rmask, slot) of the BLOCK_R reader slots SLOTS[r0:end] (int64 chunk-local flat entry index
+    ((b*TC + ii)*HQ + h)*TOPK + kk; masked entries 0)."""
+    rmask = (r0 + tl.arange(0, BLOCK_R)) < end
+    return rmask, tl.load(SLOTS + r0 + tl.arange(0, BLOCK_R), mask=rmask, other=0)
+
+
+@triton.jit
+def _slot_rows(sl, b, T, T0, TC, HQ: tl.constexpr, TOPK: tl.constexpr):
+    """q row (b*T + T0 + ii)*HQ + h and stat offset (b*HQ + h)*T + T0 + ii of reader slots (int64); the
+    cell's batch row b is the reader's."""
     rl = sl // TOPK  # chunk-local query-head row (b*TC + ii)*HQ + h
     h = rl % HQ
-    ii = (rl // HQ) % TC  # the cell's batch row b is the reader's
-    pos = T0 + ii
-    return rmask, sl, (b * T + pos) * HQ + h, (b * HQ + h) * T + pos
+    pos = T0 + (rl // HQ) % TC
+    return (b * T + pos) * HQ + h, (b * HQ + h) * T + pos
 
 
 @triton.jit
@@ -500,16 +507,24 @@ def _bwd_cell_olong_kernel(
     cell_end = tl.load(OFFSETS + key + 1)
     start = tl.load(OFFSETS + key) + j * SEG
     end = tl.where(active, tl.minimum(cell_end, start + SEG), start)
+    # software prefetch (a while loop is not pipelined): slots two blocks ahead, q rows one block ahead
     r0 = start
+    rmask, sl = _cell_slots(SLOTS, r0, end, BLOCK_R)
+    rmask1, sl1 = _cell_slots(SLOTS, r0 + BLOCK_R, end, BLOCK_R)
+    qrow, stat = _slot_rows(sl, b, T, T0, TC, HQ, TOPK)
+    qr = tl.load(Q + qrow[:, None] * D + offs_d[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0)
+    lse = tl.load(LSE_LONG + stat, mask=rmask, other=0.0)
     while r0 < end:
-        rmask, sl, qrow, stat = _cell_reader_rows(SLOTS, r0, end, b, T, T0, TC, HQ, TOPK, BLOCK_R)
-        rm2 = rmask[:, None] & dmask[None, :]
-        qr = tl.load(Q + qrow[:, None] * D + offs_d[None, :], mask=rm2, other=0.0).to(DOT_DTYPE)
-        lse = tl.load(LSE_LONG + stat, mask=rmask, other=0.0)
-        s = _dot(qr, tl.trans(kc), IEEE)  # [BLOCK_R, BLOCK_C]
+        rmask2, sl2 = _cell_slots(SLOTS, r0 + 2 * BLOCK_R, end, BLOCK_R)
+        qrow1, stat1 = _slot_rows(sl1, b, T, T0, TC, HQ, TOPK)
+        qr1 = tl.load(Q + qrow1[:, None] * D + offs_d[None, :], mask=rmask1[:, None] & dmask[None, :], other=0.0)
+        lse1 = tl.load(LSE_LONG + stat1, mask=rmask1, other=0.0)
+        s = _dot(qr.to(DOT_DTYPE), tl.trans(kc), IEEE)  # [BLOCK_R, BLOCK_C]
         p = tl.where(rmask[:, None] & umask[None, :], tl.exp(s * scale - lse[:, None]), 0.0)
         o = _dot(p.to(DOT_DTYPE), vc, IEEE)  # [BLOCK_R, BLOCK_D]
-        tl.store(OPART + sl[:, None] * D + offs_d[None, :], o, mask=rm2)
+        tl.store(OPART + sl[:, None] * D + offs_d[None, :], o, mask=rmask[:, None] & dmask[None, :])
+        rmask, sl, qr, lse = rmask1, sl1, qr1, lse1
+        rmask1, sl1 = rmask2, sl2
         r0 += BLOCK_R
 
 
@@ -637,15 +652,29 @@ def _bwd_cell_grad_kernel(
     cell_end = tl.load(OFFSETS + key + 1)
     start = tl.load(OFFSETS + key) + j * SEG
     end = tl.where(active, tl.minimum(cell_end, start + SEG), start)
+    # software prefetch as in `_bwd_cell_olong_kernel`: slots two blocks ahead, rows one block ahead
     r0 = start
+    rmask, sl = _cell_slots(SLOTS, r0, end, BLOCK_R)
+    rmask1, sl1 = _cell_slots(SLOTS, r0 + BLOCK_R, end, BLOCK_R)
+    qrow, stat = _slot_rows(sl, b, T, T0, TC, HQ, TOPK)
+    rm2 = rmask[:, None] & dmask[None, :]
+    qr_n = tl.load(Q + qrow[:, None] * D + offs_d[None, :], mask=rm2, other=0.0)
+    dor_n = tl.load(DOLONG + qrow[:, None] * D + offs_d[None, :], mask=rm2, other=0.0)
+    lse_n = tl.load(LSE_LONG + stat, mask=rmask, other=0.0)
+    dl_n = tl.load(DELTA_LONG + stat, mask=rmask, other=0.0)
     while r0 < end:
-        rmask, sl, qrow, stat = _cell_reader_rows(SLOTS, r0, end, b, T, T0, TC, HQ, TOPK, BLOCK_R)
+        qr = qr_n.to(DOT_DTYPE)
+        dor = dor_n.to(DOT_DTYPE)
+        lse = lse_n
+        dl = dl_n
+        rmask2, sl2 = _cell_slots(SLOTS, r0 + 2 * BLOCK_R, end, BLOCK_R)
+        qrow1, stat1 = _slot_rows(sl1, b, T, T0, TC, HQ, TOPK)
+        rm2n = rmask1[:, None] & dmask[None, :]
+        qr_n = tl.load(Q + qrow1[:, None] * D + offs_d[None, :], mask=rm2n, other=0.0)
+        dor_n = tl.load(DOLONG + qrow1[:, None] * D + offs_d[None, :], mask=rm2n, other=0.0)
+        lse_n = tl.load(LSE_LONG + stat1, mask=rmask1, other=0.0)
+        dl_n = tl.load(DELTA_LONG + stat1, mask=rmask1, other=0.0)
         rm2 = rmask[:, None] & dmask[None, :]
-        qd = qrow[:, None] * D + offs_d[None, :]
-        qr = tl.load(Q + qd, mask=rm2, other=0.0).to(DOT_DTYPE)
-        dor = tl.load(DOLONG + qd, mask=rm2, other=0.0).to(DOT_DTYPE)
-        lse = tl.load(LSE_LONG + stat, mask=rmask, other=0.0)
-        dl = tl.load(DELTA_LONG + stat, mask=rmask, other=0.0)
         s = _dot(qr, tl.trans(kc), IEEE)  # [BLOCK_R, BLOCK_C]
         p = tl.where(rmask[:, None] & umask[None, :], tl.exp(s * scale - lse[:, None]), 0.0)
         dp = _dot(dor, tl.trans(vc), IEEE)
@@ -653,6 +682,8 @@ def _bwd_cell_grad_kernel(
         ds = (p * (dp - dl[:, None])).to(DOT_DTYPE)
         dk += _dot(tl.trans(ds), qr, IEEE)
         tl.store(QPART + sl[:, None] * D + offs_d[None, :], _dot(ds, kc, IEEE) * scale, mask=rm2)
+        rmask, sl = rmask1, sl1
+        rmask1, sl1 = rmask2, sl2
         r0 += BLOCK_R
     dk = dk * scale
     nseg = tl.load(NSEG + key)
@@ -754,8 +785,11 @@ def _bwd_local_dkdv_kernel(
     IEEE: tl.constexpr,
     HAS_LONG: tl.constexpr,
     NUM_M: tl.constexpr,
+    PREROT: tl.constexpr,
 ):
-    """Grid (cdiv(T, BLOCK_N), B * HKV). dk/dv [B, T, HKV, D] (k's dtype) = local + long (fp32 dk/dv_long)."""
+    """Grid (cdiv(T, BLOCK_N), B * HKV). dk/dv [B, T, HKV, D] (k's dtype) = local + long (fp32 dk/dv_long).
+    PREROT: Q and K hold rope(q), rope(k) already (`_common.rope_rotate`: the same values as rotating
+    here), so the loop loads no cos / sin tables and does no rotation; otherwise q, k are rotated here."""
     DOT_DTYPE = K.dtype.element_ty  # tl.dot inputs in the inputs' dtype, fp32 accumulation
     n0 = tl.program_id(0).to(tl.int64) * BLOCK_N
     bg = tl.program_id(1).to(tl.int64)
@@ -769,9 +803,13 @@ def _bwd_local_dkdv_kernel(
     kv_rows = ar_n * (HKV * D)
     k1, k2 = _load_halves(K + kv_base, kv_rows, nmask, HALF, BLOCK_H)
     v1, v2 = _load_halves(V + kv_base, kv_rows, nmask, HALF, BLOCK_H)
-    cs, sn = _rope_tables(COS, SIN, n0, ar_n, nmask, HALF, BLOCK_H)
-    kr1 = (k1 * cs - k2 * sn).to(DOT_DTYPE)
-    kr2 = (k2 * cs + k1 * sn).to(DOT_DTYPE)
+    if PREROT:
+        kr1 = k1.to(DOT_DTYPE)
+        kr2 = k2.to(DOT_DTYPE)
+    else:
+        cs, sn = _rope_tables(COS, SIN, n0, ar_n, nmask, HALF, BLOCK_H)
+        kr1 = (k1 * cs - k2 * sn).to(DOT_DTYPE)
+        kr2 = (k2 * cs + k1 * sn).to(DOT_DTYPE)
     v1 = v1.to(DOT_DTYPE)
     v2 = v2.to(DOT_DTYPE)
     dk1 = tl.zeros([BLOCK_N, BLOCK_H], dtype=tl.float32)
@@ -789,9 +827,13 @@ def _bwd_local_dkdv_kernel(
             q_rows = ar_m * (HQ * D)
             q1, q2 = _load_halves(Q + q_base, q_rows, mmask, HALF, BLOCK_H)
             do1, do2 = _load_halves(DO + q_base, q_rows, mmask, HALF, BLOCK_H)
-            qcs, qsn = _rope_tables(COS, SIN, m0, ar_m, mmask, HALF, BLOCK_H)
-            qr1 = (q1 * qcs - q2 * qsn).to(DOT_DTYPE)
-            qr2 = (q2 * qcs + q1 * qsn).to(DOT_DTYPE)
+            if PREROT:
+                qr1 = q1.to(DOT_DTYPE)
+                qr2 = q2.to(DOT_DTYPE)
+            else:
+                qcs, qsn = _rope_tables(COS, SIN, m0, ar_m, mmask, HALF, BLOCK_H)
+                qr1 = (q1 * qcs - q2 * qsn).to(DOT_DTYPE)
+                qr2 = (q2 * qcs + q1 * qsn).to(DOT_DTYPE)
             do1 = do1.to(DOT_DTYPE)
             do2 = do2.to(DOT_DTYPE)
             stat = (b * HQ + h) * T + m0
@@ -853,8 +895,10 @@ def _bwd_local_dq_kernel(
     BLOCK_N: tl.constexpr,
     IEEE: tl.constexpr,
     NUM_N: tl.constexpr,
+    PREROT: tl.constexpr,
 ):
-    """Grid (cdiv(T, BLOCK_M), B * HQ). dq [B, T, HQ, D] (q's dtype) = local + long (fp32 dq_long)."""
+    """Grid (cdiv(T, BLOCK_M), B * HQ). dq [B, T, HQ, D] (q's dtype) = local + long (fp32 dq_long).
+    PREROT: Q and K hold rope(q), rope(k) (as `_bwd_local_dkdv_kernel`)."""
     DOT_DTYPE = K.dtype.element_ty  # tl.dot inputs in the inputs' dtype, fp32 accumulation
     m0 = tl.program_id(0).to(tl.int64) * BLOCK_M
     bh = tl.program_id(1).to(tl.int64)
@@ -868,9 +912,13 @@ def _bwd_local_dq_kernel(
     q_rows = ar_m * (HQ * D)
     q1, q2 = _load_halves(Q + q_base, q_rows, mmask, HALF, BLOCK_H)
     do1, do2 = _load_halves(DO + q_base, q_rows, mmask, HALF, BLOCK_H)
-    cs, sn = _rope_tables(COS, SIN, m0, ar_m, mmask, HALF, BLOCK_H)
-    qr1 = (q1 * cs - q2 * sn).to(DOT_DTYPE)
-    qr2 = (q2 * cs + q1 * sn).to(DOT_DTYPE)
+    if PREROT:
+        qr1 = q1.to(DOT_DTYPE)
+        qr2 = q2.to(DOT_DTYPE)
+    else:
+        cs, sn = _rope_tables(COS, SIN, m0, ar_m, mmask, HALF, BLOCK_H)
+        qr1 = (q1 * cs - q2 * sn).to(DOT_DTYPE)
+        qr2 = (q2 * cs + q1 * sn).to(DOT_DTYPE)
     do1 = do1.to(DOT_DTYPE)
     do2 = do2.to(DOT_DTYPE)
     stat = (b * HQ + h) * T + m0
@@ -888,9 +936,13 @@ def _bwd_local_dq_kernel(
         kv_rows = ar_n * (HKV * D)
         k1, k2 = _load_halves(K + kv_base, kv_rows, nmask, HALF, BLOCK_H)
         v1, v2 = _load_halves(V + kv_base, kv_rows, nmask, HALF, BLOCK_H)
-        kcs, ksn = _rope_tables(COS, SIN, n0, ar_n, nmask, HALF, BLOCK_H)
-        kr1 = (k1 * kcs - k2 * ksn).to(DOT_DTYPE)
-        kr2 = (k2 * kcs + k1 * ksn).to(DOT_DTYPE)
+        if PREROT:
+            kr1 = k1.to(DOT_DTYPE)
+            kr2 = k2.to(DOT_DTYPE)
+        else:
+            kcs, ksn = _rope_tables(COS, SIN, n0, ar_n, nmask, HALF, BLOCK_H)
+            kr1 = (k1 * kcs - k2 * ksn).to(DOT_DTYPE)
+            kr2 = (k2 * kcs + k1 * ksn).to(DOT_DTYPE)
         s = _dot(qr1, tl.trans(kr1), IEEE) + _dot(qr2, tl.trans(kr2), IEEE)  # [BLOCK_M, BLOCK_N]
         diff = (m0 - n0).to(tl.int32) + tl.arange(0, BLOCK_M)[:, None] - tl.arange(0, BLOCK_N)[None, :]  # i - t
         vis = (diff >= 0) & (diff < W) & mmask[:, None] & nmask[None, :]
@@ -924,16 +976,27 @@ LONG_MODES = ("cell", "gather", "union")
 LONG_MODE_ENV = "FREESOLO_TRITON_BWD_LONG"  # A/B switch of the default: cell | gather | union | legacy
 
 
-def default_long_mode(deterministic: bool) -> str:
-    """The long branch's mode when no tiles are given: "cell", unless the environment variable
-    FREESOLO_TRITON_BWD_LONG says "gather", "union" or "legacy" (the defaults before issue 11:
-    "gather" when deterministic, "union" otherwise). Read at every call (A/B timing in one process)."""
+def _env_mode() -> str:
     mode = os.environ.get(LONG_MODE_ENV, "cell").strip().lower() or "cell"
-    if mode == "legacy":
-        return "gather" if deterministic else "union"
-    if mode not in LONG_MODES:
+    if mode != "legacy" and mode not in LONG_MODES:
         raise ValueError(f"{LONG_MODE_ENV}={mode!r} must be one of {LONG_MODES + ('legacy',)}")
     return mode
+
+
+def default_long_mode(deterministic: bool) -> str:
+    """The long branch's mode when no tiles are given: "cell", unless the environment variable
+    FREESOLO_TRITON_BWD_LONG says "gather", "union" or "legacy" (the whole backward as before issue 11:
+    "gather" when deterministic, "union" otherwise, and `prerotate=False`). Read at every call, so the
+    old and new paths can be timed in one process."""
+    mode = _env_mode()
+    if mode == "legacy":
+        return "gather" if deterministic else "union"
+    return mode
+
+
+def tiles_prerotate_default() -> bool:
+    """False when FREESOLO_TRITON_BWD_LONG=legacy (the local kernels rotate every tile, as before issue 11)."""
+    return _env_mode() != "legacy"
 
 
 @dataclass(frozen=True)
@@ -961,6 +1024,8 @@ class BwdTiles:
     block_rows: int = 32  # query-head rows per program of the "cell" mode's row kernels
     long_chunk: int = 65536  # "cell" mode: positions per chunk of queries (its fp32 parts hold
     # B * long_chunk * Hq * K * D floats; a longer sequence runs chunk after chunk, in order)
+    prerotate: bool = True  # local kernels read rope(q), rope(k) made once by `rope_rotate` (+ q and k's
+    # size in memory) instead of rotating every tile they load (False: the path before issue 11)
     seg: int = 1024  # readers per work item of the cell kernel: a cell read more often is split (fixed order)
     num_warps: int = 8  # warps of the local kernels
     num_stages: int = 2  # software pipelining depth of the local kernels' loops
@@ -1196,7 +1261,11 @@ def attention_backward(
     if cos.shape != (T, D // 2) or sin.shape != (T, D // 2):
         raise ValueError(f"cos / sin must be [T={T}, D/2={D // 2}], got {tuple(cos.shape)}, {tuple(sin.shape)}")
     if tiles is None:
-        tiles = dataclasses.replace(default_bwd_tiles(D, q.dtype, q.device), long_mode=default_long_mode(deterministic))
+        tiles = dataclasses.replace(
+            default_bwd_tiles(D, q.dtype, q.device),
+            long_mode=default_long_mode(deterministic),
+            prerotate=tiles_prerotate_default(),
+        )
     dev = q.device
     q, k, v, o, do = (x.contiguous() for x in (q, k, v, o, do))
     idx = idx.contiguous()
@@ -1360,16 +1429,20 @@ def attention_backward(
     bm, bn = tiles.kv_block_m, tiles.kv_block_n
     # query tiles seeing a key tile [n0, n0+bn): i in [n0, n0+bn-1+w-1], tiles from floor(n0/bm)*bm
     num_m = (bm - 1 + bn - 1 + w - 1) // bm + 1
+    if tiles.prerotate:  # rope(q), rope(k) once (fp32 math, one rounding: the values the kernels would make)
+        qr, kr = rope_rotate(q, cos, sin), rope_rotate(k, cos, sin)
+    else:
+        qr, kr = q, k
     _bwd_local_dkdv_kernel[(triton.cdiv(T, bn), B * Hkv)](
-        do, q, k, v, cos, sin, lse_loc, delta_loc, dk_long, dv_long, dk, dv, T, w, scale,
-        BLOCK_M=bm, BLOCK_N=bn, HAS_LONG=has_long, NUM_M=num_m, **common,
+        do, qr, kr, v, cos, sin, lse_loc, delta_loc, dk_long, dv_long, dk, dv, T, w, scale,
+        BLOCK_M=bm, BLOCK_N=bn, HAS_LONG=has_long, NUM_M=num_m, PREROT=tiles.prerotate, **common,
     )
     bm, bn = tiles.q_block_m, tiles.q_block_n
     # key tiles seen by a query tile [m0, m0+bm): t in [m0-w+1, m0+bm-1], tiles ending at floor((m0+bm-1)/bn)*bn
     num_n = (bn - 1 + bm - 1 + w - 1) // bn + 1
     _bwd_local_dq_kernel[(triton.cdiv(T, bm), B * Hq)](
-        do, q, k, v, cos, sin, lse_loc, delta_loc, dq_long, dq, T, w, scale,
-        BLOCK_M=bm, BLOCK_N=bn, NUM_N=num_n, **common,
+        do, qr, kr, v, cos, sin, lse_loc, delta_loc, dq_long, dq, T, w, scale,
+        BLOCK_M=bm, BLOCK_N=bn, NUM_N=num_n, PREROT=tiles.prerotate, **common,
     )
     dbeta = dbeta_part.sum(dim=(0, 2))  # fixed-order reduction (no atomics)
     return dq, dk, dv, dbeta
