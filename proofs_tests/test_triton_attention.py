@@ -336,8 +336,9 @@ def test_tiles_switches():
         mp.setenv(att.ENV_LONG_BLOCK, "16")
         mp.setenv(att.ENV_MAXNREG, "128")
         tiles = att.default_tiles(16, torch.float32, torch.device(DEVICE))
-        assert (tiles.long_block, tiles.maxnreg, tiles.union_rows) == (16, 128, 16)
+        assert (tiles.long_block, tiles.maxnreg, tiles.union_rows) == (16, None, 16)  # no cap for fp32
         assert tiles.block_m == base.block_m
+        assert att.default_tiles(16, torch.bfloat16, torch.device(DEVICE)).maxnreg == 128
         mp.setenv(att.ENV_LONG_BLOCK, "x")
         with pytest.raises(ValueError, match=att.ENV_LONG_BLOCK):
             att.default_tiles(16, torch.float32, torch.device(DEVICE))
