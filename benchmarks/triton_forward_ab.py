@@ -38,12 +38,13 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from gpu_attention import _versions  # noqa: E402
+from triton_attention_bench import _bench, _inputs, flex_swa512, sdpa_causal  # noqa: E402
+
 import freesolo  # noqa: E402
 from freesolo.backends.triton import attention as att  # noqa: E402
 from freesolo.backends.triton.backend import rope_cos_sin  # noqa: E402
 from freesolo.backends.triton.selection import select_cells  # noqa: E402
-from gpu_attention import _versions  # noqa: E402
-from triton_attention_bench import _bench, _inputs, flex_swa512, sdpa_causal  # noqa: E402
 
 SHAPES = {"H16-D64": (16, 16, 64), "GQA-Hq32-Hkv8-D128": (32, 8, 128)}
 LENGTHS = {"H16-D64": [4096, 16384, 65536], "GQA-Hq32-Hkv8-D128": [16384, 65536]}
@@ -134,7 +135,7 @@ def case(variant, T, Hq, Hkv, D, rep, tiles_old, tiles_new) -> dict:
     idx = select_cells(q, k, cfg)
     res["selection_ms"] = _bench(lambda: select_cells(q, k, cfg), rep)
     for tag, tiles in (("old", tiles_old), ("new", tiles_new)):
-        res[f"unions_{tag}_ms"] = _bench(lambda: att.tile_unions(idx, tiles.union_rows), rep)
+        res[f"unions_{tag}_ms"] = _bench(lambda rows=tiles.union_rows: att.tile_unions(idx, rows), rep)
         res[f"kernels_{tag}_ms"] = _bench(kernels_call(q, k, v, idx, cfg, tiles), rep)
         if tag == "old" or tiles.union_rows != tiles_old.union_rows:
             count = att.tile_unions(idx, tiles.union_rows)[1]
@@ -187,7 +188,10 @@ def main(argv=None):
                 row[variant] = case(variant, T, Hq, Hkv, D, args.rep, t_old, t_new)
             payload["results"].append(row)
             r = row
-            print(f"{shape} T={T}: sdpa {r['sdpa_causal_ms']:.3f} ms, flex_swa512 {r['flex_swa512_ms']:.3f} ms", flush=True)
+            print(
+                f"{shape} T={T}: sdpa {r['sdpa_causal_ms']:.3f} ms, flex_swa512 {r['flex_swa512_ms']:.3f} ms",
+                flush=True,
+            )
             for variant in args.variants:
                 c = r[variant]
                 print(

@@ -154,8 +154,20 @@ CASES = [
     # the long branch in its own kernel over 16-query tiles (smaller unions), with and without
     # prefetch, and over tiles larger than the window kernel's (long_block 64 > block_m 32)
     (2, 77, 3, 1, 16, dict(variant="fsl", top_k=3, tiles=AttentionTiles(32, 32, 1, 1, long_block=16))),
-    (1, 129, 2, 2, 24, dict(cell=8, block=16, window=32, top_k=2,
-                            tiles=AttentionTiles(32, 32, 1, 1, prefetch=False, long_block=64, maxnreg=128))),
+    (
+        1,
+        129,
+        2,
+        2,
+        24,
+        dict(
+            cell=8,
+            block=16,
+            window=32,
+            top_k=2,
+            tiles=AttentionTiles(32, 32, 1, 1, prefetch=False, long_block=64, maxnreg=128),
+        ),
+    ),
 ]
 
 
@@ -273,9 +285,7 @@ def test_l12_prefix_equals_full_sequence():
     _bitwise_equal([full[0][:, :P]] + [x[..., :P] for x in full[1:]], pre, "prefix vs full")
 
 
-@pytest.mark.parametrize(
-    "tiles", [None, AttentionTiles(32, 32, 1, 1, long_block=16)], ids=["fused", "long-block-16"]
-)
+@pytest.mark.parametrize("tiles", [None, AttentionTiles(32, 32, 1, 1, long_block=16)], ids=["fused", "long-block-16"])
 def test_l12_other_queries_selections_change_nothing(tiles):
     """Queries 40 and 41 keep their cells; every other query of the sequence selects other cells
     (including cells between theirs, so the tile's union interleaves new cells): the two rows'
