@@ -16,6 +16,14 @@ block-boundary step) in CUDA graphs: `o = step(q, k, v)`. With `decode_kernel="t
 "auto" on CUDA) a one-token step is one fused Triton kernel (FS: two), and `decode_graph()` also
 captures FS (its block boundaries run eagerly, without sync).
 
+Rows at different positions (spec §9; serving: prompts of different lengths, rows that stop
+early): `extend(q, k, v, lengths=[n_0, ..., n_{B-1}])` lets row b consume only its first n_b
+tokens of the (right-padded) chunk, 0 <= n_b <= n (0: the row waits or has finished); its other
+outputs are zeros. `prefill(k, v, lengths=...)` likewise. From the first uneven call on, the cache
+holds one batch-1 state per row (`cache.lengths` gives each row's position; `cache.length` only
+while they agree), so each row's outputs are bit for bit those of a batch-1 cache fed that row
+alone (L6 per row, L12). Each row then launches its own steps (no CUDA graph in that mode).
+
 The cache is inference-only: outputs carry no gradient (inputs that require grad are refused).
 """
 
@@ -33,6 +41,9 @@ from .config import FreeSoloConfig
 __all__ = ["FreeSoloCache"]
 
 _FORMAT = "freesolo.FreeSoloCache/1"
+
+# per-row buffers (leading dim B) of the FS / FS-L states, for splitting a lockstep state into rows
+_ROW_BUFFERS = ("ring_k", "ring_v", "block_k", "block_v", "cell_ids", "cell_k", "cell_v", "cell_kbar", "cell_a")
 
 
 def _positive_int(name: str, value) -> int:
@@ -91,6 +102,9 @@ class FreeSoloCache:
             cfg.tau_array(Hkv)
         self.cfg, self.batch, self.num_heads, self.num_kv_heads, self.head_dim = cfg, B, Hq, Hkv, D
         self.backend = get_backend() if backend is None else backend
+        self._rows: Optional[list] = None  # one batch-1 cache per row once rows stand at different positions
+        self._row_args = dict(backend=backend, dtype=dtype, device=device, check_finite=False)
+        self._row_args.update(decode_kernel=decode_kernel, decode_tiles=decode_tiles)
         self.check_finite = bool(check_finite)
         self._input: Optional[tuple] = None  # (array kind, dtype, device) of the first chunk
         if self.backend in ("numpy", "numba"):
@@ -133,17 +147,99 @@ class FreeSoloCache:
     # ---- properties -----------------------------------------------------------------------
     @property
     def length(self) -> int:
-        """Tokens consumed so far."""
-        return self._state.length
+        """Tokens consumed so far (every row's; ValueError once rows stand at different positions)."""
+        if self._rows is None:
+            return self._state.length
+        lengths = self.lengths
+        if len(set(lengths)) != 1:
+            raise ValueError(f"rows stand at different positions {lengths}: read cache.lengths")
+        return lengths[0]
+
+    @property
+    def lengths(self) -> list:
+        """Tokens consumed by each row: [B] ints."""
+        if self._rows is None:
+            return [self._state.length] * self.batch
+        return [row.length for row in self._rows]
+
+    @property
+    def ragged(self) -> bool:
+        """True once the rows are held as separate batch-1 states (after an uneven `lengths`)."""
+        return self._rows is not None
 
     @property
     def state(self):
-        """The backend state object (HostCacheState or TorchCacheState)."""
+        """The backend state object (HostCacheState, TorchCacheState, TorchFsbDeviceState); once
+        ragged, the list of the rows' states."""
+        if self._rows is not None:
+            return [row.state for row in self._rows]
         return self._state
 
     def memory_bytes(self) -> int:
         """Bytes of the arrays / tensors the cache holds (FS-L: constant in T, lemma L7)."""
+        if self._rows is not None:
+            return sum(row.memory_bytes() for row in self._rows)
         return self._state.memory_bytes()
+
+    # ---- rows at different positions --------------------------------------------------------
+    def _parse_lengths(self, lengths, n: int) -> Optional[list]:
+        """lengths: None or B host ints in [0, n] -> list (None when every row takes all n tokens
+        and the cache is not ragged: the batched path; FS-B, whose forests are not split, goes
+        ragged at the first `lengths`)."""
+        if lengths is None:
+            return None
+        if is_torch_tensor(lengths):
+            if lengths.device.type != "cpu":
+                raise ValueError(f"lengths must be host ints (a tensor on {lengths.device} would sync)")
+            lengths = lengths.tolist()
+        values = list(np.asarray(lengths).reshape(-1)) if isinstance(lengths, np.ndarray) else list(lengths)
+        if len(values) != self.batch:
+            raise ValueError(f"lengths has {len(values)} entries, the cache has batch={self.batch}")
+        out = []
+        for b, value in enumerate(values):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value <= n:
+                raise ValueError(f"lengths[{b}]={value!r} must be an int in [0, {n}] (the chunk has n={n} tokens)")
+            out.append(int(value))
+        if self._rows is None and all(value == n for value in out) and self.cfg.variant != "fsb":
+            return None  # FS / FS-L stay batched while rows move together (split later if they part)
+        return out
+
+    def _make_rows(self) -> None:
+        """Switch to one batch-1 cache per row, each continuing this cache's state."""
+        rows = [
+            FreeSoloCache(self.cfg, 1, self.num_heads, self.num_kv_heads, self.head_dim, **self._row_args)
+            for _ in range(self.batch)
+        ]
+        if self._state.length > 0:
+            if self.cfg.variant == "fsb" or getattr(self._state, "forests", None) is not None:
+                raise ValueError(
+                    "rows of an FS-B cache can only be held apart from the start: pass lengths from the first chunk"
+                )
+            full = self.state_dict()
+            for b, row in enumerate(rows):
+                sd = dict(full, batch=1, state=_row_state(full["state"], b))
+                row.load_state_dict(sd)
+        self._rows = rows
+
+    def _extend_rows(self, q, k, v, beta, lengths: list, check: bool) -> object:
+        """Each row b consumes q[b, :lengths[b]] in its own batch-1 cache; zeros elsewhere."""
+        if self._rows is None:
+            self._make_rows()
+        parts = {}
+        for b, (row, n_b) in enumerate(zip(self._rows, lengths)):
+            if n_b > 0:
+                sl = (slice(b, b + 1), slice(0, n_b))
+                parts[b] = row.extend(q[sl], k[sl], v[sl], beta=beta, check_finite=check)  # [1, n_b, Hq, D]
+        if is_torch_tensor(q):
+            import torch
+
+            out = torch.zeros_like(q)
+        else:
+            dtype = next(iter(parts.values())).dtype if parts else np.float64
+            out = np.zeros(q.shape, dtype=dtype)
+        for b, part in parts.items():
+            out[b : b + 1, : lengths[b]] = part
+        return out
 
     # ---- validation -----------------------------------------------------------------------
     def _check_chunk(self, q, k, v, beta, check_finite: Optional[bool]):
@@ -188,7 +284,7 @@ class FreeSoloCache:
             )
 
     # ---- streaming ------------------------------------------------------------------------
-    def extend(self, q, k, v, beta=None, check_finite: Optional[bool] = None):
+    def extend(self, q, k, v, beta=None, check_finite: Optional[bool] = None, lengths=None):
         """Consume a chunk and return the outputs of its positions (spec §9).
 
         Args:
@@ -196,11 +292,23 @@ class FreeSoloCache:
             beta: [Hq] long-range mixing coefficient (default ones).
             check_finite: check the inputs for nan / inf (default: the cache's setting; it syncs
                 a CUDA device, so pass False for sync-free decode).
+            lengths: optional [B] host ints in [0, n]: row b consumes only q / k / v[b, :lengths[b]]
+                (right padding; 0 = the row does not move). Uneven lengths make the cache ragged
+                (one batch-1 state per row, see the module docstring).
         Returns:
             o [B, n, Hq, D], same array kind, dtype and device as q; equal to the parallel op's
-            outputs at these positions.
+            outputs at these positions (of each row's own sequence); zeros at padded positions.
         """
-        self._check_chunk(q, k, v, beta, check_finite)
+        if lengths is None and self._rows is None:
+            self._check_chunk(q, k, v, beta, check_finite)
+        else:  # rows check their own tokens (padding may hold anything)
+            self._check_chunk(q, k, v, beta, False)
+            rows = self._parse_lengths(lengths, q.shape[1])
+            if rows is not None or self._rows is not None:
+                check = self.check_finite if check_finite is None else bool(check_finite)
+                return self._extend_rows(q, k, v, beta, rows or [q.shape[1]] * self.batch, check)
+            if self.check_finite if check_finite is None else check_finite:
+                check_inputs(q, k, v, self.cfg, beta, check_finite=True)
         if self._state.kind == "numpy":
             from .api import _like_input, _to_float64
 
@@ -217,15 +325,29 @@ class FreeSoloCache:
 
         return torch.from_numpy(np.ascontiguousarray(x)).to(self._device or "cpu")
 
-    def prefill(self, k, v, check_finite: Optional[bool] = None) -> None:
+    def prefill(self, k, v, check_finite: Optional[bool] = None, lengths=None) -> None:
         """Consume keys / values [B, n, Hkv, D] without computing outputs (a long prompt whose
-        outputs are not needed). The state is exactly the one `extend` would leave."""
+        outputs are not needed). The state is exactly the one `extend` would leave. `lengths`:
+        as in `extend` (row b takes k / v[b, :lengths[b]])."""
         check = self.check_finite if check_finite is None else bool(check_finite)
-        info = check_inputs(k, k, v, self.cfg.replace(variant="fs", sigma=4.0, lam=1.0), None, check_finite=check)
+        ragged = lengths is not None or self._rows is not None
+        info = check_inputs(
+            k, k, v, self.cfg.replace(variant="fs", sigma=4.0, lam=1.0), None, check_finite=check and not ragged
+        )
         expected = (self.batch, self.num_kv_heads, self.head_dim)
         if (info.B, info.Hq, info.D) != expected:
             raise ValueError(f"k has (B, Hkv, D)={(info.B, info.Hq, info.D)}, the cache expects {expected}")
         self._check_kind(info.kind, info.dtype, info.device)
+        rows = self._parse_lengths(lengths, k.shape[1])
+        if rows is not None or self._rows is not None:
+            if self._rows is None:
+                self._make_rows()
+            for b, (row, n_b) in enumerate(zip(self._rows, rows or [k.shape[1]] * self.batch)):
+                if n_b > 0:
+                    row.prefill(k[b : b + 1, :n_b], v[b : b + 1, :n_b], check_finite=check)
+            return
+        if ragged and check:  # lengths all full on a lockstep cache: the batched path, checked here
+            check_inputs(k, k, v, self.cfg.replace(variant="fs", sigma=4.0, lam=1.0), None, check_finite=True)
         if self._state.kind == "numpy":
             from .api import _to_float64
 
@@ -240,12 +362,16 @@ class FreeSoloCache:
         one-token step (see `streaming.torch_state.DecodeGraph`)."""
         if self._state.kind != "torch":
             raise ValueError(f"decode_graph needs backend='torch', not {self.backend!r}")
+        if self._rows is not None:
+            raise ValueError("decode_graph captures rows in lockstep; this cache's rows are held apart (ragged)")
         return self._state.decode_graph(beta)
 
     # ---- state ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """A plain dict: format, config fields, sizes, backend, and the state's arrays / tensors."""
+        """A plain dict: format, config fields, sizes, backend, and the state's arrays / tensors
+        (ragged: "rows", the rows' batch-1 state dicts, and "state" None)."""
         return {
+            "rows": None if self._rows is None else [row.state_dict() for row in self._rows],
             "format": _FORMAT,
             "config": asdict(self.cfg),
             "backend": self.backend,
@@ -254,7 +380,7 @@ class FreeSoloCache:
             "num_kv_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
             "input": self._input,
-            "state": self._state.state_dict(),
+            "state": self._state.state_dict() if self._rows is None else None,
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -272,12 +398,31 @@ class FreeSoloCache:
             raise ValueError(
                 f"state dict of backend {state_dict['backend']!r} cannot load into backend {self.backend!r}"
             )
-        self._state.load_state_dict(state_dict["state"])
+        if state_dict.get("rows") is not None:
+            rows = [
+                FreeSoloCache(self.cfg, 1, self.num_heads, self.num_kv_heads, self.head_dim, **self._row_args)
+                for _ in range(self.batch)
+            ]
+            for row, sd in zip(rows, state_dict["rows"]):
+                row.load_state_dict(sd)
+            self._rows = rows
+        else:
+            self._state.load_state_dict(state_dict["state"])
+            self._rows = None
         self._input = None if state_dict["input"] is None else tuple(state_dict["input"])
 
     def __repr__(self) -> str:
         return (
             f"FreeSoloCache(variant={self.cfg.variant!r}, backend={self.backend!r}, B={self.batch}, "
-            f"Hq={self.num_heads}, Hkv={self.num_kv_heads}, D={self.head_dim}, T={self.length}, "
+            f"Hq={self.num_heads}, Hkv={self.num_kv_heads}, D={self.head_dim}, "
+            f"T={self.lengths if self.ragged else self.length}, "
             f"memory={self.memory_bytes()} bytes)"
         )
+
+
+def _row_state(state: dict, b: int) -> dict:
+    """Row b of an FS / FS-L state dict (torch or host): per-row buffers sliced to batch 1."""
+    out = {}
+    for name, value in state.items():
+        out[name] = value[b : b + 1] if name in _ROW_BUFFERS else value
+    return out

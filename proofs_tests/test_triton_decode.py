@@ -211,6 +211,40 @@ def test_decode_graph_bookkeeping_with_fused_step(monkeypatch, variant):
         assert graphed.state.cell_ids.shape[2] > capacity == 16, "the test must cross an archive growth"
 
 
+@needs_kernels
+@pytest.mark.parametrize("variant", ["fsl", "fs"])
+def test_fused_decode_rows_at_different_lengths(variant):
+    """Spec §9 last bullet with the fused step: prompts of different lengths (padded chunk with
+    `lengths`), then one-token steps where rows stop at different times; every produced output
+    == the parallel op on that row's own sequence."""
+    cfg = FreeSoloConfig(variant=variant, window=16, cell=4, block=8, pool=2, recent=1, top_k=2)
+    B, Hq, Hkv, D = 3, 2, 1, 8
+    prompts, final = [3, 17, 10], [20, 27, 14]
+    q, k, v, beta = tensors(8, B, max(final), Hq, Hkv, D)
+    tiles = TILES["split-w8-fs4"]
+    cache = FreeSoloCache(cfg, B, Hq, Hkv, D, backend="torch", decode_kernel="triton", decode_tiles=tiles)
+    n = max(prompts)
+    first = cache.extend(q[:, :n], k[:, :n], v[:, :n], beta=beta, lengths=prompts)  # padded past each prompt
+    outs = [[first[b, : prompts[b]]] for b in range(B)]
+    pos = list(prompts)
+    while any(p < f for p, f in zip(pos, final)):
+        lengths = [int(p < f) for p, f in zip(pos, final)]
+        idx = torch.tensor([min(p, max(final) - 1) for p in pos])
+        step = [x[torch.arange(B), idx].unsqueeze(1) for x in (q, k, v)]  # row b's token pos[b]
+        out = cache.extend(*step, beta=beta, lengths=lengths)
+        for b in range(B):
+            if lengths[b]:
+                outs[b].append(out[b, :1])
+            pos[b] += lengths[b]
+    assert cache.lengths == final and all(state._fused for state in cache.state)
+    for b in range(B):
+        got = torch.cat(outs[b], 0)
+        sl = slice(0, final[b])
+        ref = freesolo.freesolo_attention(q[b : b + 1, sl], k[b : b + 1, sl], v[b : b + 1, sl], cfg, beta=beta,
+                                          backend="torch")[0]  # fmt: skip
+        assert_close(got.double().numpy(), ref.double().numpy(), rtol=1e-5, name=f"{variant} row {b}")
+
+
 def test_decode_kernel_errors():
     cfg = FreeSoloConfig(variant="fsl", window=16, cell=4, block=8, pool=2, recent=1)
     with pytest.raises(ValueError, match="decode_kernel='fast'"):
