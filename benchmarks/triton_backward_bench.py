@@ -316,13 +316,16 @@ SWEEP_LOCAL = [  # (kv_block_n, kv_block_m, q_block_m, q_block_n, num_warps, num
     (64, 32, 64, 32, 4, 3),
     (128, 64, 128, 64, 8, 3),
 ]
-SWEEP_LONG = [  # (block_r, seg, num_warps_long, block_rows)
+SWEEP_LONG = [  # (block_r, seg, num_warps_long, block_rows); the first is the default
+    (32, 1024, 8, 16),
+    (32, 1024, 4, 16),
+    (64, 1024, 8, 16),
+    (64, 2048, 8, 16),
+    (16, 512, 4, 16),
+    (32, 256, 8, 16),
+    (32, 4096, 8, 16),
     (32, 1024, 8, 32),
-    (32, 1024, 4, 32),
-    (64, 1024, 4, 32),
-    (64, 2048, 8, 32),
-    (16, 512, 4, 32),
-    (32, 256, 4, 64),
+    (32, 1024, 8, 64),
 ]
 
 
@@ -406,13 +409,13 @@ def regs_report(dtypes=("bf16", "fp16", "fp32"), dims=(32, 64, 128)) -> list:
             sig = dict(DO=P, O=P, IDX=I, OPART=F, BETA=F, RSTD=F, DOLONG=P, DELTA_LOC=F, DELTA_LONG=F, DBETA_PART=F,
                        T="i32", T0="i32", TC="i32", NR="i32")  # fmt: skip
             rows_c = dict(HQ=16, D=D, TOPK=4, BLOCK_D=bd, BLOCK_Q=tiles.block_rows)
-            res.append(build(m._bwd_long_rows_kernel, sig, rows_c, 4))
+            res.append(build(m._bwd_long_rows_kernel, sig, rows_c, 8))
             sig = dict(Q=P, K=P, V=P, DOLONG=P, LSE_LONG=F, DELTA_LONG=F, SLOTS=I, OFFSETS=I, WORK_CELL=I, WORK_SEG=I,
                        NSEG=I, PART_BASE=I, QPART=F, DK_ACC=F, DV_ACC=F, PART_DK=F, PART_DV=F, T="i32", T0="i32",
                        TC="i32", C="i32", NCELLS="i32", accum="i32", scale="fp32")  # fmt: skip
             res.append(build(m._bwd_cell_grad_kernel, sig, dict(cell, ATOMIC=False), tiles.num_warps_long))
             sig = dict(IDX=I, QPART=F, DQLONG=F, T="i32", T0="i32", TC="i32", NR="i32")
-            res.append(build(m._bwd_sum_parts_kernel, sig, rows_c, 4))
+            res.append(build(m._bwd_sum_parts_kernel, sig, rows_c, 8))
             sig = dict(NSEG=I, PART_BASE=I, PART_DK=F, PART_DV=F, DK_ACC=F, DV_ACC=F, T="i32", C="i32", accum="i32")
             res.append(build(m._bwd_long_reduce_kernel, sig, dict(HKV=4, D=D, CELL=32, BLOCK_D=bd, BLOCK_C=32), 4))
             common = dict(HQ=16, HKV=4, HALF=half, BLOCK_H=bh, IEEE=ieee)
@@ -423,9 +426,10 @@ def regs_report(dtypes=("bf16", "fp16", "fp32"), dims=(32, 64, 128)) -> list:
                          PREROT=prerot)  # fmt: skip
                 res.append(build(m._bwd_local_dkdv_kernel, sig, c, tiles.num_warps, tiles.num_stages))
                 res[-1]["kernel"] += f"[prerot={prerot}]"
-                sig = dict(DO=P, Q=P, K=P, V=P, COS=F, SIN=F, LSE_LOC=F, DELTA_LOC=F, DQ_LONG=F, DQ=P, T="i32",
-                           W="i32", scale="fp32")  # fmt: skip
-                c = dict(common, BLOCK_M=tiles.q_block_m, BLOCK_N=tiles.q_block_n, NUM_N=19, PREROT=prerot)
+                sig = dict(DO=P, Q=P, K=P, V=P, COS=F, SIN=F, LSE_LOC=F, DELTA_LOC=F, DQ_LONG=F, IDX=I, DQ=P,
+                           T="i32", W="i32", scale="fp32")  # fmt: skip
+                c = dict(common, BLOCK_M=tiles.q_block_m, BLOCK_N=tiles.q_block_n, NUM_N=19, PREROT=prerot,
+                         LONG_PARTS=4 if prerot else 0)  # fmt: skip
                 res.append(build(m._bwd_local_dq_kernel, sig, c, tiles.num_warps, tiles.num_stages))
                 res[-1]["kernel"] += f"[prerot={prerot}]"
             for r in res:

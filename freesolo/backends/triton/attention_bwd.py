@@ -883,6 +883,7 @@ def _bwd_local_dq_kernel(
     LSE_LOC,
     DELTA_LOC,
     DQ_LONG,
+    IDX,
     DQ,
     T,
     W,
@@ -896,9 +897,13 @@ def _bwd_local_dq_kernel(
     IEEE: tl.constexpr,
     NUM_N: tl.constexpr,
     PREROT: tl.constexpr,
+    LONG_PARTS: tl.constexpr,
 ):
     """Grid (cdiv(T, BLOCK_M), B * HQ). dq [B, T, HQ, D] (q's dtype) = local + long (fp32 dq_long).
-    PREROT: Q and K hold rope(q), rope(k) (as `_bwd_local_dkdv_kernel`)."""
+    PREROT: Q and K hold rope(q), rope(k) (as `_bwd_local_dkdv_kernel`).
+    LONG_PARTS = 0: DQ_LONG is dense fp32 [B, T, HQ, D]; LONG_PARTS = K > 0: DQ_LONG holds the "cell"
+    mode's fp32 dq parts [B, T, HQ, K, D] (one chunk) and the parts of selected cells (IDX >= 0) are
+    added in slot order, as `_bwd_sum_parts_kernel` (same bits)."""
     DOT_DTYPE = K.dtype.element_ty  # tl.dot inputs in the inputs' dtype, fp32 accumulation
     m0 = tl.program_id(0).to(tl.int64) * BLOCK_M
     bh = tl.program_id(1).to(tl.int64)
@@ -959,8 +964,20 @@ def _bwd_local_dq_kernel(
     offs_h = tl.arange(0, BLOCK_H)
     m2 = mmask[:, None] & (offs_h < HALF)[None, :]
     p1 = q_base + q_rows[:, None] + offs_h[None, :]
-    gq1 += tl.load(DQ_LONG + p1, mask=m2, other=0.0)
-    gq2 += tl.load(DQ_LONG + p1 + HALF, mask=m2, other=0.0)
+    if LONG_PARTS > 0:
+        grow = (b * T + m0 + ar_m) * HQ + h  # [BLOCK_M] int64
+        lq1 = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
+        lq2 = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
+        for kk in tl.static_range(LONG_PARTS):
+            sel = tl.load(IDX + grow * LONG_PARTS + kk, mask=mmask, other=-1) >= 0
+            pp = (grow * LONG_PARTS + kk)[:, None] * D + offs_h[None, :]
+            lq1 += tl.load(DQ_LONG + pp, mask=m2 & sel[:, None], other=0.0)
+            lq2 += tl.load(DQ_LONG + pp + HALF, mask=m2 & sel[:, None], other=0.0)
+        gq1 += lq1
+        gq2 += lq2
+    else:
+        gq1 += tl.load(DQ_LONG + p1, mask=m2, other=0.0)
+        gq2 += tl.load(DQ_LONG + p1 + HALF, mask=m2, other=0.0)
     tl.store(DQ + p1, gq1.to(DQ.dtype.element_ty), mask=m2)
     tl.store(DQ + p1 + HALF, gq2.to(DQ.dtype.element_ty), mask=m2)
 
@@ -1021,7 +1038,7 @@ class BwdTiles:
     #   per cell ("deterministic") or per-query atomics;
     # "union": a tile of block_u queries loops over its cell union with tl.dot (per-(tile, cell) atomics)
     block_u: int = 64  # queries per program of the "union" mode (>= 16 on the GPU)
-    block_rows: int = 32  # query-head rows per program of the "cell" mode's row kernels
+    block_rows: int = 16  # query-head rows per program of the "cell" mode's row kernels (8 warps)
     long_chunk: int = 65536  # "cell" mode: positions per chunk of queries (its fp32 parts hold
     # B * long_chunk * Hq * K * D floats; a longer sequence runs chunk after chunk, in order)
     prerotate: bool = True  # local kernels read rope(q), rope(k) made once by `rope_rotate` (+ q and k's
@@ -1147,7 +1164,7 @@ def segment_plan(offsets: torch.Tensor, num_entries: int, seg: int, min_seg: int
 
 
 def _long_branch_cells(
-    do, q, k, v, o, idx, beta, lse_long, rstd, d_olong, dq_long, delta_loc, delta_long, dbeta_part,
+    do, q, k, v, o, idx, beta, lse_long, rstd, d_olong, delta_loc, delta_long, dbeta_part,
     dk_long, dv_long, C, s, scale, deterministic, tiles,
 ):  # fmt: skip
     """The long branch's backward in the "cell" mode (writes d_olong, dq_long, the deltas, the dbeta
@@ -1158,9 +1175,11 @@ def _long_branch_cells(
     3. `_bwd_long_rows_kernel`: o_long = sum of a row's K parts, RMSNorm backward, deltas, dbeta;
     4. `_bwd_cell_grad_kernel`: dq parts per reader, dk / dv per cell (+ `_bwd_long_reduce_kernel` for
        cells split into segments, deterministic mode);
-    5. `_bwd_sum_parts_kernel`: dq_long = sum of a row's K dq parts (the o_long parts' buffer reused).
+    5. with more than one chunk, `_bwd_sum_parts_kernel`: dq_long = sum of a row's K dq parts (the o_long
+       parts' buffer reused); with one chunk the local dq kernel sums the parts itself (same order).
     Sums run in fixed orders (slots, readers, segments, chunks): the same bits run to run (no atomics
     unless not deterministic, where split cells add with tl.atomic_add).
+    Returns (dq source, LONG_PARTS) for `_bwd_local_dq_kernel`: (parts, K) or (dense fp32 dq_long, 0).
     """
     B, T, Hq, D = q.shape
     Hkv = k.shape[2]
@@ -1172,8 +1191,10 @@ def _long_branch_cells(
     parts = torch.empty(B * tc_max * Hq * K, D, **f32)  # o_long parts, then dq parts, per (row, slot)
     blocks = dict(BLOCK_D=_pow2(D, 16), BLOCK_C=_pow2(s, 16))
     common = dict(HQ=Hq, HKV=Hkv, D=D, TOPK=K, CELL=s, BLOCK_R=tiles.block_r, SEG=tiles.seg, IEEE=ieee, **blocks)
-    rows = dict(HQ=Hq, D=D, TOPK=K, BLOCK_D=blocks["BLOCK_D"], BLOCK_Q=tiles.block_rows, num_warps=4)
+    rows = dict(HQ=Hq, D=D, TOPK=K, BLOCK_D=blocks["BLOCK_D"], BLOCK_Q=tiles.block_rows, num_warps=8)
     part_dk = part_dv = None
+    one_chunk = tc_max == T
+    dq_long = None if one_chunk else torch.empty(B, T, Hq, D, **f32)
     for t0 in range(0, T, tc_max):
         tc = min(tc_max, T - t0)
         nr = B * tc * Hq
@@ -1204,7 +1225,9 @@ def _long_branch_cells(
                     nseg, part_base, part_dk, part_dv, dk_long, dv_long, T, C, accum,
                     HKV=Hkv, D=D, CELL=s, num_warps=4, **blocks,
                 )  # fmt: skip
-        _bwd_sum_parts_kernel[(triton.cdiv(nr, tiles.block_rows),)](idx, parts, dq_long, T, t0, tc, nr, **rows)
+        if not one_chunk:
+            _bwd_sum_parts_kernel[(triton.cdiv(nr, tiles.block_rows),)](idx, parts, dq_long, T, t0, tc, nr, **rows)
+    return (parts, K) if one_chunk else (dq_long, 0)
 
 
 def attention_backward(
@@ -1280,7 +1303,6 @@ def attention_backward(
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     d_olong = torch.empty_like(q)  # q's dtype: the cell kernel feeds it to tl.dot in that dtype anyway
-    dq_long = torch.empty(B, T, Hq, D, **f32)
     delta_loc = torch.empty(B, Hq, T, **f32)
     delta_long = torch.empty(B, Hq, T, **f32)
     dbeta_part = torch.empty(B, Hq, T, **f32)
@@ -1294,13 +1316,16 @@ def attention_backward(
     else:
         dk_long = dv_long = d_olong  # placeholders, never read (HAS_LONG False)
     ieee = q.dtype == torch.float32
+    dq_long, long_parts = d_olong, 0  # (placeholder when B * T * Hq == 0: no program runs)
     if tiles.long_mode == "cell":
         if B * T * Hq > 0:
-            _long_branch_cells(
-                do, q, k, v, o, idx, beta, lse_long, rstd, d_olong, dq_long, delta_loc, delta_long, dbeta_part,
+            dq_long, long_parts = _long_branch_cells(
+                do, q, k, v, o, idx, beta, lse_long, rstd, d_olong, delta_loc, delta_long, dbeta_part,
                 dk_long, dv_long, C, s, scale, deterministic, tiles,
             )  # fmt: skip
-    elif B * T * Hq > 0 and tiles.long_mode == "gather":
+    elif B * T * Hq > 0:
+        dq_long = torch.empty(B, T, Hq, D, **f32)
+    if tiles.long_mode == "gather" and B * T * Hq > 0:
         bq = tiles.block_q
         _bwd_long_query_kernel[(triton.cdiv(B * T, bq), Hq)](
             do,
@@ -1333,7 +1358,7 @@ def attention_backward(
             ATOMIC=(not deterministic) and has_long,
             num_warps=tiles.num_warps_long,
         )
-    elif B * T * Hq > 0:
+    elif tiles.long_mode == "union" and B * T * Hq > 0:
         from .attention import tile_unions
 
         bu = tiles.block_u
@@ -1441,8 +1466,8 @@ def attention_backward(
     # key tiles seen by a query tile [m0, m0+bm): t in [m0-w+1, m0+bm-1], tiles ending at floor((m0+bm-1)/bn)*bn
     num_n = (bn - 1 + bm - 1 + w - 1) // bn + 1
     _bwd_local_dq_kernel[(triton.cdiv(T, bm), B * Hq)](
-        do, qr, kr, v, cos, sin, lse_loc, delta_loc, dq_long, dq, T, w, scale,
-        BLOCK_M=bm, BLOCK_N=bn, NUM_N=num_n, PREROT=tiles.prerotate, **common,
+        do, qr, kr, v, cos, sin, lse_loc, delta_loc, dq_long, idx, dq, T, w, scale,
+        BLOCK_M=bm, BLOCK_N=bn, NUM_N=num_n, PREROT=tiles.prerotate, LONG_PARTS=long_parts, **common,
     )
     dbeta = dbeta_part.sum(dim=(0, 2))  # fixed-order reduction (no atomics)
     return dq, dk, dv, dbeta
