@@ -14,25 +14,35 @@ Backward, no gradient through statistics, scores or indices (spec §8):
     Delta_loc = do . o_loc (o_loc = o - beta_h * y);  Delta_long = d_olong . o_long
     p = exp(s - lse);  ds = p * (dO . v_t - Delta)   (flash-attention 2, per branch)
 
-Kernels (in order of launch):
-1. `_bwd_long_query_kernel`, one program per (query head h, `block_q` rows b*T + i; 1 on the GPU):
-   recomputes o_long from the K*s selected tokens gathered as one [K*s, D] tile (the saved state
-   is O(T*H): o_long is never stored), writes d_olong, Delta_loc, Delta_long, the dbeta partial
-   of the query, and dq of the long branch (its own cells only). In the atomic mode it also
-   scatters the long branch's dk / dv into fp32 buffers (tl.atomic_add, one per element: K*s*D
-   atomics per query and tensor, which is why the inverted selection is expected to be faster).
-2. deterministic mode: `_bwd_long_cell_kernel` over the inverted selection (for each (b, kv head,
-   cell) the (query, head) pairs that read it, built by a stable sort of the saved indices:
-   O(T*Hq*K), no host sync), one program per segment of `tiles.seg` readers of a cell, read in a
-   fixed order; a cell of one segment writes its dk / dv directly, a hot cell (FS-L's pool cells
-   are read by most queries) writes one partial per segment and `_bwd_long_reduce_kernel` sums
-   them in segment order. No atomics: same bits run to run.
-3. `_bwd_local_dkdv_kernel`, one program per (key tile, b, kv head): loops over the G query heads
-   and the query tiles whose window sees the tile; q and k tiles are rotated in-kernel with the
-   cos / sin tables, the rotated dk is rotated back with the transpose rotation; the long branch's
-   fp32 dk / dv are added before the single cast to k's dtype.
-4. `_bwd_local_dq_kernel`, one program per (query tile, b, query head): loops over the window's key
-   tiles, rotates dq back and adds the long branch's dq.
+Long branch, `BwdTiles.long_mode` (A/B switch; default "cell"; the environment variable
+FREESOLO_TRITON_BWD_LONG=cell|gather|union|legacy sets the default, "legacy" = the backward before issue 11):
+- "cell" (`_long_branch_cells`): everything over the inverted selection, so a cell's 32 keys / values are
+  loaded once per segment of its readers and every product is a tl.dot over a block of readers (the GQA
+  group's heads included); no per-query gather. Per chunk of `long_chunk` positions: a stable sort of
+  the chunk's idx entries by cell (`inverted_slots`: O(T*Hq*K), no host sync), work items of `seg`
+  readers (`segment_plan`), then
+  1. `_bwd_cell_olong_kernel`: each reader's share of o_long from this cell, exp(s - lse_long) v (the
+     saved lse_long normalises it, so the K shares add up to o_long), fp32 part per (query, slot);
+  2. `_bwd_long_rows_kernel`: o_long = the row's parts summed in slot order; y, d_olong, Delta_loc,
+     Delta_long, dbeta partial (no q, k, v read);
+  3. `_bwd_cell_grad_kernel`: dq part per (query, slot) (into the same parts buffer) and dk / dv of the
+     cell summed over its readers in their fixed order; a cell split over several segments writes
+     partials reduced in order by `_bwd_long_reduce_kernel` (atomic mode: tl.atomic_add);
+  4. dq_long = the row's dq parts in slot order (`_bwd_local_dq_kernel` with LONG_PARTS when one chunk,
+     else `_bwd_sum_parts_kernel`).
+- "gather" (the deterministic default before issue 11): `_bwd_long_query_kernel`, one program per
+  (query head h, `block_q` rows): gathers the K*s selected tokens as one [K*s, D] tile, recomputes
+  o_long and writes d_olong, deltas, dbeta partial, dq_long; dk / dv by per-query atomics (atomic
+  mode) or `_bwd_long_cell_kernel` over `inverted_selection` + `_bwd_long_reduce_kernel`.
+- "union" (the atomic default before issue 11): `_bwd_long_tile_kernel`, query tiles over their cell
+  union with tl.dot, per-(tile, cell) atomics for dk / dv.
+Local branch (`prerotate`: q, k rotated once by `_common.rope_rotate`, else in every tile as before):
+- `_bwd_local_dkdv_kernel`, one program per (key tile, b, kv head): loops over the G query heads
+  and the query tiles whose window sees the tile (rotated tiles loaded, or rotated in-kernel with the
+  cos / sin tables), the rotated dk is rotated back with the transpose rotation; the long branch's
+  fp32 dk / dv are added before the single cast to k's dtype.
+- `_bwd_local_dq_kernel`, one program per (query tile, b, query head): loops over the window's key
+  tiles, rotates dq back and adds the long branch's dq (dense, or its K parts).
 No atomics anywhere in the deterministic mode: same bits run to run.
 
 Vectors of the local branch are handled as two halves of D/2 (the half-split RoPE pairs x[m] with
@@ -40,11 +50,12 @@ x[m + D/2]); each half is padded to a power of two >= 16 (tl.dot's minimum), so 
 Offsets: program ids are cast to int64 before any multiplication (T*H*D > 2^31 works); inside a
 local tile, a per-program int64 base plus int32 tile offsets (bounded by tile * H * D).
 
-Transient memory (backward only; nothing of it is saved by the forward): fp32 dq_long
-[B, T, Hq, D], d_olong [B, T, Hq, D] in q's dtype, fp32 dk / dv of the long branch [B, T, Hkv, D],
-fp32 [B, Hq, T] deltas and dbeta partials; deterministic mode: the inverted selection (int64,
-B*T*Hq*K entries and its sort) and partial sums of split cells (<= 2*B*T*Hq*K/seg slots of
-[s, D] fp32, twice).
+Transient memory (backward only; nothing of it is saved by the forward): d_olong [B, T, Hq, D] in q's
+dtype, fp32 dk / dv of the long branch [B, T, Hkv, D], fp32 [B, Hq, T] deltas and dbeta partials,
+rope(q), rope(k) (prerotate); "cell": fp32 parts [B, min(T, long_chunk), Hq, K, D] (1 GiB at B=1,
+T=64k, Hq=16, K=4, D=64), the sorted slots (int64, B*T*Hq*K per chunk), partials of split cells
+(<= 2*entries/seg + 1 slots of [s, D] fp32, twice), dense fp32 dq_long only with several chunks;
+"gather" / "union": fp32 dq_long [B, T, Hq, D] and the inverted selection.
 """
 
 from __future__ import annotations
