@@ -413,7 +413,9 @@ def regs_report(dtypes=("bf16", "fp16", "fp32"), dims=(32, 64, 128)) -> list:
             sig = dict(Q=P, K=P, V=P, DOLONG=P, LSE_LONG=F, DELTA_LONG=F, SLOTS=I, OFFSETS=I, WORK_CELL=I, WORK_SEG=I,
                        NSEG=I, PART_BASE=I, QPART=F, DK_ACC=F, DV_ACC=F, PART_DK=F, PART_DV=F, T="i32", T0="i32",
                        TC="i32", C="i32", NCELLS="i32", accum="i32", scale="fp32")  # fmt: skip
-            res.append(build(m._bwd_cell_grad_kernel, sig, dict(cell, ATOMIC=False), tiles.num_warps_long))
+            for atomic in (False, True):
+                res.append(build(m._bwd_cell_grad_kernel, sig, dict(cell, ATOMIC=atomic), tiles.num_warps_long))
+                res[-1]["kernel"] += f"[atomic={atomic}]"
             sig = dict(IDX=I, QPART=F, DQLONG=F, T="i32", T0="i32", TC="i32", NR="i32")
             res.append(build(m._bwd_sum_parts_kernel, sig, rows_c, 8))
             sig = dict(NSEG=I, PART_BASE=I, PART_DK=F, PART_DV=F, DK_ACC=F, DV_ACC=F, T="i32", C="i32", accum="i32")
