@@ -103,6 +103,8 @@ class FreeSoloCache:
         self.cfg, self.batch, self.num_heads, self.num_kv_heads, self.head_dim = cfg, B, Hq, Hkv, D
         self.backend = get_backend() if backend is None else backend
         self._rows: Optional[list] = None  # one batch-1 cache per row once rows stand at different positions
+        self._views = False  # torch FS-L: the rows' states are views of the batched state (one launch per step)
+        self._active_masks: dict = {}  # torch FS-L views: device int8 [B] masks by pattern (made once, no sync)
         self._row_args = dict(backend=backend, dtype=dtype, device=device, check_finite=False)
         self._row_args.update(decode_kernel=decode_kernel, decode_tiles=decode_tiles)
         self.check_finite = bool(check_finite)
@@ -177,7 +179,7 @@ class FreeSoloCache:
 
     def memory_bytes(self) -> int:
         """Bytes of the arrays / tensors the cache holds (FS-L: constant in T, lemma L7)."""
-        if self._rows is not None:
+        if self._rows is not None and not self._views:
             return sum(row.memory_bytes() for row in self._rows)
         return self._state.memory_bytes()
 
@@ -204,8 +206,30 @@ class FreeSoloCache:
             return None  # FS / FS-L stay batched while rows move together (split later if they part)
         return out
 
-    def _make_rows(self) -> None:
-        """Switch to one batch-1 cache per row, each continuing this cache's state."""
+    def _make_rows(self, like=None) -> None:
+        """Switch to one batch-1 cache per row, each continuing this cache's state. Torch FS-L:
+        the rows' states are views of the batched state (row b's buffers, a per-row position
+        vector), so a decode step of every row is one batched launch of the fused kernel.
+        like: the chunk (its dtype / device allocate a torch state not allocated yet)."""
+        state = self._state
+        if self.backend == "torch" and self.cfg.variant == "fsl":
+            import torch
+
+            if not state.allocated:
+                if like is not None and not is_torch_tensor(like):
+                    like = torch.from_numpy(np.ascontiguousarray(like[:0]))
+                dtype = self._dtype or like.dtype
+                state.allocate(dtype, self._device or (like.device if is_torch_tensor(like) else "cpu"))
+            state.pos_rows = state.pos.expand(self.batch).clone()  # int64 [B] on the device
+            args = dict(self._row_args, dtype=None, device=None)
+            rows = []
+            for b in range(self.batch):
+                row = FreeSoloCache(self.cfg, 1, self.num_heads, self.num_kv_heads, self.head_dim, **args)
+                row._state = state.row_view(b, state.pos_rows[b])
+                row._dtype, row._device, row._input = state.dtype, state.device, self._input
+                rows.append(row)
+            self._rows, self._views = rows, True
+            return
         rows = [
             FreeSoloCache(self.cfg, 1, self.num_heads, self.num_kv_heads, self.head_dim, **self._row_args)
             for _ in range(self.batch)
@@ -221,10 +245,57 @@ class FreeSoloCache:
                 row.load_state_dict(sd)
         self._rows = rows
 
+    def _decode_rows(self, q, k, v, beta, lengths: list, check: bool):
+        """Torch FS-L views, fused step: one token for each row with lengths[b] = 1, one batched
+        launch (per-row positions on the device, inactive rows untouched); block boundaries are
+        applied per row before it (host-known, torch ops on the row's views)."""
+        import torch
+
+        state = self._state
+        if state.decode_tiles.impl != "split":  # the first kernel holds one pos for all rows
+            return self._extend_rows_each(q, k, v, beta, lengths, check)
+        q, k, v = q[:, :1], k[:, :1], v[:, :1]
+        out = torch.zeros_like(q)
+        active = [b for b, n_b in enumerate(lengths) if n_b]
+        if not active:
+            return out
+        if check:
+            for b in active:
+                check_inputs(q[b : b + 1], k[b : b + 1], v[b : b + 1], self.cfg, beta, check_finite=True)
+        cfg = self.cfg
+        for b in active:
+            row = self._rows[b].state
+            if row.length > 0 and row.length % cfg.block == 0:
+                row._advance(row.block_k, row.block_v, row.length // cfg.cell)
+        mask = None
+        if len(active) < self.batch:
+            key = tuple(lengths)
+            if key not in self._active_masks:
+                if len(self._active_masks) >= 64:
+                    self._active_masks.clear()
+                host = torch.tensor(lengths, dtype=torch.int8)
+                if state.device.type == "cuda":
+                    host = host.pin_memory()
+                self._active_masks[key] = (host, host.to(state.device, non_blocking=True))  # host kept alive
+            mask = self._active_masks[key][1]
+        from .backends.triton.decode import decode_step
+
+        beta = state.ones_beta if beta is None else beta
+        decode_step(state, q, k, v, beta, out=out, pos=state.pos_rows, active=mask)
+        for b in active:
+            self._rows[b].state.length += 1
+        return out
+
     def _extend_rows(self, q, k, v, beta, lengths: list, check: bool) -> object:
         """Each row b consumes q[b, :lengths[b]] in its own batch-1 cache; zeros elsewhere."""
         if self._rows is None:
-            self._make_rows()
+            self._make_rows(q)
+        if self._views and self._state._fused and max(lengths) <= 1 and is_torch_tensor(q):
+            return self._decode_rows(q, k, v, beta, lengths, check)
+        return self._extend_rows_each(q, k, v, beta, lengths, check)
+
+    def _extend_rows_each(self, q, k, v, beta, lengths: list, check: bool) -> object:
+        """Row by row: row b's cache consumes q[b, :lengths[b]]; zeros elsewhere."""
         parts = {}
         for b, (row, n_b) in enumerate(zip(self._rows, lengths)):
             if n_b > 0:
@@ -341,7 +412,7 @@ class FreeSoloCache:
         rows = self._parse_lengths(lengths, k.shape[1])
         if rows is not None or self._rows is not None:
             if self._rows is None:
-                self._make_rows()
+                self._make_rows(k)
             for b, (row, n_b) in enumerate(zip(self._rows, rows or [k.shape[1]] * self.batch)):
                 if n_b > 0:
                     row.prefill(k[b : b + 1, :n_b], v[b : b + 1, :n_b], check_finite=check)
@@ -399,16 +470,27 @@ class FreeSoloCache:
                 f"state dict of backend {state_dict['backend']!r} cannot load into backend {self.backend!r}"
             )
         if state_dict.get("rows") is not None:
-            rows = [
-                FreeSoloCache(self.cfg, 1, self.num_heads, self.num_kv_heads, self.head_dim, **self._row_args)
-                for _ in range(self.batch)
-            ]
-            for row, sd in zip(rows, state_dict["rows"]):
+            self._rows, self._views = None, False
+            first = state_dict["rows"][0]["state"]
+            if self.backend == "torch" and self.cfg.variant == "fsl" and first.get("dtype") is not None:
+                import torch
+
+                dtype = getattr(torch, first["dtype"].replace("torch.", ""))
+                if self._state.allocated and self._state.dtype != dtype:
+                    raise ValueError(f"state dtype {dtype} != cache dtype {self._state.dtype}")
+                if not self._state.allocated:
+                    self._state.allocate(dtype, first["ring_k"].device)
+                self._make_rows()  # views of the batched state, filled below
+            else:
+                self._rows = [
+                    FreeSoloCache(self.cfg, 1, self.num_heads, self.num_kv_heads, self.head_dim, **self._row_args)
+                    for _ in range(self.batch)
+                ]
+            for row, sd in zip(self._rows, state_dict["rows"]):
                 row.load_state_dict(sd)
-            self._rows = rows
         else:
             self._state.load_state_dict(state_dict["state"])
-            self._rows = None
+            self._rows, self._views = None, False
         self._input = None if state_dict["input"] is None else tuple(state_dict["input"])
 
     def __repr__(self) -> str:

@@ -237,6 +237,7 @@ def test_fused_decode_rows_at_different_lengths(variant):
                 outs[b].append(out[b, :1])
             pos[b] += lengths[b]
     assert cache.lengths == final and all(state._fused for state in cache.state)
+    assert cache._views == (variant == "fsl"), "FS-L rows must share the batched state (one launch per step)"
     for b in range(B):
         got = torch.cat(outs[b], 0)
         sl = slice(0, final[b])
@@ -395,3 +396,43 @@ def test_cuda_fused_decode_batch_64():
     q, k, v, beta = cuda_tensors(15, B, T, Hq, Hkv, D, torch.bfloat16)
     fused, eager, _ = decode_both(cfg, q, k, v, beta, T0)
     assert_close(fused.double().cpu().numpy(), eager.double().cpu().numpy(), rtol=2e-2, name="B=64 bf16")
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_cuda_fused_decode_rows_at_different_lengths_no_sync():
+    """Paper config, bf16, B = 4 rows at different positions (prompts 700 / 1000 / 1300 / 90 as
+    one padded prefill with lengths), then 300 one-token steps where rows pause or stop: one
+    batched fused launch per step, no host sync (sync debug "error"), each row == the parallel op
+    on its own sequence (bf16 tolerance)."""
+    cfg = FreeSoloConfig(variant="fsl")
+    B, Hq, Hkv, D = 4, 8, 2, 64
+    prompts = [700, 1000, 1300, 90]
+    q, k, v, beta = cuda_tensors(16, B, 1700, Hq, Hkv, D, torch.bfloat16)
+    cache = FreeSoloCache(cfg, B, Hq, Hkv, D, backend="torch", decode_kernel="triton", check_finite=False)
+    n = max(prompts)
+    cache.prefill(k[:, :n], v[:, :n], lengths=prompts)
+    pos, outs = list(prompts), [[] for _ in range(B)]
+    rows = torch.arange(B, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in range(300):
+            lengths = [1, int(step % 5 != 0), int(step < 150), 1]
+            idx = torch.tensor(pos, device="cpu").pin_memory().to("cuda", non_blocking=True)
+            out = cache.extend(*(x[rows, idx].unsqueeze(1) for x in (q, k, v)), beta=beta, lengths=lengths)
+            for b in range(B):
+                if lengths[b]:
+                    outs[b].append((pos[b], out[b, 0]))
+                pos[b] += lengths[b]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert cache._views and cache.lengths == pos
+    for b in range(B):
+        ref = freesolo.freesolo_attention(
+            q[b : b + 1, : pos[b]].float(), k[b : b + 1, : pos[b]].float(), v[b : b + 1, : pos[b]].float(), cfg,
+            beta=beta, backend="torch",
+        )[0]  # fmt: skip
+        got = torch.stack([o for _, o in outs[b]]).double().cpu().numpy()
+        want = torch.stack([ref[p] for p, _ in outs[b]]).double().cpu().numpy()
+        assert_close(got, want, rtol=3e-2, name=f"row {b}")

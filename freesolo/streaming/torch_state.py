@@ -90,6 +90,9 @@ _BUFFERS = (
 )
 
 
+_ROW_BUFFERS = ("ring_k", "ring_v", "block_k", "block_v", "cell_ids", "cell_k", "cell_v", "cell_kbar", "cell_a")
+
+
 def fsl_candidate_count(cfg: FreeSoloConfig, n_avail: int) -> int:
     """|C_j| for a block with n_avail available cells (the same for every kv head and batch row)."""
     if cfg.variant == "fsl":
@@ -486,6 +489,22 @@ class TorchCacheState:
         for name in _BUFFERS:
             getattr(self, name).copy_(state[name])
         self.length = int(state["length"])
+
+    def row_view(self, b: int, pos: torch.Tensor) -> "TorchCacheState":
+        """A batch-1 FS-L state whose buffers are views of row b's: its operations (`extend`,
+        `prefill`, `_advance`, the fused step) write through to this state. pos: the row's 0-dim
+        int64 position tensor on the device (e.g. a view of a per-row position vector)."""
+        if self.cfg.variant != "fsl" or not self.allocated:
+            raise ValueError("row views need an allocated FS-L state (FS's archive is reallocated as it grows)")
+        row = TorchCacheState.__new__(TorchCacheState)
+        row.__dict__.update(self.__dict__)  # config, dtype, device, RoPE / prior tables, decode flags
+        for name in ("_triton_split_scratch", "_triton_fs_scratch"):  # sized for B rows
+            row.__dict__.pop(name, None)
+        row.B = 1
+        for name in _ROW_BUFFERS:
+            setattr(row, name, getattr(self, name)[b : b + 1])
+        row.pos = pos
+        return row
 
     def decode_graph(self, beta: Optional[torch.Tensor] = None) -> "DecodeGraph":
         """A CUDA graph of the FS-L / FS one-token step (steady state: T >= w and |C_j| >= K)."""

@@ -328,9 +328,10 @@ def _long_branch(
 
     sc [BLOCK_S] float32 candidate scores (-inf = none), cid [BLOCK_S] int64 their cell ids,
     slots [BLOCK_S] their store slots (SLOT_IS_ID: the slot is the cell id, FS's archive);
-    q [BLOCK_D] float32 unrotated query; kv_row = b * Hkv + kv head; n_slots: the store's slots. Top-K by K argmax passes
-    (score desc, then larger c), then the chosen cells' raw tokens read as one tile (NoPE) with
-    one softmax; o_long rounded to the storage dtype as the torch path's SDPA output.
+    q [BLOCK_D] float32 unrotated query; kv_row = b * Hkv + kv head; n_slots: the store's slots.
+    Top-K by K argmax passes (score desc, then larger c), then the chosen cells' raw tokens read
+    as one tile (NoPE) with one softmax; o_long rounded to the storage dtype as the torch path's
+    SDPA output.
     """
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
@@ -389,6 +390,8 @@ def _split_partials_kernel(
     long_ptr,
     part_score_ptr,
     part_id_ptr,
+    active_ptr,
+    pos_stride,
     stride_qb,
     stride_qh,
     stride_kb,
@@ -411,6 +414,7 @@ def _split_partials_kernel(
     NW: tl.constexpr,
     WCHUNK: tl.constexpr,
     CHUNK: tl.constexpr,
+    HAS_ACTIVE: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_CELL: tl.constexpr,
@@ -426,6 +430,8 @@ def _split_partials_kernel(
     - j >= NW, FS: archive cells [(j - NW) * CHUNK, ...): per query head the chunk's top-K
       candidates -> part_score / part_id [B * Hq, n_chunk * TOPK] (-inf / -1 = none).
 
+    Rows at different positions: pos [B] (pos_stride 1; 0: one pos [] for every row) and, with
+    HAS_ACTIVE, active [B] int8: a row with 0 writes nothing (its ring and block buffer stay).
     Shapes as `_decode_kernel`, with n_slots store slots (a runtime int: FS's capacity changes
     without a recompile). The split sizes are constexprs (never B, T or data): L12-safe.
     """
@@ -437,7 +443,7 @@ def _split_partials_kernel(
     dtype = ring_k_ptr.dtype.element_ty
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
-    pos = tl.load(pos_ptr)
+    pos = tl.load(pos_ptr + b * pos_stride)
     if j < NW:
         HALF: tl.constexpr = D // 2
         dh = tl.where(d < HALF, d, d - HALF)
@@ -456,6 +462,8 @@ def _split_partials_kernel(
         w_slot = pos % WINDOW
         b_slot = pos % QBLOCK
         smask = dmask & first
+        if HAS_ACTIVE:
+            smask = smask & (tl.load(active_ptr + b) != 0)
         tl.store(ring_k_ptr + (pid * WINDOW + w_slot) * D + d, k_rot, mask=smask)
         tl.store(ring_v_ptr + (pid * WINDOW + w_slot) * D + d, v_new.to(dtype), mask=smask)
         tl.store(block_k_ptr + (pid * QBLOCK + b_slot) * D + d, k_new.to(dtype), mask=smask)
@@ -551,6 +559,8 @@ def _split_finish_kernel(
     long_ptr,
     part_score_ptr,
     part_id_ptr,
+    active_ptr,
+    pos_stride,
     stride_qb,
     stride_qh,
     stride_ob,
@@ -568,6 +578,7 @@ def _split_finish_kernel(
     FS: tl.constexpr,
     NW: tl.constexpr,
     NW_P2: tl.constexpr,
+    HAS_ACTIVE: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_CELL: tl.constexpr,
@@ -575,8 +586,9 @@ def _split_finish_kernel(
     """Split step, part 2. Grid (B * Hq,); program b * Hq + h: merges the NW window partials
     (o_loc rounded to the storage dtype, as the torch path's SDPA output); FS-L: adds the long
     partial; FS: merges the chunks' candidates (top-K of the union of per-chunk top-K = the
-    global top-K: a total order), reads the chosen cells, RMSNorm, beta. Writes out [B, 1, Hq, D];
-    program 0 then advances pos (nothing in this kernel reads it)."""
+    global top-K: a total order), reads the chosen cells, RMSNorm, beta. Writes out [B, 1, Hq, D]; then advances
+    pos (pos [] by program 0; pos [B] (pos_stride 1) by each row's head 0; nothing else in this
+    kernel reads it). With HAS_ACTIVE, an inactive row gets zeros and keeps its pos."""
     pid = tl.program_id(0).to(tl.int64)
     HQ: tl.constexpr = HKV * G
     b = pid // HQ
@@ -608,9 +620,14 @@ def _split_finish_kernel(
     else:
         long = tl.load(long_ptr + pid * D + d, mask=dmask, other=0.0)
     out = o_loc + long
+    advance = (h == 0) & ((b == 0) | (pos_stride != 0))
+    if HAS_ACTIVE:
+        act = tl.load(active_ptr + b) != 0
+        out = tl.where(act, out, 0.0)
+        advance = advance & act
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(dtype), mask=dmask)
-    if pid == 0:
-        tl.store(pos_ptr, tl.load(pos_ptr) + 1)
+    if advance:
+        tl.store(pos_ptr + b * pos_stride, tl.load(pos_ptr + b * pos_stride) + 1)
 
 
 # ---- host launcher --------------------------------------------------------------------------
@@ -663,7 +680,9 @@ def _float32_params(state):
     return cached
 
 
-def decode_step(state, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, out=None) -> torch.Tensor:
+def decode_step(
+    state, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, out=None, pos=None, active=None
+) -> torch.Tensor:
     """The fused one-token step of a `TorchCacheState` (FS-L or FS), without host sync.
 
     Args:
@@ -672,9 +691,13 @@ def decode_step(state, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: 
         q: [B, 1, Hq, D]; k, v: [B, 1, Hkv, D] (storage dtype, last dim contiguous).
         beta: [Hq] long-range mixing coefficient (any float dtype, same device).
         out: optional [B, 1, Hq, D] tensor of the storage dtype to write (default: a new one).
+        pos: optional int64 [B] on the device: each row's position (rows at different positions;
+            "split" only); default `state.pos` [] for every row.
+        active: optional int8 [B] on the device (with pos): rows with 0 are left untouched
+            (nothing written, pos kept) and get zero outputs.
     Returns:
         o [B, 1, Hq, D] in the storage dtype. Writes the token into the ring and block buffers
-        and advances `state.pos` by one (on the device).
+        and advances the position(s) by one (on the device).
     """
     B, Hq, Hkv, D = state.B, state.Hq, state.Hkv, state.D
     reasons = decode_supported_reasons(state)
@@ -694,11 +717,21 @@ def decode_step(state, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: 
             f"out {tuple(out.shape)} {out.dtype} must be ({B}, 1, {Hq}, {D}) {state.dtype}, last dim contiguous"
         )
     tiles = state.decode_tiles
+    if pos is not None:
+        if tiles.impl != "split":
+            raise ValueError(f"rows at different positions (pos [B]) need DecodeTiles(impl='split'), not {tiles.impl}")
+        if pos.shape != (B,) or pos.dtype != torch.int64 or pos.stride(0) != 1 or pos.device != state.device:
+            raise ValueError(f"pos must be a contiguous int64 [{B}] tensor on {state.device}, got {tuple(pos.shape)}")
+    if active is not None:
+        if pos is None:
+            raise ValueError("active needs pos (rows at different positions)")
+        if active.shape != (B,) or active.dtype != torch.int8 or active.device != state.device:
+            raise ValueError(f"active must be an int8 [{B}] tensor on {state.device}")
     if tiles.impl == "single":
         _single_step(state, q, k, v, beta.contiguous(), out)
         state.pos += 1
     else:
-        _split_step(state, q, k, v, beta.contiguous(), out, tiles)
+        _split_step(state, q, k, v, beta.contiguous(), out, tiles, pos, active)
     return out
 
 
@@ -722,7 +755,7 @@ def _split_scratch(state, nw: int, n_part: int):
     return cached[1:]
 
 
-def _split_step(state, q, k, v, beta, out, tiles) -> None:
+def _split_step(state, q, k, v, beta, out, tiles, pos=None, active=None) -> None:
     """Launch the split step: `_split_partials_kernel` then `_split_finish_kernel` (advances pos)."""
     cfg, B, Hq, Hkv, G, D = state.cfg, state.B, state.Hq, state.Hkv, state.group, state.D
     sigma, lam = _float32_params(state)
@@ -739,6 +772,8 @@ def _split_step(state, q, k, v, beta, out, tiles) -> None:
     else:
         chunk, nchunk, n_part, n_long = 1, 1, 0, G
     win_ml, win_acc, long, part_score, part_id = _split_scratch(state, nw, n_part)
+    pos_t, pos_stride = (state.pos, 0) if pos is None else (pos, 1)
+    act_t = pos_t if active is None else active  # placeholder pointer when every row moves
     BLOCK_D = _pow2(D)
     common = dict(
         HKV=Hkv,
@@ -749,6 +784,7 @@ def _split_step(state, q, k, v, beta, out, tiles) -> None:
         TOPK_P2=_pow2(cfg.top_k),
         FS=fs,
         NW=nw,
+        HAS_ACTIVE=active is not None,
         BLOCK_D=BLOCK_D,
         BLOCK_CELL=_pow2(cfg.cell),
         num_warps=tiles.num_warps,
@@ -758,7 +794,7 @@ def _split_step(state, q, k, v, beta, out, tiles) -> None:
         k,
         v,
         beta,
-        state.pos,
+        pos_t,
         state.inv_freq,
         sigma,
         lam,
@@ -776,6 +812,8 @@ def _split_step(state, q, k, v, beta, out, tiles) -> None:
         long,
         part_score,
         part_id,
+        act_t,
+        pos_stride,
         q.stride(0),
         q.stride(2),
         k.stride(0),
@@ -797,7 +835,7 @@ def _split_step(state, q, k, v, beta, out, tiles) -> None:
         q,
         beta,
         out,
-        state.pos,
+        pos_t,
         state.cell_k,
         state.cell_v,
         win_ml,
@@ -805,6 +843,8 @@ def _split_step(state, q, k, v, beta, out, tiles) -> None:
         long,
         part_score,
         part_id,
+        act_t,
+        pos_stride,
         q.stride(0),
         q.stride(2),
         out.stride(0),
