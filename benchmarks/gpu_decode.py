@@ -38,6 +38,7 @@ minute on an H200 with the defaults.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -167,6 +168,7 @@ TILES = {
     "split": DecodeTiles(),  # default: window chunks of 128 slots, 8 warps
     "split64": DecodeTiles(window_chunk=64, num_warps=4),
     "split256": DecodeTiles(window_chunk=256, num_warps=8),
+    "fs256": DecodeTiles(fs_chunk=256),  # FS: 256 archive cells per scoring program (half the candidates to merge)
 }
 DEFAULT_TILES = ["single", "split", "split64"]
 
@@ -295,8 +297,12 @@ def fsl_triton_run(torch_cache, cfg, steps, timer, dtype, device, tiles) -> dict
     B, H, D = torch_cache.batch, torch_cache.num_heads, torch_cache.head_dim
     cache = FreeSoloCache(cfg, B, H, H, D, backend="torch", dtype=dtype, device=device, decode_kernel="triton")
     cache.load_state_dict(torch_cache.state_dict())
-    out = {}
+    out, seen = {}, set()
     for name in tiles:
+        fsl_shape = dataclasses.replace(TILES[name], fs_chunk=None)  # fs_chunk does not shape FS-L
+        if fsl_shape in seen:
+            continue
+        seen.add(fsl_shape)
         cache.state.decode_tiles = TILES[name]
         q, k, v = _decode_inputs(B, H, D, cfg.block + 1, dtype, device)
         out.update(check_against_torch_step(cache, q, k, v, cfg.block + 1, f"fsl_{name}"))

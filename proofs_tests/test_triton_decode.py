@@ -269,18 +269,30 @@ def cuda_tensors(seed, B, T, Hq, Hkv, D, dtype):
     return q, k, v, torch.linspace(0.5, 1.5, Hq, device="cuda")
 
 
+CUDA_TILES = {
+    "split": DecodeTiles(),
+    "split64": DecodeTiles(window_chunk=64, num_warps=4),
+    "fs256": DecodeTiles(fs_chunk=256),
+    "single": DecodeTiles(impl="single"),
+}
+
+
 @needs_cuda
 @pytest.mark.gpu
+@pytest.mark.parametrize("tiles", list(CUDA_TILES))
 @pytest.mark.parametrize("variant", ["fsl", "fs"])
 @pytest.mark.parametrize("heads", [(8, 2), (4, 4)], ids=["GQA4", "MHA"])
-def test_cuda_fused_decode_paper_sizes_float32(variant, heads):
+def test_cuda_fused_decode_paper_sizes_float32(variant, heads, tiles):
     """Default (paper) config, fp32: decode 300 tokens from T0 = 1800 (crosses block boundaries),
-    == the parallel op (torch backend) and == the torch step, RMS-relative 1e-5."""
+    == the parallel op (torch backend) and == the torch step, RMS-relative 1e-5; every A/B
+    variant of the fused step (benchmarks/gpu_decode.py --tiles)."""
+    if variant == "fsl" and tiles == "fs256":
+        pytest.skip("fs_chunk shapes FS only")
     cfg = FreeSoloConfig(variant=variant)
     Hq, Hkv = heads
     B, T0, T, D = 2, 1800, 2100, 64
     q, k, v, beta = cuda_tensors(11, B, T, Hq, Hkv, D, torch.float32)
-    fused, eager, _ = decode_both(cfg, q, k, v, beta, T0)
+    fused, eager, _ = decode_both(cfg, q, k, v, beta, T0, tiles=CUDA_TILES[tiles])
     parallel = freesolo.freesolo_attention(q, k, v, cfg, beta=beta, backend="torch")[:, T0:]
     assert_close_but_near_ties(fused, parallel, "fused vs parallel")
     assert_close_but_near_ties(fused, eager, "fused vs torch step")
