@@ -283,25 +283,30 @@ class TorchCacheState:
         recent = ids >= n_avail - cfg.recent
         inf = torch.full_like(a_all, float("inf"))
         key = torch.where(recent, inf, torch.where(ids >= 0, a_all, -inf))  # recent first, empty last
-        keep = _sort_desc_ties_larger_id(key, ids, S)  # [B, Hkv, S] indices into the union
-        valid = key.gather(2, keep) > float("-inf")
-        from_store = keep < S
-        in_store = keep.clamp(max=S - 1)
-        in_new = (keep - S).clamp(min=0, max=m - 1)
-
-        def pick(store: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-            mask = from_store.view(keep.shape + (1,) * (store.dim() - 3))
-            return torch.where(mask, _gather_cells(store, in_store), _gather_cells(new.contiguous(), in_new))
-
-        new_store = {
-            "cell_k": pick(self.cell_k, k_cells),
-            "cell_v": pick(self.cell_v, v_cells),
-            "cell_kbar": pick(self.cell_kbar, kbar),
-            "cell_a": pick(self.cell_a, a),
-        }
-        self.cell_ids.copy_(torch.where(valid, ids.gather(2, keep), torch.full_like(keep, -1)))
-        for name, value in new_store.items():
-            getattr(self, name).copy_(value)
+        order = _sort_desc_ties_larger_id(key, ids, S + m)  # [B, Hkv, S+m]: the union ranked
+        rank = torch.empty_like(order).scatter_(2, order, torch.arange(S + m, device=self.device).expand_as(order))
+        kept = (rank < S) & (key > float("-inf"))  # the new candidate set (spec §5), <= S cells
+        # Slot-stable layout: kept held cells stay in their slots; the kept new cells, in id order,
+        # fill the freed slots in slot order; other freed slots become empty. (Any layout gives the
+        # same outputs: selection and readout order go by score and cell id, never by slot.)
+        freed = ~kept[:, :, :S]  # [B, Hkv, S]
+        kept_new = kept[:, :, S:]  # [B, Hkv, m]
+        slot_idx = torch.arange(S, device=self.device).expand_as(freed)
+        freed_slots = torch.sort(torch.where(freed, slot_idx, slot_idx + S), dim=2, stable=True).values  # freed first
+        nidx = torch.cumsum(kept_new.to(torch.int64), dim=2) - 1  # rank of a kept new cell among them
+        target = freed_slots.gather(2, nidx.clamp(0, S - 1))  # its slot (a freed one: kept new <= freed)
+        src = torch.full((self.B, self.Hkv, S + 1), -1, dtype=torch.int64, device=self.device)
+        src.scatter_(2, torch.where(kept_new, target, S), torch.arange(m, device=self.device).expand_as(target))
+        src = src[:, :, :S]  # [B, Hkv, S]: the new cell a slot receives, -1 none (S: a dump for the others)
+        has = src >= 0
+        take = src.clamp(min=0)
+        self.cell_ids.copy_(
+            torch.where(freed, torch.where(has, new_ids.gather(2, take), torch.full_like(take, -1)), self.cell_ids)
+        )
+        for name, new in (("cell_k", k_cells), ("cell_v", v_cells), ("cell_kbar", kbar), ("cell_a", a)):
+            store = getattr(self, name)
+            mask = has.view(has.shape + (1,) * (store.dim() - 3))
+            store.copy_(torch.where(mask, _gather_cells(new.contiguous(), take), store))
 
     # ---- one piece of a chunk (inside one query block) ------------------------------------
     def _piece(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
