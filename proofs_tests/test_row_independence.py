@@ -262,3 +262,96 @@ def test_l12_torch_batch_of_three_huge_rows(variant, dtype):
     out_b, idx_b = _run("torch", target, q, k, v, cfg)
     alone = _run("torch", target, q[:1], k[:1], v[:1], cfg)
     _assert_same("row 0 of a batch of 3 vs alone", (out_b[:1], idx_b[:1]), alone, 100)
+
+
+# ---- the readout's reduction order (issue 9, remaining L12 risk) ------------------------------
+# Within a chunk the torch readout reads the long branch from a buffer of cells shared by the
+# chunk's queries. Query i's output must not depend on where ITS cells sit in that buffer when
+# the buffer's content follows the other queries' selections (later queries of the same block
+# included): the matmul's reduction order over the keys would follow them. The random problems
+# above use tiny heads; these use the real sizes (D = 64, K*s = 128) where the union layout runs.
+
+_DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not _HAS_CUDA, reason=_NO_CUDA))]
+
+
+def _hand_selection(rng, T: int, Hq: int, cfg: FreeSoloConfig, fill: str) -> np.ndarray:
+    """int64 [1, T, Hq, K]: per query up to K distinct available cells in random order (not by cell
+    id: the selection order is the score's), -1 padded, drawn from a few cells per block and head
+    so that a block's union is narrow and follows the draw. fill "few": 1-2 cells per query from
+    2-4 cells per block; "wide": K cells from 6-12; "none": no cell."""
+    K, s, Bq = cfg.top_k, cfg.cell, cfg.block
+    idx = np.full((1, T, Hq, K), -1, np.int64)
+    if fill == "none":
+        return idx
+    for j in range(-(-T // Bq)):
+        n = j * Bq // s  # cells available to block j
+        if n == 0:
+            continue
+        for h in range(Hq):
+            lo, hi = (2, 4) if fill == "few" else (6, 12)
+            fav = rng.choice(n, size=min(n, int(rng.integers(lo, hi + 1))), replace=False)
+            for i in range(j * Bq, min(T, (j + 1) * Bq)):
+                m = min(len(fav), K if fill == "wide" else int(rng.integers(1, 3)))
+                idx[0, i, h, :m] = rng.choice(fav, size=m, replace=False)
+    return idx
+
+
+@pytest.mark.skipif(torch is None, reason="torch is not installed")
+@pytest.mark.parametrize("device", _DEVICES)
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("long_path", ["auto", "union", "gather"])
+def test_l12_torch_readout_later_selections(device, dtype, long_path):
+    """The torch readout (the backend's internal `attention` with a given selection) called with
+    two selections that agree for queries <= i and differ after i (other widths and cell orders
+    of the chunk's cell buffer), later tokens changed too: no bit of o[:i+1] may change."""
+    from freesolo.backends.torch.backend import attention as torch_attention
+
+    cfg = FreeSoloConfig(variant="fs")  # w 512, s 32, K 4, Bq 128: the long branch reads unions
+    T, Hq, Hkv, D = 1024, 2, 2, 64
+    rng = np.random.default_rng(9)
+    dt = getattr(torch, dtype)
+    q, k, v = _rows(rng, "normal", 1, T, Hq, Hkv, D, cfg.cell)
+    idx = _hand_selection(rng, T, Hq, cfg, "few")
+    want = None
+    for cut, fill in ((300, "wide"), (700, "few"), (767, "wide"), (1000, "none")):
+        idx2 = idx.copy()
+        idx2[:, cut + 1 :] = _hand_selection(rng, T, Hq, cfg, fill)[:, cut + 1 :]
+        q2, k2, v2 = q.copy(), k.copy(), v.copy()
+        q2[:, cut + 1 :], k2[:, cut + 1 :], v2[:, cut + 1 :] = _rows(rng, "huge", 1, T - cut - 1, Hq, Hkv, D, 1)
+        outs = []
+        for xs, ix in (((q, k, v), idx), ((q2, k2, v2), idx2)):
+            qx, kx, vx = (torch.from_numpy(x).to(device=device, dtype=dt) for x in xs)
+            o = torch_attention(qx, kx, vx, cfg, idx=torch.from_numpy(ix).to(device), long_path=long_path)
+            outs.append(_bits(o))
+        if want is None:
+            want = outs[0]
+        assert np.array_equal(outs[0], want), "the same inputs gave other bits (not reproducible)"
+        got = outs[1][:, : cut + 1]
+        assert np.array_equal(got, want[:, : cut + 1]), (
+            f"L12 broken: selections / tokens after {cut} changed o[:{cut + 1}]: {_first_difference(got, want[:, : cut + 1])}"
+        )
+
+
+@pytest.mark.skipif(torch is None, reason="torch is not installed")
+@pytest.mark.parametrize("device", _DEVICES)
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("variant", ["fs", "fsl", "fsb"])
+def test_l12_torch_later_tokens_change_later_selections(device, dtype, variant):
+    """End to end at the real sizes (default config, D = 64): later queries random again and later
+    keys of 1e3x norms, so the later queries of query i's own block select other cells (and the
+    later blocks the huge ones); outputs and selections of queries <= i keep every bit."""
+    cfg = FreeSoloConfig(variant=variant, pool=8, recent=4)  # P + W < the available cells: pruning bites
+    T, Hq, Hkv, D = 1536, 2, 1, 64
+    rng = np.random.default_rng(12)
+    q, k, v = _rows(rng, "normal", 1, T, Hq, Hkv, D, cfg.cell)
+    if variant == "fsb":
+        cfg = cfg.replace(tau=tuple(float(x) for x in np.atleast_1d(freesolo.calibrate_tau(k, cfg))))
+    target = f"{device}-{dtype}"
+    want = _run("torch", target, q, k, v, cfg)
+    for cut in (700, 1300):
+        q2, k2, v2 = q.copy(), k.copy(), v.copy()
+        lq, lk, lv = _rows(rng, "huge", 1, T - cut - 1, Hq, Hkv, D, cfg.cell)
+        q2[:, cut + 1 :], k2[:, cut + 1 :], v2[:, cut + 1 :] = lq / 1e3, lk, lv
+        got = _run("torch", target, q2, k2, v2, cfg)
+        assert not np.array_equal(got[1][:, cut + 128 :], want[1][:, cut + 128 :]), "later selections unchanged"
+        _assert_same(f"tokens after {cut} replaced", got, want, cut + 1)

@@ -5,17 +5,27 @@ Per chunk of `nb` query blocks (queries [i0, i1)):
   (nwin*Bq >= Bq + w - 1 keys, masked to i - w < t <= i); logits [B, Hkv, G, nb, Bq, nwin*Bq],
   never T x T; windows are stacked block slices (their backward is a sum of slices);
 - long branch, two equivalent layouts (same token sets, same softmax):
-  "union": per (block, kv head) the union of the cells its queries selected, padded to the
-  chunk's fixed bound U (`union_width`: min(G*Bq*K, cells available to the chunk's last block,
-  and P + W for FS-L)), gathered once as [B, Hkv, nb, U*s, D] and read by matmuls with a
-  per-query mask; "gather": the tokens of each query's own cells, [B, Hkv, G, L, K*s, D];
-  "auto" picks union per chunk when its bound U is small enough that it moves less memory
-  (FS-L: always);
+  "union": a buffer of cells per block whose content and order are a function of the cells
+  available to the block alone, never of the queries' selections: FS-L's candidate set C_j
+  (decreasing, -1 padded to U = min(P + W, cells available to the chunk's last block)) when the
+  readout is given it, else every cell available to the chunk's last block in cell order
+  (U = (j1 - 1) * Bq / s, a contiguous slice of k shared by the chunk's blocks). One matmul
+  gives the logits of the buffer; each query reads its own K*s logits (its selection order),
+  softmaxes them and scatters the weights into the buffer's columns for the value matmul;
+  "gather": the tokens of each query's own cells, [B, Hkv, G, L, K*s, D];
+  "auto" picks union per chunk when its width U is small enough that it moves less memory
+  (FS-L with candidates: always);
 - o = o_loc + beta * rmsnorm(o_long).
 Row independence (spec L12): `attention` in backend.py calls the readout one batch row at a time,
 on a row padded to whole chunks; every width above (chunk, window, U, path) is a function of the
 config, the head shapes and the chunk's position, never of B, T or the selected data, so the
 ops that compute query i have the same shapes whatever the other rows and later tokens are.
+The position of each of query i's keys inside those ops (hence the order in which a matmul
+reduces them) is a function of the block's available cells and of i's own selection alone: a
+union of the block's selected cells would move i's cells with the selections of the block's
+later queries (a reduction order that follows later tokens). Entries of other queries' cells or
+of masked keys weigh exactly +0; they can flip only the sign of an exact zero, so the output is
+canonicalized (x + 0.0 turns -0.0 into +0.0 and leaves every other value alone).
 RoPE is applied per chunk (to the chunk's queries and key span, tables computed per chunk from
 the positions), inputs stay in their own dtype
 and each chunk is cast to the compute dtype on entry. Forward keeps only the inputs; backward
@@ -33,7 +43,6 @@ from ._ops import rope, rope_tables, take_rows
 
 __all__ = [
     "FreeSoloReadout",
-    "block_unions",
     "choose_long_path",
     "chunk_forward",
     "readout_bytes_per_query",
@@ -41,55 +50,42 @@ __all__ = [
 ]
 
 
-def block_unions(idx: torch.Tensor, block: int) -> torch.Tensor:
-    """idx [B, Hkv, G, T, K] -> cells [B, Hkv, nblocks, G*block*K]: the union of the cells selected
-    in each query block by any of its queries and query heads, decreasing, -1 padded. The width is
-    the fixed bound G*block*K (a width that depended on the data would change the shapes that
-    read other rows' blocks); a chunk reads the first `union_width` entries."""
-    B, Hkv, G, T, K = idx.shape
-    nblocks = -(-T // block)
-    x = torch.nn.functional.pad(idx, (0, 0, 0, nblocks * block - T), value=-1)
-    x = x.reshape(B, Hkv, G, nblocks, block * K).transpose(2, 3).reshape(B, Hkv, nblocks, G * block * K)
-    x = torch.sort(x, dim=-1, descending=True).values
-    dup = torch.zeros_like(x, dtype=torch.bool)
-    dup[..., 1:] = x[..., 1:] == x[..., :-1]
-    return torch.sort(torch.where(dup, torch.full_like(x, -1), x), dim=-1, descending=True).values
-
-
-def union_width(cfg: FreeSoloConfig, G: int, j1: int, pool_bound: bool) -> int:
-    """Fixed width U of the union buffer of a chunk whose last block is j1 - 1: a bound of every
-    block's union that depends on the config and the chunk's position only (L12): at most
-    G*Bq*K selected cells, all available to the last block (c < (j1-1)*Bq/s), and, with
-    `pool_bound` (FS-L selection), inside the block's candidate set (<= P + W). U >= 1."""
-    U = min(G * cfg.block * cfg.top_k, (j1 - 1) * cfg.block // cfg.cell)
-    if pool_bound:
+def union_width(cfg: FreeSoloConfig, j1: int, candidates: bool) -> int:
+    """Width U (cells) of the union buffer of a chunk whose last block is j1 - 1, a function of the
+    config and the chunk's position only (L12): with `candidates` (FS-L's candidate sets), the
+    largest set, min(P + W, cells available to the last block); else every cell available to the
+    last block, (j1 - 1) * Bq / s. U >= 1."""
+    U = (j1 - 1) * cfg.block // cfg.cell
+    if candidates:
         U = min(U, cfg.pool + cfg.recent)
     return max(1, U)
 
 
 def choose_long_path(U: int, cfg: FreeSoloConfig, D: int) -> str:
     """ "union" when its per-query tensors (~5 U*s) are no larger than the gather's (~4 K*s*(D+2)).
-    U is a chunk's fixed bound (`union_width`), so the choice never depends on the data."""
+    U is a chunk's fixed width (`union_width`), so the choice never depends on the data."""
     return "union" if 5 * U <= 4 * cfg.top_k * (D + 2) else "gather"
 
 
 def readout_bytes_per_query(
-    Hq: int, D: int, cfg: FreeSoloConfig, itemsize: int, G: int, pool_bound: bool, long_path: str = "auto"
+    Hq: int, D: int, cfg: FreeSoloConfig, itemsize: int, candidates: bool, long_path: str = "auto"
 ) -> int:
     """Transient bytes per query position of one row's readout chunk, backward recomputation
     included, for the largest layout a chunk may take (a function of the config, the head shapes
-    and `long_path` only, so the chunk size never depends on B, T or the data)."""
+    and `long_path` only, so the chunk size never depends on B, T or the data). `long_path`
+    "union" without candidate sets reads every available cell: its chunks are sized for the
+    widest "auto" union, and its memory grows with T past it (a layout for tests and short rows)."""
     local = 6 * window_blocks(cfg) * cfg.block  # logits, mask, probabilities and their gradients
-    U = G * cfg.block * cfg.top_k  # the largest union_width
-    if pool_bound:
-        U = min(U, cfg.pool + cfg.recent)
     gather = 4 * cfg.top_k * cfg.cell * (D + 2)  # gathered k, v, their gradients, logits
-    if long_path == "gather" or (long_path == "auto" and choose_long_path(U, cfg, D) == "gather"):
-        if long_path == "gather":
-            return Hq * itemsize * (local + gather)
-        U = max(1, 4 * cfg.top_k * (D + 2) // 5)  # "auto": the widest union a chunk still reads as union
-        return Hq * itemsize * (local + max(gather, 6 * U * cfg.cell + U * cfg.top_k))
-    return Hq * itemsize * (local + 6 * U * cfg.cell + U * cfg.top_k)  # union: logits, probabilities, grads, mask
+    if long_path == "gather":
+        return Hq * itemsize * (local + gather)
+    if candidates:
+        U = cfg.pool + cfg.recent
+        if long_path == "union" or choose_long_path(U, cfg, D) == "union":
+            return Hq * itemsize * (local + 6 * U * cfg.cell + U * cfg.top_k)
+    U = max(1, 4 * cfg.top_k * (D + 2) // 5)  # the widest union "auto" still reads as union
+    union = 6 * U * cfg.cell + U * cfg.top_k  # logits, probabilities, their gradients, slots
+    return Hq * itemsize * (local + (union if long_path == "union" else max(gather, union)))
 
 
 def window_blocks(cfg: FreeSoloConfig) -> int:
@@ -146,12 +142,13 @@ def chunk_forward(
         k_span, v_span: [B, Hkv, S, D] unrotated keys / values of tokens [max(0, (j0-nwin+1)*Bq), ...),
             S <= L + (nwin-1)*Bq (missing tokens are padded with zeros and masked out).
         rope_q, rope_k: (cos, sin) [L, D/2] / [S, D/2] of those positions, in the compute dtype.
-        k_long, v_long: "gather": [B, Hkv, G, L, K*s, D]; "union": [B, Hkv, nb, U*s, D] (unrotated).
+        k_long, v_long: "gather": [B, Hkv, G, L, K*s, D]; "union": [B, Hkv, nb, U*s, D] (a buffer
+            per block) or [B, Hkv, U*s, D] (one buffer shared by the chunk's blocks), unrotated.
         long_mask: "gather": [B, Hkv, G, L, K*s] bool; "union": [B, Hkv, G, nb, Bq, K] int64, the
-            union slot of each of the query's K selected cells in selection order (U: none).
+            buffer slot of each of the query's K selected cells in selection order (U: none).
         beta: [Hkv, G]. pad_front: zero keys before kr_span (the window starts before token 0).
     Returns:
-        o [B, Hkv, G, L, D] in the compute dtype.
+        o [B, Hkv, G, L, D] in the compute dtype (zeros are +0.0: see the module docstring).
     """
     B, Hkv, G, L, D = q.shape
     cdt = rope_q[0].dtype
@@ -178,14 +175,17 @@ def chunk_forward(
     o_loc = o_loc.reshape(B, Hkv, G, nb * Bq, D)[:, :, :, :L]
     # ---- long branch: NoPE softmax over the selected tokens
     if path == "union":
-        # logits of the block's union by one matmul; each query then reads its own K cells'
+        # logits of the block's buffer by one matmul; each query then reads its own K cells'
         # logits (its selection order: a fixed layout), softmaxes them and scatters the weights
-        # back into the union's columns for the value matmul: the wide [Bq, U*s] tensors are
+        # back into the buffer's columns for the value matmul: the wide [Bq, U*s] tensors are
         # written twice and read twice (no mask / exp / max passes over them)
         s = cfg.cell
         qu = torch.nn.functional.pad(q, (0, 0, 0, pad_q)) if pad_q else q
         qu = qu.reshape(B, Hkv, G, nb, Bq, D)
-        lg = torch.einsum("bhgnqd,bhnud->bhgnqu", qu * scale, k_long)  # (B, Hkv, G, nb, Bq, U*s)
+        per_block = k_long.dim() == 5  # [B, Hkv, nb, U*s, D]; else one buffer [B, Hkv, U*s, D]
+        eq_k = "bhgnqd,bhnud->bhgnqu" if per_block else "bhgnqd,bhud->bhgnqu"
+        eq_v = "bhgnqu,bhnud->bhgnqd" if per_block else "bhgnqu,bhud->bhgnqd"
+        lg = torch.einsum(eq_k, qu * scale, k_long)  # (B, Hkv, G, nb, Bq, U*s)
         slot = long_mask  # (B, Hkv, G, nb, Bq, K): the union slot of each selected cell, U = none
         U = k_long.shape[-2] // s
         K = slot.shape[-1]
@@ -198,13 +198,13 @@ def chunk_forward(
         mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))  # rows with no cell: 0
         e = torch.exp(lk - mx)  # masked entries: +0
         den = e.sum(dim=-1, keepdim=True)  # (B, Hkv, G, nb, Bq, 1), in the query's own order
-        # weights back into the union's columns; a masked entry adds +0 (exact, so the order of
+        # weights back into the buffer's columns; a masked entry adds +0 (exact, so the order of
         # the additions into a column, atomic on CUDA, never changes a bit)
         if torch.is_grad_enabled():
             p = torch.zeros_like(lg).scatter_add(-1, col, e)
         else:
             p = lg.zero_().scatter_add_(-1, col, e)  # forward: reuse the logits' storage
-        num = torch.einsum("bhgnqu,bhnud->bhgnqd", p, v_long)
+        num = torch.einsum(eq_v, p, v_long)
         num = num.reshape(B, Hkv, G, nb * Bq, D)[:, :, :, :L]
         den = den.reshape(B, Hkv, G, nb * Bq, 1)[:, :, :, :L]
     else:
@@ -212,18 +212,18 @@ def chunk_forward(
         num, den = _masked_softmax_readout(lg, long_mask, "bhgln,bhglnd->bhgld", v_long)
     o_long = num / torch.where(den > 0, den, torch.ones_like(den))
     rms = torch.rsqrt((o_long * o_long).mean(dim=-1, keepdim=True) + cfg.eps)
-    return o_loc + beta.view(1, Hkv, G, 1, 1) * (o_long * rms)
+    return o_loc + beta.view(1, Hkv, G, 1, 1) * (o_long * rms) + 0.0  # + 0.0: -0.0 -> +0.0 (L12)
 
 
 class _Chunk:
     """Index bookkeeping of one chunk: query range, key span, long-branch layout, token indices,
-    mask and RoPE tables (every shape a function of the config and the chunk's position)."""
+    buffer slots and RoPE tables (every shape a function of the config and the chunk's position;
+    every buffer's content a function of the cells available to its block)."""
 
-    def __init__(self, j0, j1, T, cfg, idx, unions, long_path, pool_bound, D, cdt):
+    def __init__(self, j0, j1, T, cfg, idx, cand, long_path, D, cdt):
         Bq, s = cfg.block, cfg.cell
         dev = idx.device
-        G = idx.shape[2]
-        self.U = union_width(cfg, G, j1, pool_bound)
+        self.U = union_width(cfg, j1, cand is not None)
         path = choose_long_path(self.U, cfg, D) if long_path == "auto" else long_path
         self.path = path
         self.j0 = j0
@@ -238,17 +238,24 @@ class _Chunk:
         cells = idx[:, :, :, self.i0 : self.i1]  # (B, Hkv, G, L, K)
         B, Hkv, G, L, K = cells.shape
         ar = torch.arange(s, device=dev)
+        self.span = None  # "union" without candidates: the buffer is the token span [0, span)
         if path == "union":
             nb = j1 - j0
-            uc = unions[:, :, j0:j1, : self.U]  # (B, Hkv, nb, U): the fixed bound, -1 padded
             U = self.U
-            self.tok = (uc.clamp(min=0)[..., None] * s + ar).clamp(max=T - 1).reshape(B, Hkv, nb, U * s)
-            sel = torch.nn.functional.pad(cells, (0, 0, 0, nb * Bq - L), value=-1).reshape(B, Hkv, G, nb, Bq, K, 1)
-            hit = (sel == uc[:, :, None, :, None, None, :]) & (sel >= 0)  # (B, Hkv, G, nb, Bq, K, U)
-            slot = (hit * torch.arange(U, device=dev)).sum(dim=-1)  # the union slot of each selected cell
-            self.mask = torch.where(hit.any(dim=-1), slot, torch.full_like(slot, U))  # U: no cell
-            self.bi = torch.arange(B, device=dev).view(B, 1, 1, 1)
-            self.hi_ = torch.arange(Hkv, device=dev).view(1, Hkv, 1, 1)
+            sel = torch.nn.functional.pad(cells, (0, 0, 0, nb * Bq - L), value=-1).reshape(B, Hkv, G, nb, Bq, K)
+            if cand is None:  # every cell available to the last block, slot = cell id
+                self.span = U * s  # <= (j1 - 1) * Bq <= T (the row is padded to whole chunks)
+                self.mask = torch.where(sel >= 0, sel, torch.full_like(sel, U))  # U: no cell
+            else:  # block j's candidates, increasing (-1 pads first): slot of a cell by binary search
+                uc = cand[:, :, j0:j1, :U].flip(dims=[-1])  # (B, Hkv, nb, U)
+                self.tok = (uc.clamp(min=0)[..., None] * s + ar).clamp(max=T - 1).reshape(B, Hkv, nb, U * s)
+                x = sel.permute(0, 1, 3, 2, 4, 5).reshape(B, Hkv, nb, G * Bq * K)  # (B, Hkv, nb, G*Bq*K)
+                slot = torch.searchsorted(uc, x).clamp(max=U - 1)
+                hit = (torch.gather(uc, -1, slot) == x) & (x >= 0)
+                slot = torch.where(hit, slot, torch.full_like(slot, U))  # U: no cell (or none of C_j)
+                self.mask = slot.reshape(B, Hkv, nb, G, Bq, K).permute(0, 1, 3, 2, 4, 5)  # (B, Hkv, G, nb, Bq, K)
+                self.bi = torch.arange(B, device=dev).view(B, 1, 1, 1)
+                self.hi_ = torch.arange(Hkv, device=dev).view(1, Hkv, 1, 1)
         else:
             tok = cells.clamp(min=0)[..., None] * s + ar  # (B, Hkv, G, L, K, s)
             self.tok = tok.clamp(max=T - 1).reshape(B, Hkv, G, L, K * s)  # -1 pads read a masked token
@@ -266,10 +273,15 @@ class _Chunk:
 
     def gather(self, x):
         """x [B, Hkv, T, D] -> the long branch's tokens (union or per-query layout)."""
+        if self.span is not None:
+            return x[:, :, : self.span]
         return take_rows(x, self.tok)
 
     def scatter_add(self, dst, src):
         """dst [B, Hkv, T, D] (contiguous) += src (layout of `gather`) at the same tokens."""
+        if self.span is not None:
+            dst[:, :, : self.span] += src
+            return
         B, Hkv, T, D = dst.shape
         rows = ((self.bi * Hkv + self.hi_) * T + self.tok).reshape(-1)  # flat (b, h, t) row of each token
         dst.view(B * Hkv * T, D).index_add_(0, rows, src.reshape(-1, D))
@@ -289,18 +301,19 @@ class _Chunk:
 class FreeSoloReadout(torch.autograd.Function):
     """o = local(rope(q), rope(k), v) + beta * rmsnorm(long(q, k, v; idx)), chunked, recomputed in backward.
 
-    forward(q, k, v, beta, idx, unions, cfg, nblocks_per_chunk, long_path, pool_bound):
+    forward(q, k, v, beta, idx, cand, cfg, nblocks_per_chunk, long_path):
         q: [B, Hkv, G, T, D] unrotated queries; k, v: [B, Hkv, T, D] (the inputs' dtype);
         beta [Hkv, G] in the compute dtype (its dtype);
-        idx: int64 [B, Hkv, G, T, K] selected cells (-1 padded); unions: block_unions(idx)
-        (read by the chunks whose layout is "union"); long_path: "auto", "union" or "gather";
-        pool_bound: the selection is FS-L's (union_width may use P + W).
+        idx: int64 [B, Hkv, G, T, K] selected cells (-1 padded);
+        cand: None, or int64 [B, Hkv, ceil(T / Bq), P + W], FS-L's candidate set of every block
+        (decreasing, -1 padded), a superset of the block's selected cells: the "union" buffers;
+        long_path: "auto", "union" or "gather".
         Row independence needs B = 1 and T a whole number of chunks (backend.attention does it).
         Returns o [B, Hkv, G, T, D] in q's dtype.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, beta, idx, unions, cfg, nblocks_per_chunk, long_path, pool_bound):
+    def forward(ctx, q, k, v, beta, idx, cand, cfg, nblocks_per_chunk, long_path):
         B, Hkv, G, T, D = q.shape
         nblocks = -(-T // cfg.block)
         cdt = beta.dtype
@@ -308,18 +321,20 @@ class FreeSoloReadout(torch.autograd.Function):
         with torch.no_grad():
             for j0 in range(0, nblocks, nblocks_per_chunk):
                 j1 = min(nblocks, j0 + nblocks_per_chunk)
-                c = _Chunk(j0, j1, T, cfg, idx, unions, long_path, pool_bound, D, cdt)
+                c = _Chunk(j0, j1, T, cfg, idx, cand, long_path, D, cdt)
                 x = c.leaves(q, k, v, beta)
                 out[:, :, :, c.i0 : c.i1] = chunk_forward(
                     *x[:5], c.mask, x[5], c.rope_q(), c.rope_k(), j0, c.pad_front, cfg, c.path
                 )
-        ctx.save_for_backward(q, k, v, beta, idx, unions)
-        ctx.cfg, ctx.nblocks_per_chunk, ctx.long_path, ctx.pool_bound = cfg, nblocks_per_chunk, long_path, pool_bound
+        ctx.has_cand = cand is not None
+        ctx.save_for_backward(q, k, v, beta, idx, *((cand,) if ctx.has_cand else ()))
+        ctx.cfg, ctx.nblocks_per_chunk, ctx.long_path = cfg, nblocks_per_chunk, long_path
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, beta, idx, unions = ctx.saved_tensors
+        q, k, v, beta, idx, *rest = ctx.saved_tensors
+        cand = rest[0] if ctx.has_cand else None
         cfg = ctx.cfg
         cdt = beta.dtype
         D = q.shape[-1]
@@ -330,7 +345,7 @@ class FreeSoloReadout(torch.autograd.Function):
         dbeta = torch.zeros_like(beta)
         for j0 in range(0, nblocks, ctx.nblocks_per_chunk):
             j1 = min(nblocks, j0 + ctx.nblocks_per_chunk)
-            c = _Chunk(j0, j1, T, cfg, idx, unions, ctx.long_path, ctx.pool_bound, D, cdt)
+            c = _Chunk(j0, j1, T, cfg, idx, cand, ctx.long_path, D, cdt)
             x = [t.detach().to(cdt).requires_grad_(True) for t in c.leaves(q, k, v, beta)]
             with torch.enable_grad():
                 o = chunk_forward(*x[:5], c.mask, x[5], c.rope_q(), c.rope_k(), j0, c.pad_front, cfg, c.path)
@@ -341,4 +356,4 @@ class FreeSoloReadout(torch.autograd.Function):
             c.scatter_add(dk, g[3])
             c.scatter_add(dv, g[4])
             dbeta += g[5]
-        return dq, dk.to(k.dtype), dv.to(v.dtype), dbeta, None, None, None, None, None, None
+        return dq, dk.to(k.dtype), dv.to(v.dtype), dbeta, None, None, None, None, None

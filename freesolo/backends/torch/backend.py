@@ -29,7 +29,7 @@ import torch
 from ...config import FreeSoloConfig
 from ..base import Backend
 from ._ops import chunk_blocks, compute_dtype, pad_time, padded_length
-from .attention import FreeSoloReadout, block_unions, readout_bytes_per_query
+from .attention import FreeSoloReadout, readout_bytes_per_query
 from .selection import fs_fsl_select
 
 __all__ = ["TorchBackend", "attention", "select_cells"]
@@ -60,10 +60,11 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, beta) -> No
         raise TypeError(f"q dtype {q.dtype} is not one of {_DTYPES}")
 
 
-def _select(q4, k4, cfg: FreeSoloConfig, chunk_tokens, chunk_bytes) -> torch.Tensor:
-    """q4 [B, Hkv, G, T, D], k4 [B, Hkv, T, D] (compute dtype) -> idx [B, Hkv, G, T, K].
-    Chunk sizes are per row, from the config and head shapes only (L12); the selection functions
-    run one row at a time."""
+def _select(q4, k4, cfg: FreeSoloConfig, chunk_tokens, chunk_bytes, candidates: bool = False):
+    """q4 [B, Hkv, G, T, D], k4 [B, Hkv, T, D] (compute dtype) -> idx [B, Hkv, G, T, K]; with
+    `candidates` -> (idx, cand): cand int64 [B, Hkv, ceil(T / Bq), P + W], FS-L's candidate sets
+    (None for FS and FS-B). Chunk sizes are per row, from the config and head shapes only (L12);
+    the selection functions run one row at a time."""
     B, Hkv, G, T, D = q4.shape
     Hq = Hkv * G
     if cfg.variant == "fsb":
@@ -73,12 +74,16 @@ def _select(q4, k4, cfg: FreeSoloConfig, chunk_tokens, chunk_bytes) -> torch.Ten
         nbc = chunk_blocks(beam_bytes, cfg.block, q4.device, chunk_tokens, chunk_bytes)
         nbr = min(nbc, chunk_blocks(rerank_bytes, cfg.block, q4.device, chunk_tokens, chunk_bytes))  # powers of 2
         sigma, lam = _per_head(cfg, "sigma", Hq, Hkv, q4), _per_head(cfg, "lam", Hq, Hkv, q4)
-        return fsb_select(q4, k4, cfg, sigma, lam, nbc, nbr)
+        idx = fsb_select(q4, k4, cfg, sigma, lam, nbc, nbr)
+        return (idx, None) if candidates else idx
     n_cand = cfg.pool + cfg.recent if cfg.variant == "fsl" else FS_CHUNK_CELLS
     per_query = Hq * q4.element_size() * (6 * n_cand + 2 * D)
     nbc = chunk_blocks(per_query, cfg.block, q4.device, chunk_tokens, chunk_bytes)
     sigma, lam = _per_head(cfg, "sigma", Hq, Hkv, q4), _per_head(cfg, "lam", Hq, Hkv, q4)
-    return fs_fsl_select(q4, k4, cfg, sigma, lam, nbc)
+    if candidates and cfg.variant == "fsl":
+        return fs_fsl_select(q4, k4, cfg, sigma, lam, nbc, candidates=True)
+    idx = fs_fsl_select(q4, k4, cfg, sigma, lam, nbc)
+    return (idx, None) if candidates else idx
 
 
 def select_cells(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig, chunk_tokens=None, chunk_bytes=None):
@@ -126,9 +131,10 @@ def attention(
     q4 = _heads_first(q, Hkv, q.dtype)  # (B, Hkv, G, T, D), the input dtype: chunks are cast on entry
     k4 = _heads_first(k, Hkv, q.dtype)[:, :, 0]  # (B, Hkv, T, D)
     v4 = _heads_first(v, Hkv, q.dtype)[:, :, 0]
+    cand = None  # FS-L's candidate sets: the readout's union buffers (see attention.py)
     if idx is None:
         with torch.no_grad():
-            idx4 = _select(q4.detach().to(cdt), k4.detach().to(cdt), cfg, chunk_tokens, chunk_bytes)
+            idx4, cand = _select(q4.detach().to(cdt), k4.detach().to(cdt), cfg, chunk_tokens, chunk_bytes, True)
     else:
         if tuple(idx.shape) != (B, T, Hq, cfg.top_k):
             raise ValueError(f"idx shape {tuple(idx.shape)} must be [B={B}, T={T}, Hq={Hq}, K={cfg.top_k}]")
@@ -148,8 +154,7 @@ def attention(
     idx4 = idx4.contiguous()
     if long_path not in ("auto", "union", "gather"):
         raise ValueError(f"long_path={long_path!r} must be 'auto', 'union' or 'gather'")
-    pool_bound = idx is None and cfg.variant == "fsl"  # our FS-L selection: block unions <= P + W
-    per_query = readout_bytes_per_query(Hq, D, cfg, torch.finfo(cdt).bits // 8, G, pool_bound, long_path)
+    per_query = readout_bytes_per_query(Hq, D, cfg, torch.finfo(cdt).bits // 8, cand is not None, long_path)
     nbc = chunk_blocks(per_query, cfg.block, q.device, chunk_tokens, chunk_bytes)
     T_pad = padded_length(T, cfg.block, nbc)
     rows = []
@@ -157,8 +162,9 @@ def attention(
         qr = pad_time(q4[r : r + 1], T_pad, 3)  # (1, Hkv, G, T_pad, D), zeros after T
         kr, vr = pad_time(k4[r : r + 1], T_pad, 2), pad_time(v4[r : r + 1], T_pad, 2)  # (1, Hkv, T_pad, D)
         ir = pad_time(idx4[r : r + 1], T_pad, 3, value=-1)
-        unions = block_unions(ir, cfg.block)  # (1, Hkv, nblocks, G*Bq*K)
-        o = FreeSoloReadout.apply(qr, kr, vr, b.view(Hkv, G), ir, unions, cfg, nbc, long_path, pool_bound)
+        nbp = T_pad // cfg.block  # (1, Hkv, nbp, P+W): FS-L's candidate sets, padded blocks have none
+        cr = None if cand is None else pad_time(cand[r : r + 1], nbp, 2, value=-1)
+        o = FreeSoloReadout.apply(qr, kr, vr, b.view(Hkv, G), ir, cr, cfg, nbc, long_path)
         rows.append(o[:, :, :, :T])  # (1, Hkv, G, T, D)
     o = torch.cat(rows) if B > 1 else rows[0]
     return o.reshape(B, Hq, T, D).permute(0, 2, 1, 3).contiguous()  # (B, T, Hq, D), q's dtype

@@ -86,7 +86,7 @@ def _fsl_block_candidates(rank, pool, j0: int, j1: int, cfg: FreeSoloConfig):
 
 
 @torch.no_grad()
-def fs_fsl_select(q, k, cfg: FreeSoloConfig, sigma, lam, nblocks_per_chunk: int) -> torch.Tensor:
+def fs_fsl_select(q, k, cfg: FreeSoloConfig, sigma, lam, nblocks_per_chunk: int, candidates: bool = False):
     """FS / FS-L selection.
 
     Args:
@@ -94,21 +94,30 @@ def fs_fsl_select(q, k, cfg: FreeSoloConfig, sigma, lam, nblocks_per_chunk: int)
         sigma, lam: [Hkv, G] per query head (compute dtype).
         nblocks_per_chunk: query blocks scored together (a constant of the config, never of B, T
             or the data: see the module docstring).
+        candidates: also return FS-L's candidate set of every query block (FS-L only).
     Returns:
-        idx int64 [B, Hkv, G, T, top_k], by descending score, -1 padded.
+        idx int64 [B, Hkv, G, T, top_k], by descending score, -1 padded; with `candidates`, also
+        cand int64 [B, Hkv, ceil(T / block), P + W]: block j's candidate cells C_j (spec §5),
+        decreasing, -1 padded (a function of the cells available to block j alone).
     """
+    if candidates and cfg.variant != "fsl":
+        raise ValueError(f"candidates=True needs variant 'fsl', got {cfg.variant!r}")
     B, T = q.shape[0], q.shape[3]
     if B != 1:  # one row at a time: no shape depends on the other rows (L12)
-        rows = [fs_fsl_select(q[b : b + 1], k[b : b + 1], cfg, sigma, lam, nblocks_per_chunk) for b in range(B)]
-        return torch.cat(rows)
+        rows = [
+            fs_fsl_select(q[b : b + 1], k[b : b + 1], cfg, sigma, lam, nblocks_per_chunk, candidates) for b in range(B)
+        ]
+        return tuple(torch.cat(x) for x in zip(*rows)) if candidates else torch.cat(rows)
     T_pad = padded_length(T, cfg.block, nblocks_per_chunk)  # whole chunks; padded cells are
     # available to padded blocks only (a cell ending after T is never before a real block's start)
-    idx = _fs_fsl_select_row(pad_time(q, T_pad, 3), pad_time(k, T_pad, 2), cfg, sigma, lam, nblocks_per_chunk)
-    return idx[:, :, :, :T].contiguous()
+    idx, cand = _fs_fsl_select_row(pad_time(q, T_pad, 3), pad_time(k, T_pad, 2), cfg, sigma, lam, nblocks_per_chunk)
+    idx = idx[:, :, :, :T].contiguous()
+    return (idx, cand[:, :, : -(-T // cfg.block)].contiguous()) if candidates else idx
 
 
-def _fs_fsl_select_row(q, k, cfg: FreeSoloConfig, sigma, lam, nblocks_per_chunk: int) -> torch.Tensor:
-    """fs_fsl_select of one row whose length is a whole number of chunks."""
+def _fs_fsl_select_row(q, k, cfg: FreeSoloConfig, sigma, lam, nblocks_per_chunk: int):
+    """fs_fsl_select of one row whose length is a whole number of chunks -> (idx, cand); cand is
+    [B, Hkv, nblocks, P + W] (FS-L's candidate sets; -1 for FS)."""
     B, Hkv, G, T, D = q.shape
     s, Bq, K = cfg.cell, cfg.block, cfg.top_k
     dev = q.device
@@ -116,9 +125,10 @@ def _fs_fsl_select_row(q, k, cfg: FreeSoloConfig, sigma, lam, nblocks_per_chunk:
     scale = D**-0.5
     kbar, a = cell_stats(k, s)  # (B, Hkv, C, D), (B, Hkv, C)
     idx = torch.full((B, Hkv, G, T, K), -1, dtype=torch.int64, device=dev)
-    if kbar.shape[2] == 0:
-        return idx  # no complete cell: nothing to select
     fsl = cfg.variant == "fsl"
+    cands = torch.full((B, Hkv, nblocks, cfg.pool + cfg.recent if fsl else 1), -1, dtype=torch.int64, device=dev)
+    if kbar.shape[2] == 0:
+        return idx, cands  # no complete cell: nothing to select
     if fsl:
         rank = rank_by_norm(a)
         pool = torch.full((B, Hkv, cfg.pool), -1, dtype=torch.int64, device=dev)
@@ -131,6 +141,7 @@ def _fs_fsl_select_row(q, k, cfg: FreeSoloConfig, sigma, lam, nblocks_per_chunk:
         n_last = (j1 - 1) * Bq // s
         if fsl:
             cand, pool = _fsl_block_candidates(rank, pool, j0, j1, cfg)  # (B, Hkv, nb, N)
+            cands[:, :, j0:j1] = cand
             if n_last == 0:
                 continue
             cc = cand.clamp(min=0)
@@ -163,4 +174,4 @@ def _fs_fsl_select_row(q, k, cfg: FreeSoloConfig, sigma, lam, nblocks_per_chunk:
         score = score.masked_fill(~valid, float("-inf"))
         cells = topk_cells(score, cand_b, K)  # (B, Hkv, G, nb, Bq, K)
         idx[:, :, :, i0:i1] = cells.reshape(B, Hkv, G, nb * Bq, K)[:, :, :, : i1 - i0]
-    return idx
+    return idx, cands
