@@ -11,7 +11,8 @@ For each (B, T) in the same run:
   (`fsl_sync_free` in the JSON: True, or the error a host sync raised).
 - Fused Triton steps (`decode_kernel="triton"`, freesolo/backends/triton/decode.py), one entry
   per `--tiles` variant (A/B in the same run; default: `single` = the first one-program-per-
-  (row, kv head) kernel, `split` = DecodeTiles() and `split64` = window chunks of 64 on 4 warps).
+  (row, kv head) kernel, `split` = DecodeTiles(), `split64` = window chunks of 64 on 4 warps,
+  `split_tb` = split with the FS-L block boundary as one Triton launch).
   FS-L: the torch cache's state loaded into a fused cache; FS: one cache (the whole archive)
   prefilled to about T, shared by the variants (`state.decode_tiles` switched in place). Per
   variant: `block + 1` (FS-L) / 8 (FS) steps checked against the torch step on the same state
@@ -169,8 +170,9 @@ TILES = {
     "split64": DecodeTiles(window_chunk=64, num_warps=4),
     "split256": DecodeTiles(window_chunk=256, num_warps=8),
     "fs256": DecodeTiles(fs_chunk=256),  # FS: 256 archive cells per scoring program (half the candidates to merge)
+    "split_tb": DecodeTiles(boundary="triton"),  # FS-L block boundary as one Triton launch
 }
-DEFAULT_TILES = ["single", "split", "split64"]
+DEFAULT_TILES = ["single", "split", "split64", "split_tb"]
 
 
 def check_against_torch_step(cache, q, k, v, n: int, prefix: str) -> dict:
@@ -183,7 +185,7 @@ def check_against_torch_step(cache, q, k, v, n: int, prefix: str) -> dict:
     for i in range(n):
         t = cache.length
         if t > 0 and t % state.cfg.block == 0:
-            state._advance(state.block_k, state.block_v, t // state.cfg.cell)
+            state._boundary(t)  # the fused path's boundary (DecodeTiles.boundary), before both steps
         small = {name: getattr(state, name).clone() for name in names}
         step = (q[:, i : i + 1], k[:, i : i + 1], v[:, i : i + 1])
         state._fused = False
@@ -243,8 +245,7 @@ def device_us_per_step(cache, reps: int = 10) -> float:
     with torch.no_grad(), torch.cuda.graph(graph):
         for j, step in enumerate(steps):
             if fsl and (t0 + j) % cfg.block == 0:
-                n_avail = torch.div(state.pos, cfg.cell, rounding_mode="floor")
-                state._advance(state.block_k, state.block_v, n_avail)
+                state._boundary(None)  # torch ops or the Triton boundary kernel (DecodeTiles.boundary)
             state._piece(*step, state.ones_beta)
         if not fsl:
             state.pos -= n
@@ -339,7 +340,12 @@ def fs_triton_run(cfg, B, H, D, T, dtype, device, steps, chunk, timer, tiles) ->
         cache.state._grow_store(end_cells)  # no-op unless the margin crosses a doubling
         torch.cuda.synchronize()
         out = {"fs_prefill_s": time.perf_counter() - t0, "fs_memory_bytes": cache.memory_bytes(), "fs_T_start": T_pre}
+        seen = set()
         for name in tiles:
+            fs_shape = dataclasses.replace(TILES[name], boundary="torch")  # the boundary shapes FS-L only
+            if fs_shape in seen:
+                continue
+            seen.add(fs_shape)
             cache.state.decode_tiles = TILES[name]
             q, k, v = _decode_inputs(B, H, D, 8, dtype, device)
             out.update(check_against_torch_step(cache, q, k, v, 8, f"fs_{name}"))

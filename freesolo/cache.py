@@ -263,10 +263,7 @@ class FreeSoloCache:
             for b in active:
                 check_inputs(q[b : b + 1], k[b : b + 1], v[b : b + 1], self.cfg, beta, check_finite=True)
         cfg = self.cfg
-        for b in active:
-            row = self._rows[b].state
-            if row.length > 0 and row.length % cfg.block == 0:
-                row._advance(row.block_k, row.block_v, row.length // cfg.cell)
+        at_boundary = [b for b in active if self._rows[b].state.length % cfg.block == 0 < self._rows[b].state.length]
         mask = None
         if len(active) < self.batch:
             key = tuple(lengths)
@@ -278,7 +275,13 @@ class FreeSoloCache:
                     host = host.pin_memory()
                 self._active_masks[key] = (host, host.to(state.device, non_blocking=True))  # host kept alive
             mask = self._active_masks[key][1]
-        from .backends.triton.decode import decode_step
+        from .backends.triton.decode import decode_step, fsl_boundary
+
+        if at_boundary and state.decode_tiles.boundary == "triton":  # every row's boundary, one launch
+            fsl_boundary(state, pos=state.pos_rows, active=mask)
+        else:
+            for b in at_boundary:
+                self._rows[b].state._boundary(self._rows[b].state.length)
 
         beta = state.ones_beta if beta is None else beta
         decode_step(state, q, k, v, beta, out=out, pos=state.pos_rows, active=mask)

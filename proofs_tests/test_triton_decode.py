@@ -73,9 +73,11 @@ CASES = [
 
 # Fused-step shapes: the split kernels with the window in chunks of 8 slots (2-3 chunks, the last
 # one partly past w = 20 / 24), the split kernels with one chunk (default 128 >= w), FS archive
-# chunks of 4 cells (several scoring programs), and the first single-program kernel.
+# chunks of 4 cells (several scoring programs), the FS-L block boundary as a Triton kernel (the
+# caches' held cells must then equal the torch step's, slot for slot), and the first kernel.
 TILES = {
     "split-w8-fs4": DecodeTiles(window_chunk=8, fs_chunk=4, num_warps=4),
+    "split-tb": DecodeTiles(window_chunk=8, boundary="triton"),
     "split-default": DecodeTiles(),
     "single": DecodeTiles(impl="single"),
 }
@@ -151,6 +153,58 @@ def test_fused_step_writes_every_element(variant, tiles):
 
 
 @needs_kernels
+@pytest.mark.parametrize("B", [1, 2])
+def test_fused_boundary_kernel_equals_torch_pool_update(B):
+    """`fsl_boundary` (the FS-L block boundary as one Triton launch) == the torch state's
+    `_advance` at every boundary of a stream: same held cells slot for slot, same statistics and
+    tokens (4 new cells per block compete with 3 pooled ones: evictions of held and new cells);
+    rows at different positions: only the rows at a boundary (and active) change."""
+    from freesolo.backends.triton.decode import fsl_boundary
+
+    cfg = FreeSoloConfig(variant="fsl", window=16, cell=2, block=8, pool=3, recent=1, top_k=2)
+    Hq, Hkv, D, T = 2, 2, 6, 90
+    q, k, v, _ = tensors(9, B, T, Hq, Hkv, D)
+    k = k * torch.linspace(0.2, 3.0, T).view(1, T, 1, 1)[:, torch.randperm(T)]  # norms spread: real competition
+    cache = FreeSoloCache(cfg, B, Hq, Hkv, D, backend="torch")
+    names = ("cell_ids", "cell_a", "cell_kbar", "cell_k", "cell_v")
+    evicted_new = 0
+    for t in range(1, T):
+        cache.prefill(k[:, t - 1 : t], v[:, t - 1 : t])
+        if t % cfg.block:
+            continue
+        state = cache.state
+        before = {name: getattr(state, name).clone() for name in names}
+        state._advance(state.block_k, state.block_v, t // cfg.cell)
+        want = {name: getattr(state, name).clone() for name in names}
+        for name, x in before.items():
+            getattr(state, name).copy_(x)
+        if B == 2:  # row 1 one step past a boundary (no-op), row 0 at it; then row 0 inactive
+            pos = torch.tensor([t, t + 1])
+            fsl_boundary(state, pos=pos, active=torch.tensor([0, 1], dtype=torch.int8))
+            for name, x in before.items():
+                assert torch.equal(getattr(state, name), x), f"t={t}: an inactive / off-boundary row changed {name}"
+            fsl_boundary(state, pos=pos)
+            got = {name: getattr(state, name).clone() for name in names}
+            for name in names:  # row 1 untouched, row 0 updated
+                assert torch.equal(got[name][1], before[name][1]), f"t={t}: row 1 changed {name}"
+                getattr(state, name)[1].copy_(want[name][1])
+        else:
+            fsl_boundary(state)
+        assert torch.equal(state.cell_ids, want["cell_ids"]), f"t={t}: held cells differ"
+        held = (want["cell_ids"] >= 0)[..., None, None]
+        for name in ("cell_k", "cell_v"):
+            assert torch.equal(getattr(state, name) * held, want[name] * held), f"t={t}: {name}"
+        torch.testing.assert_close(state.cell_a, want["cell_a"], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(state.cell_kbar * held[..., 0], want["cell_kbar"] * held[..., 0], rtol=1e-6,
+                                   atol=1e-6)  # fmt: skip
+        new = set(range(t // cfg.cell - 4, t // cfg.cell))
+        evicted_new += sum(len(new - set(row.tolist())) for row in want["cell_ids"].flatten(0, 1))
+        for name, x in before.items():  # the next prefill applies this boundary itself
+            getattr(state, name).copy_(x)
+    assert evicted_new > 0, "no new cell lost to the pool: the test does not cover that branch"
+
+
+@needs_kernels
 def test_fused_state_round_trip_bit_identical():
     """state_dict -> load_state_dict mid-stream: the restored cache continues with identical bits."""
     cfg = FreeSoloConfig(variant="fsl", window=16, cell=4, block=8, pool=2, recent=1, top_k=2)
@@ -212,8 +266,9 @@ def test_decode_graph_bookkeeping_with_fused_step(monkeypatch, variant):
 
 
 @needs_kernels
+@pytest.mark.parametrize("tiles", ["split-w8-fs4", "split-tb"])
 @pytest.mark.parametrize("variant", ["fsl", "fs"])
-def test_fused_decode_rows_at_different_lengths(variant):
+def test_fused_decode_rows_at_different_lengths(variant, tiles):
     """Spec §9 last bullet with the fused step: prompts of different lengths (padded chunk with
     `lengths`), then one-token steps where rows stop at different times; every produced output
     == the parallel op on that row's own sequence."""
@@ -221,8 +276,7 @@ def test_fused_decode_rows_at_different_lengths(variant):
     B, Hq, Hkv, D = 3, 2, 1, 8
     prompts, final = [3, 17, 10], [20, 27, 14]
     q, k, v, beta = tensors(8, B, max(final), Hq, Hkv, D)
-    tiles = TILES["split-w8-fs4"]
-    cache = FreeSoloCache(cfg, B, Hq, Hkv, D, backend="torch", decode_kernel="triton", decode_tiles=tiles)
+    cache = FreeSoloCache(cfg, B, Hq, Hkv, D, backend="torch", decode_kernel="triton", decode_tiles=TILES[tiles])
     n = max(prompts)
     first = cache.extend(q[:, :n], k[:, :n], v[:, :n], beta=beta, lengths=prompts)  # padded past each prompt
     outs = [[first[b, : prompts[b]]] for b in range(B)]
@@ -271,6 +325,7 @@ def cuda_tensors(seed, B, T, Hq, Hkv, D, dtype):
 
 CUDA_TILES = {
     "split": DecodeTiles(),
+    "split_tb": DecodeTiles(boundary="triton"),
     "split64": DecodeTiles(window_chunk=64, num_warps=4),
     "fs256": DecodeTiles(fs_chunk=256),
     "single": DecodeTiles(impl="single"),

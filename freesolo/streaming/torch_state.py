@@ -63,10 +63,16 @@ class DecodeTiles:
     """warps per program of the split kernels."""
     fs_chunk: Optional[int] = None
     """FS: archive cells per scoring program (power of 2); None: 128, more past 2048 chunks."""
+    boundary: str = "torch"
+    """FS-L block boundary of the fused path: "torch" (`TorchCacheState._advance`, ~30 torch ops)
+    or "triton" (one launch of `fsl_boundary`: only the new cells move; a no-op for rows not at a
+    boundary, so rows at different positions need no per-row host work)."""
 
     def __post_init__(self):
         if self.impl not in ("split", "single"):
             raise ValueError(f"DecodeTiles.impl={self.impl!r} must be 'split' or 'single'")
+        if self.boundary not in ("torch", "triton"):
+            raise ValueError(f"DecodeTiles.boundary={self.boundary!r} must be 'torch' or 'triton'")
         for name in ("window_chunk", "num_warps") + (("fs_chunk",) if self.fs_chunk is not None else ()):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1 or value & (value - 1):
@@ -308,6 +314,19 @@ class TorchCacheState:
             mask = has.view(has.shape + (1,) * (store.dim() - 3))
             store.copy_(torch.where(mask, _gather_cells(new.contiguous(), take), store))
 
+    def _boundary(self, t: Optional[int] = None) -> None:
+        """The block boundary at token count t (host int; None: read from `pos` on the device):
+        the finished block's cells become available. Fused FS-L with DecodeTiles(boundary="triton"):
+        one Triton launch; otherwise `_advance` (torch ops)."""
+        cfg = self.cfg
+        if self._fused and cfg.variant == "fsl" and self.decode_tiles.boundary == "triton":
+            from ..backends.triton.decode import fsl_boundary
+
+            fsl_boundary(self)
+            return
+        n_avail = torch.div(self.pos, cfg.cell, rounding_mode="floor") if t is None else t // cfg.cell
+        self._advance(self.block_k, self.block_v, n_avail)
+
     # ---- one piece of a chunk (inside one query block) ------------------------------------
     def _piece(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
         """n tokens inside one query block (boundary already applied).
@@ -417,7 +436,7 @@ class TorchCacheState:
             while off < n:
                 t = self.length
                 if t > 0 and t % cfg.block == 0:
-                    self._advance(self.block_k, self.block_v, t // cfg.cell)
+                    self._boundary(t)
                 m = min(n - off, cfg.block - t % cfg.block)
                 outs.append(self._piece(q[:, off : off + m], k[:, off : off + m], v[:, off : off + m], beta))
                 self.length += m
@@ -576,8 +595,7 @@ class DecodeGraph:
 
     def _boundary_step(self) -> torch.Tensor:
         state = self.state
-        n_avail = torch.div(state.pos, state.cfg.cell, rounding_mode="floor")  # on the device: T // s
-        state._advance(state.block_k, state.block_v, n_avail)
+        state._boundary(None)  # n_avail = T // s read on the device
         return state._piece(self.q, self.k, self.v, self.beta)
 
     # CUDA specifics (a CPU test replaces these three)

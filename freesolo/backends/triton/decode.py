@@ -27,8 +27,10 @@ the storage dtype (the torch path runs SDPA in the storage dtype), everything el
 Split sizes are constexprs, never functions of B, T or data (L12: each program touches only its
 own batch row).
 
-The block-boundary state update (cells becoming available, FS-L pool) stays the torch state's
-`_advance` (torch ops, no host sync for FS-L, captured in `DecodeGraph`'s boundary graph).
+The block-boundary state update (cells becoming available, FS-L pool) is the torch state's
+`_advance` (torch ops, no host sync for FS-L, captured in `DecodeGraph`'s boundary graph), or
+with `DecodeTiles(boundary="triton")` (FS-L) one launch of `_fsl_boundary_kernel` (`fsl_boundary`),
+which writes only the new cells (same slot layout) and is a no-op for rows not at a boundary.
 No `.item()`, no host branch on tensor values: the launch depends only on host-known sizes
 (FS: the archive's capacity, which changes only when the store grows at a block boundary).
 
@@ -46,7 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["decode_step", "decode_supported_reasons"]
+__all__ = ["decode_step", "decode_supported_reasons", "fsl_boundary"]
 
 
 # ---- kernels --------------------------------------------------------------------------------
@@ -630,6 +632,108 @@ def _split_finish_kernel(
         tl.store(pos_ptr + b * pos_stride, tl.load(pos_ptr + b * pos_stride) + 1)
 
 
+@triton.jit
+def _fsl_boundary_kernel(
+    pos_ptr,
+    active_ptr,
+    pos_stride,
+    block_k_ptr,
+    block_v_ptr,
+    ids_ptr,
+    kbar_ptr,
+    a_ptr,
+    cell_k_ptr,
+    cell_v_ptr,
+    n_slots,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+    QBLOCK: tl.constexpr,
+    CELL: tl.constexpr,
+    RECENT: tl.constexpr,
+    M: tl.constexpr,
+    M_P2: tl.constexpr,
+    S_P2: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_CELL: tl.constexpr,
+    HAS_ACTIVE: tl.constexpr,
+):
+    """FS-L block boundary on the device, grid (B * Hkv,): a no-op unless the row's pos > 0 is a
+    multiple of QBLOCK (and the row is active). Then the M = QBLOCK / CELL cells of the finished
+    block (block buffer [B, Hkv, QBLOCK, D], raw keys / values) get their statistics (kbar = mean,
+    a = max norm, float32), the union of the n_slots held cells and the new ones is ranked by
+    (recent first, then a, then larger id; spec §5) and the top n_slots are kept, with the torch
+    state's slot-stable layout (`TorchCacheState._advance`): kept cells stay, the kept new cells
+    (in id order) fill the freed slots (in slot order), other freed slots get id -1. Only the new
+    cells' tokens move (block buffer -> store). pos / active as `_split_partials_kernel`.
+    """
+    pid = tl.program_id(0).to(tl.int64)
+    b = pid // HKV
+    pos = tl.load(pos_ptr + b * pos_stride)
+    go = (pos > 0) & (pos % QBLOCK == 0)
+    if HAS_ACTIVE:
+        go = go & (tl.load(active_ptr + b) != 0)
+    if go:
+        n_avail = pos // CELL
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < D
+        t = tl.arange(0, BLOCK_CELL)
+        tmask = t < CELL
+        jm = tl.arange(0, M_P2)
+        jvalid = jm < M
+        new_ids = n_avail - M + jm.to(tl.int64)  # [M_P2]
+        new_a = tl.zeros([M_P2], tl.float32)
+        for j in tl.static_range(M):
+            off = (pid * QBLOCK + j * CELL + t)[:, None] * D + d[None, :]
+            x = tl.load(block_k_ptr + off, mask=tmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+            norm = tl.sqrt(tl.reduce(x * x, 1, _ADD))  # [BLOCK_CELL] (padding rows: 0 <= any norm)
+            new_a = tl.where(jm == j, tl.reduce(norm, 0, _MAX), new_a)
+        s = tl.arange(0, S_P2)
+        svalid = s < n_slots
+        ids = tl.load(ids_ptr + pid * n_slots + s, mask=svalid, other=-1)
+        a = tl.load(a_ptr + pid * n_slots + s, mask=svalid, other=0.0)
+        thr = n_avail - RECENT
+        key_s = tl.where(ids >= thr, float("inf"), tl.where(ids >= 0, a, float("-inf")))  # [S_P2]
+        key_n = tl.where(jvalid, tl.where(new_ids >= thr, float("inf"), new_a), float("-inf"))  # [M_P2]
+        # rank in the union = entries ahead by (key desc, id desc); an empty one (-inf) is never ahead of a cell
+        ahead_ss = (key_s[None, :] > key_s[:, None]) | (
+            (key_s[None, :] == key_s[:, None]) & (ids[None, :] > ids[:, None])
+        )
+        ahead_sn = (key_n[None, :] > key_s[:, None]) | (
+            (key_n[None, :] == key_s[:, None]) & (new_ids[None, :] > ids[:, None])
+        )
+        rank_s = tl.reduce(ahead_ss.to(tl.int32), 1, _ADD) + tl.reduce(ahead_sn.to(tl.int32), 1, _ADD)
+        ahead_ns = (key_s[None, :] > key_n[:, None]) | (
+            (key_s[None, :] == key_n[:, None]) & (ids[None, :] > new_ids[:, None])
+        )
+        ahead_nn = (key_n[None, :] > key_n[:, None]) | (
+            (key_n[None, :] == key_n[:, None]) & (new_ids[None, :] > new_ids[:, None])
+        )
+        rank_n = tl.reduce(ahead_ns.to(tl.int32), 1, _ADD) + tl.reduce(ahead_nn.to(tl.int32), 1, _ADD)
+        freed = svalid & ((rank_s >= n_slots) | (key_s == float("-inf")))
+        kept_n = jvalid & (rank_n < n_slots)
+        fidx = tl.cumsum(freed.to(tl.int32), 0) - 1  # order of a freed slot among the freed
+        nidx = tl.cumsum(kept_n.to(tl.int32), 0) - 1  # order of a kept new cell among them
+        match = freed[:, None] & kept_n[None, :] & (fidx[:, None] == nidx[None, :])  # [S_P2, M_P2]
+        got = tl.reduce(tl.where(match, jm[None, :], -1), 1, _MAX) >= 0  # the slot receives a new cell
+        got_id = tl.reduce(tl.where(match, new_ids[None, :], -1), 1, _MAX)
+        got_a = tl.reduce(tl.where(match, new_a[None, :], 0.0), 1, _ADD)
+        tl.store(ids_ptr + pid * n_slots + s, tl.where(freed, got_id, ids), mask=svalid)
+        tl.store(a_ptr + pid * n_slots + s, tl.where(got, got_a, a), mask=svalid)
+        dest = tl.reduce(tl.where(match, s[:, None], -1), 0, _MAX)  # [M_P2]: slot of each kept new cell
+        for j in tl.static_range(M):
+            dj = tl.reduce(tl.where(jm == j, dest, -1), 0, _MAX).to(tl.int64)
+            ok = dj >= 0
+            lmask = tmask[:, None] & dmask[None, :] & ok
+            src = (pid * QBLOCK + j * CELL + t)[:, None] * D + d[None, :]
+            dst = ((pid * n_slots + dj) * CELL + t)[:, None] * D + d[None, :]
+            x = tl.load(block_k_ptr + src, mask=lmask, other=0.0)
+            y = tl.load(block_v_ptr + src, mask=lmask, other=0.0)
+            tl.store(cell_k_ptr + dst, x, mask=lmask)
+            tl.store(cell_v_ptr + dst, y, mask=lmask)
+            kbar = tl.reduce(x.to(tl.float32), 0, _ADD) / CELL
+            tl.store(kbar_ptr + (pid * n_slots + dj) * D + d, kbar, mask=dmask & ok)
+
+
 # ---- host launcher --------------------------------------------------------------------------
 def _pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
@@ -733,6 +837,50 @@ def decode_step(
     else:
         _split_step(state, q, k, v, beta.contiguous(), out, tiles, pos, active)
     return out
+
+
+def fsl_boundary(state, pos=None, active=None) -> None:
+    """FS-L block boundary of a `TorchCacheState` on the device (`_fsl_boundary_kernel`): one launch,
+    no host sync, a no-op for rows not at a boundary (so it can sit in a CUDA graph).
+
+    Args:
+        state: an allocated FS-L `TorchCacheState`; its block buffer holds the finished block.
+        pos: optional int64 [B] per-row positions (default `state.pos` [] for every row).
+        active: optional int8 [B] (with pos): rows with 0 are left alone.
+    """
+    cfg, B, Hkv, D = state.cfg, state.B, state.Hkv, state.D
+    if cfg.variant != "fsl":
+        raise ValueError(f"fsl_boundary updates the FS-L pool, not variant={cfg.variant!r}")
+    if state.cell_kbar.dtype != torch.float32:
+        raise ValueError(f"cell statistics dtype {state.cell_kbar.dtype}: the fused boundary writes float32")
+    slots = state.cell_ids.shape[2]
+    m = cfg.block // cfg.cell
+    pos_t, pos_stride = (state.pos, 0) if pos is None else (pos, 1)
+    _fsl_boundary_kernel[(B * Hkv,)](
+        pos_t,
+        pos_t if active is None else active,
+        pos_stride,
+        state.block_k,
+        state.block_v,
+        state.cell_ids,
+        state.cell_kbar,
+        state.cell_a,
+        state.cell_k,
+        state.cell_v,
+        slots,
+        HKV=Hkv,
+        D=D,
+        QBLOCK=cfg.block,
+        CELL=cfg.cell,
+        RECENT=cfg.recent,
+        M=m,
+        M_P2=_pow2(m),
+        S_P2=_pow2(slots),
+        BLOCK_D=_pow2(D),
+        BLOCK_CELL=_pow2(cfg.cell),
+        HAS_ACTIVE=active is not None,
+        num_warps=8,
+    )
 
 
 def _split_scratch(state, nw: int, n_part: int):
