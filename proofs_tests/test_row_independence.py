@@ -332,9 +332,14 @@ def test_l12_torch_readout_later_selections(device, dtype, long_path):
         )
 
 
+_CUDA_MARK = pytest.mark.skipif(not _HAS_CUDA, reason=_NO_CUDA)
+_TARGETS = [("cpu", "float64"), ("cpu", "float32")] + [
+    pytest.param("cuda", t, marks=_CUDA_MARK) for t in ("float64", "float32", "bfloat16")
+]
+
+
 @pytest.mark.skipif(torch is None, reason="torch is not installed")
-@pytest.mark.parametrize("device", _DEVICES)
-@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize(("device", "dtype"), _TARGETS)
 @pytest.mark.parametrize("variant", ["fs", "fsl", "fsb"])
 def test_l12_torch_later_tokens_change_later_selections(device, dtype, variant):
     """End to end at the real sizes (default config, D = 64): later queries random again and later
