@@ -17,7 +17,9 @@ benchmarks/gpu_decode.py):
 - `_split_finish_kernel`, grid (B * Hq,): merges the window partials; FS-L adds the long
   partial; FS merges the chunks' candidates (the top-K of the union of per-chunk top-K is the
   global top-K: a total order) and does the readout; writes o = o_loc + beta * rmsnorm(o_long);
-  program 0 then advances `pos` (nothing in this kernel reads it), so a step is two launches.
+  then advances the position (nothing else in this kernel reads it), so a step is two launches.
+  Rows at different positions: `pos` [B] (one per row) and an optional int8 `active` [B] (rows
+  with 0 are left untouched and get zeros).
 
 "single" (the first version): `_fs_score_kernel` (FS only) then `_decode_kernel`, one program per
 (row, kv head) doing the window and the long branch of its G heads in sequence; pos += 1 after.
@@ -36,8 +38,9 @@ No `.item()`, no host branch on tensor values: the launch depends only on host-k
 
 Use: `FreeSoloCache(cfg, B, Hq, Hkv, D, backend="torch", decode_kernel="triton")` (or "auto":
 triton on CUDA); every `extend` of one token then runs this step, and `cache.decode_graph()`
-captures it in a CUDA graph. Rows at different positions: `FreeSoloCache.extend(..., lengths=)`
-runs one B = 1 state per row (the kernels hold one `pos` per state).
+captures it in a CUDA graph. Rows at different positions (`FreeSoloCache.extend(..., lengths=)`):
+FS-L rows are views of one batched state with a position per row, so a decode step of all rows is
+still one batched launch (`decode_step(..., pos=, active=)`); FS keeps one batch-1 state per row.
 """
 
 from __future__ import annotations
