@@ -245,6 +245,21 @@ class FreeSoloCache:
                 row.load_state_dict(sd)
         self._rows = rows
 
+    def _active_mask(self, lengths: list):
+        """int8 [B] device mask (1: the row takes a token), made once per pattern from pinned host
+        memory without a sync (a serving loop repeats few patterns)."""
+        import torch
+
+        key = tuple(int(n > 0) for n in lengths)
+        if key not in self._active_masks:
+            if len(self._active_masks) >= 64:
+                self._active_masks.clear()
+            host = torch.tensor(key, dtype=torch.int8)
+            if self._state.device.type == "cuda":
+                host = host.pin_memory()
+            self._active_masks[key] = (host, host.to(self._state.device, non_blocking=True))  # host kept alive
+        return self._active_masks[key][1]
+
     def _decode_rows(self, q, k, v, beta, lengths: list, check: bool):
         """Torch FS-L views, fused step: one token for each row with lengths[b] = 1, one batched
         launch (per-row positions on the device, inactive rows untouched); block boundaries are
@@ -264,17 +279,7 @@ class FreeSoloCache:
                 check_inputs(q[b : b + 1], k[b : b + 1], v[b : b + 1], self.cfg, beta, check_finite=True)
         cfg = self.cfg
         at_boundary = [b for b in active if self._rows[b].state.length % cfg.block == 0 < self._rows[b].state.length]
-        mask = None
-        if len(active) < self.batch:
-            key = tuple(lengths)
-            if key not in self._active_masks:
-                if len(self._active_masks) >= 64:
-                    self._active_masks.clear()
-                host = torch.tensor(lengths, dtype=torch.int8)
-                if state.device.type == "cuda":
-                    host = host.pin_memory()
-                self._active_masks[key] = (host, host.to(state.device, non_blocking=True))  # host kept alive
-            mask = self._active_masks[key][1]
+        mask = self._active_mask(lengths) if len(active) < self.batch else None
         from .backends.triton.decode import decode_step, fsl_boundary
 
         if at_boundary and state.decode_tiles.boundary == "triton":  # every row's boundary, one launch
@@ -433,11 +438,19 @@ class FreeSoloCache:
 
     def decode_graph(self, beta=None):
         """torch backend on CUDA, FS-L (and FS with decode_kernel="triton"): a CUDA graph of the
-        one-token step (see `streaming.torch_state.DecodeGraph`)."""
+        one-token step (see `streaming.torch_state.DecodeGraph`; `step(q, k, v)`, or write q / k /
+        v into `step.q / k / v` and call `step.replay()`). Rows at different positions (ragged
+        FS-L, fused step with DecodeTiles(boundary="triton")): `step(q, k, v, lengths=[0/1 per
+        row])`, one graph for every row (`streaming.torch_state.RaggedDecodeGraph`)."""
         if self._state.kind != "torch":
             raise ValueError(f"decode_graph needs backend='torch', not {self.backend!r}")
         if self._rows is not None:
-            raise ValueError("decode_graph captures rows in lockstep; this cache's rows are held apart (ragged)")
+            if not self._views:
+                raise ValueError(
+                    "decode_graph of rows at different positions needs torch FS-L (rows sharing one state); "
+                    f"variant={self.cfg.variant!r}, backend={self.backend!r} holds a state per row"
+                )
+            return _RaggedStep(self, beta)
         return self._state.decode_graph(beta)
 
     # ---- state ----------------------------------------------------------------------------
@@ -503,6 +516,26 @@ class FreeSoloCache:
             f"T={self.lengths if self.ragged else self.length}, "
             f"memory={self.memory_bytes()} bytes)"
         )
+
+
+class _RaggedStep:
+    """`FreeSoloCache.decode_graph()` of a ragged FS-L cache: `step(q, k, v, lengths=None)` with q
+    [B, 1, Hq, D], k / v [B, 1, Hkv, D] and lengths [B] in {0, 1} (default all 1) replays one CUDA
+    graph for every row and keeps the rows' host lengths. Returns the static output [B, 1, Hq, D]."""
+
+    def __init__(self, cache: "FreeSoloCache", beta=None):
+        from .streaming.torch_state import RaggedDecodeGraph
+
+        self.cache = cache
+        self.graph = RaggedDecodeGraph(cache._state, beta)
+
+    def __call__(self, q, k, v, lengths=None):
+        cache = self.cache
+        lengths = cache._parse_lengths(lengths, 1) or [1] * cache.batch
+        out = self.graph(q, k, v, cache._active_mask(lengths))
+        for row, n_b in zip(cache._rows, lengths):
+            row._state.length += n_b
+        return out
 
 
 def _row_state(state: dict, b: int) -> dict:

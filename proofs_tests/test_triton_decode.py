@@ -300,6 +300,57 @@ def test_fused_decode_rows_at_different_lengths(variant, tiles):
         assert_close(got.double().numpy(), ref.double().numpy(), rtol=1e-5, name=f"{variant} row {b}")
 
 
+@needs_kernels
+def test_ragged_decode_graph_with_fused_step(monkeypatch):
+    """decode_graph() of a ragged FS-L cache (rows at different positions, Triton boundary): one
+    graph for every row (each CUDA graph replaced by a direct call of the function it would
+    capture) == eager ragged decode, bit for bit, rows pausing and crossing block boundaries at
+    different steps; the rows' lengths and states agree afterwards."""
+    from freesolo.streaming import torch_state
+
+    class FakeGraph:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def replay(self):
+            self.fn()
+
+    def fake_capture(self, fn, share_with):
+        return FakeGraph(fn), None
+
+    monkeypatch.setattr(torch_state.DecodeGraph, "_warmup", lambda self, fns: [fn() for fn in fns])
+    monkeypatch.setattr(torch_state.DecodeGraph, "_capture", fake_capture)
+    monkeypatch.setattr(torch_state.DecodeGraph, "_check", staticmethod(lambda state: None))
+    cfg = FreeSoloConfig(variant="fsl", window=16, cell=4, block=8, pool=2, recent=1, top_k=2)
+    B, Hq, Hkv, D = 3, 2, 1, 8
+    prompts = [3, 17, 10]
+    q, k, v, beta = tensors(10, B, 60, Hq, Hkv, D)
+    tiles = DecodeTiles(window_chunk=8, boundary="triton")
+    caches = [FreeSoloCache(cfg, B, Hq, Hkv, D, backend="torch", decode_kernel="triton", decode_tiles=tiles)
+              for _ in range(2)]  # fmt: skip
+    for cache in caches:
+        cache.extend(q[:, :17], k[:, :17], v[:, :17], beta=beta, lengths=prompts)
+    eager, graphed = caches
+    with pytest.raises(ValueError, match="boundary='triton'"):
+        bad = FreeSoloCache(cfg, B, Hq, Hkv, D, backend="torch", decode_kernel="triton")
+        bad.extend(q[:, :2], k[:, :2], v[:, :2], lengths=[2, 1, 0])
+        bad.decode_graph()
+    step = graphed.decode_graph(beta)
+    pos = list(prompts)
+    for t in range(25):
+        lengths = [1, int(t % 4 != 1), int(t < 12)]
+        idx = torch.tensor(pos)
+        inputs = [x[torch.arange(B), idx].unsqueeze(1) for x in (q, k, v)]
+        expected = eager.extend(*inputs, beta=beta, lengths=lengths)
+        got = step(*inputs, lengths=lengths)
+        assert torch.equal(got, expected), f"t={t}"
+        pos = [p + n for p, n in zip(pos, lengths)]
+    assert graphed.lengths == eager.lengths == pos
+    for a, b in zip(graphed.state, eager.state):
+        for name in ("ring_k", "block_k", "cell_ids", "cell_k", "cell_kbar", "pos"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
 def test_decode_kernel_errors():
     cfg = FreeSoloConfig(variant="fsl", window=16, cell=4, block=8, pool=2, recent=1)
     with pytest.raises(ValueError, match="decode_kernel='fast'"):
@@ -503,3 +554,39 @@ def test_cuda_fused_decode_rows_at_different_lengths_no_sync():
         got = torch.stack([o for _, o in outs[b]]).double().cpu().numpy()
         want = torch.stack([ref[p] for p, _ in outs[b]]).double().cpu().numpy()
         assert_close(got, want, rtol=3e-2, name=f"row {b}")
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_cuda_ragged_decode_graph():
+    """Rows at different positions in ONE CUDA graph (FS-L, Triton boundary): == eager ragged
+    decode bit for bit over 300 steps (rows pausing, block boundaries at different steps), no
+    host sync in the replays."""
+    cfg = FreeSoloConfig(variant="fsl")
+    B, Hq, Hkv, D = 3, 8, 2, 64
+    prompts = [600, 900, 130]
+    q, k, v, beta = cuda_tensors(17, B, 1300, Hq, Hkv, D, torch.bfloat16)
+    tiles = DecodeTiles(boundary="triton")
+    caches = []
+    for _ in range(2):
+        cache = FreeSoloCache(cfg, B, Hq, Hkv, D, backend="torch", decode_kernel="triton", decode_tiles=tiles,
+                              check_finite=False)  # fmt: skip
+        cache.prefill(k[:, :900], v[:, :900], lengths=prompts)
+        caches.append(cache)
+    eager, graphed = caches
+    step = graphed.decode_graph(beta)
+    pos, rows = list(prompts), torch.arange(B, device="cuda")
+    for t in range(300):
+        lengths = [1, int(t % 3 != 0), int(t < 200)]
+        idx = torch.tensor(pos, device="cuda")
+        inputs = [x[rows, idx].unsqueeze(1) for x in (q, k, v)]
+        expected = eager.extend(*inputs, beta=beta, lengths=lengths)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = step(*inputs, lengths=lengths)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert torch.equal(got, expected), f"t={t}"
+        pos = [p + n for p, n in zip(pos, lengths)]
+    assert graphed.lengths == eager.lengths == pos

@@ -35,7 +35,14 @@ from ..config import FreeSoloConfig
 
 SDPA_MAX_BATCH = 32768  # batch entries per SDPA call in the long-branch readout
 
-__all__ = ["DECODE_KERNELS", "DecodeGraph", "DecodeTiles", "TorchCacheState", "fsl_candidate_count"]
+__all__ = [
+    "DECODE_KERNELS",
+    "DecodeGraph",
+    "DecodeTiles",
+    "RaggedDecodeGraph",
+    "TorchCacheState",
+    "fsl_candidate_count",
+]
 
 # One-token step: "torch" (torch ops), "triton" (fused kernels, freesolo.backends.triton.decode,
 # shaped by `DecodeTiles`), "auto" (triton on CUDA when triton imports and the dtype is float32 /
@@ -651,3 +658,50 @@ class DecodeGraph:
             out = self.out
         state.length += 1
         return out
+
+
+class RaggedDecodeGraph:
+    """One CUDA graph of the one-token FS-L step for rows at different positions.
+
+    The state is a ragged FS-L cache's batched state (rows are views of it, positions in
+    `state.pos_rows` [B]) on the fused split step with `DecodeTiles(boundary="triton")`: the graph
+    holds the boundary kernel (a no-op for rows not at a boundary), the partials and the finish
+    kernel, all reading each row's position on the device, so no host branch depends on the rows'
+    lengths. `graph(q, k, v, active)` copies q [B, 1, Hq, D], k / v [B, 1, Hkv, D] and the int8
+    [B] device mask `active` (rows with 0 are left untouched, zero outputs) into static buffers,
+    replays, and returns the static output (overwritten by the next call). The caller keeps the
+    host lengths (`FreeSoloCache` does, through `decode_graph()` of a ragged cache).
+    """
+
+    def __init__(self, state: TorchCacheState, beta: Optional[torch.Tensor] = None):
+        if getattr(state, "pos_rows", None) is None or not state._fused or state.cfg.variant != "fsl":
+            raise ValueError("RaggedDecodeGraph needs the batched state of a ragged FS-L cache on the fused step")
+        tiles = state.decode_tiles
+        if tiles.impl != "split" or tiles.boundary != "triton":
+            raise ValueError(
+                f"a ragged decode graph needs DecodeTiles(impl='split', boundary='triton'), not {tiles}"
+            )
+        DecodeGraph._check(state)
+        self.state = state
+        B, Hq, Hkv, D = state.B, state.Hq, state.Hkv, state.D
+        self.q = torch.zeros(B, 1, Hq, D, dtype=state.dtype, device=state.device)
+        self.k = torch.zeros(B, 1, Hkv, D, dtype=state.dtype, device=state.device)
+        self.v = torch.zeros_like(self.k)
+        self.active = torch.zeros(B, dtype=torch.int8, device=state.device)  # all 0 while warming up: no effect
+        self.out = torch.zeros(B, 1, Hq, D, dtype=state.dtype, device=state.device)
+        self.beta = (state.ones_beta if beta is None else beta).detach().clone()
+        DecodeGraph._warmup(self, (self._step,))  # every row inactive: the state does not move
+        self.graph, _ = DecodeGraph._capture(self, self._step, None)
+
+    def _step(self) -> torch.Tensor:
+        from ..backends.triton.decode import decode_step, fsl_boundary
+
+        state = self.state
+        fsl_boundary(state, pos=state.pos_rows, active=self.active)
+        pos, active = state.pos_rows, self.active
+        return decode_step(state, self.q, self.k, self.v, self.beta, out=self.out, pos=pos, active=active)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+        torch._foreach_copy_((self.q, self.k, self.v, self.active), (q, k, v, active))
+        self.graph.replay()
+        return self.out
