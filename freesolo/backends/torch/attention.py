@@ -9,9 +9,10 @@ Per chunk of `nb` query blocks (queries [i0, i1)):
   available to the block alone, never of the queries' selections: FS-L's candidate set C_j
   (decreasing, -1 padded to U = min(P + W, cells available to the chunk's last block)) when the
   readout is given it, else every cell available to the chunk's last block in cell order
-  (U = (j1 - 1) * Bq / s, a contiguous slice of k shared by the chunk's blocks). One matmul
-  gives the logits of the buffer; each query reads its own K*s logits (its selection order),
-  softmaxes them and scatters the weights into the buffer's columns for the value matmul;
+  (U = (j1 - 1) * Bq / s, a contiguous slice of k shared by the chunk's blocks; also FS-L's
+  layout while those cells are no more than P + W). One matmul gives the logits of the buffer;
+  each query reads its own K*s logits (its selection order), softmaxes them and scatters the
+  weights into the buffer's columns for the value matmul;
   "gather": the tokens of each query's own cells, [B, Hkv, G, L, K*s, D];
   "auto" picks union per chunk when its width U is small enough that it moves less memory
   (FS-L with candidates: always);
@@ -27,8 +28,8 @@ later queries (a reduction order that follows later tokens). Entries of other qu
 of masked keys weigh exactly +0; they can flip only the sign of an exact zero, so the output is
 canonicalized (x + 0.0 turns -0.0 into +0.0 and leaves every other value alone).
 RoPE is applied per chunk (to the chunk's queries and key span, tables computed per chunk from
-the positions), inputs stay in their own dtype
-and each chunk is cast to the compute dtype on entry. Forward keeps only the inputs; backward
+the positions), inputs stay in their own dtype and each chunk is cast to the compute dtype on
+entry. Forward keeps only the inputs; backward
 recomputes one chunk at a time under autograd and scatters the chunk's gradients into full-size
 buffers (dk, dv accumulate in the compute dtype), so peak memory is O(T) plus one chunk.
 Selection indices are constants (no gradient).
@@ -223,6 +224,8 @@ class _Chunk:
     def __init__(self, j0, j1, T, cfg, idx, cand, long_path, D, cdt):
         Bq, s = cfg.block, cfg.cell
         dev = idx.device
+        if cand is not None and (j1 - 1) * Bq // s <= cfg.pool + cfg.recent:
+            cand = None  # every available cell fits the candidates' width: the shared slice, no gather
         self.U = union_width(cfg, j1, cand is not None)
         path = choose_long_path(self.U, cfg, D) if long_path == "auto" else long_path
         self.path = path
