@@ -22,16 +22,17 @@ on a row padded to whole chunks; every width above (chunk, window, U, path) is a
 config, the head shapes and the chunk's position, never of B, T or the selected data, so the
 ops that compute query i have the same shapes whatever the other rows and later tokens are.
 The position of each of query i's keys inside those ops (hence the order in which a matmul
-reduces them) is a function of the block's available cells and of i's own selection alone: a
-union of the block's selected cells would move i's cells with the selections of the block's
-later queries (a reduction order that follows later tokens). Entries of other queries' cells or
-of masked keys weigh exactly +0; they can flip only the sign of an exact zero, so the output is
-canonicalized (x + 0.0 turns -0.0 into +0.0 and leaves every other value alone).
+reduces them) is a function of the chunk's position, the cells available to i's block and i's
+own selection alone: a union of the block's selected cells would move i's cells with the
+selections of the block's later queries (a reduction order that follows later tokens). Entries
+of the buffer's other cells and of masked keys weigh exactly +0 for query i; they can flip only
+the sign of an exact zero, so the output is canonicalized (x + 0.0 turns -0.0 into +0.0 and
+leaves every other value alone).
 RoPE is applied per chunk (to the chunk's queries and key span, tables computed per chunk from
 the positions), inputs stay in their own dtype and each chunk is cast to the compute dtype on
-entry. Forward keeps only the inputs; backward
-recomputes one chunk at a time under autograd and scatters the chunk's gradients into full-size
-buffers (dk, dv accumulate in the compute dtype), so peak memory is O(T) plus one chunk.
+entry. Forward keeps only the inputs; backward recomputes one chunk at a time under autograd and
+scatters the chunk's gradients into full-size buffers (dk, dv accumulate in the compute dtype),
+so peak memory is O(T) plus one chunk.
 Selection indices are constants (no gradient).
 """
 
