@@ -11,7 +11,7 @@ For each (B, T) in the same run:
   (`fsl_sync_free` in the JSON: True, or the error a host sync raised).
 - Fused Triton steps (`decode_kernel="triton"`, freesolo/backends/triton/decode.py), one entry
   per `--tiles` variant (A/B in the same run; default: `single` = the first one-program-per-
-  (row, kv head) kernel, `split` = DecodeTiles(), `split64` = window chunks of 64 on 4 warps,
+  (row, kv head) kernel, `split` = DecodeTiles(impl="split"), `split64` = window chunks of 64 on 4 warps,
   `split_tb` = split with the FS-L block boundary as one Triton launch).
   FS-L: the torch cache's state loaded into a fused cache; FS: one cache (the whole archive)
   prefilled to about T, shared by the variants (`state.decode_tiles` switched in place). Per
@@ -165,12 +165,12 @@ def _decode_inputs(B, H, D, n, dtype, device, Hkv=None):
 
 # A/B variants of the fused step (DecodeTiles): timed in the same run, same states.
 TILES = {
-    "single": DecodeTiles(impl="single"),  # the first kernel: one program per (row, kv head)
-    "split": DecodeTiles(),  # default: window chunks of 128 slots, 8 warps
-    "split64": DecodeTiles(window_chunk=64, num_warps=4),
-    "split256": DecodeTiles(window_chunk=256, num_warps=8),
-    "fs256": DecodeTiles(fs_chunk=256),  # FS: 256 archive cells per scoring program (half the candidates to merge)
-    "split_tb": DecodeTiles(boundary="triton"),  # FS-L block boundary as one Triton launch
+    "single": DecodeTiles(impl="single"),  # default: one program per (row, kv head)
+    "split": DecodeTiles(impl="split"),  # window chunks of 128 slots, 8 warps
+    "split64": DecodeTiles(impl="split", window_chunk=64, num_warps=4),
+    "split256": DecodeTiles(impl="split", window_chunk=256, num_warps=8),
+    "fs256": DecodeTiles(impl="split", fs_chunk=256),  # FS: 256 archive cells per scoring program (half the candidates to merge)
+    "split_tb": DecodeTiles(impl="split", boundary="triton"),  # FS-L block boundary as one Triton launch
 }
 DEFAULT_TILES = ["single", "split", "split64", "split_tb"]
 

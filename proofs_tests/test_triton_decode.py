@@ -76,9 +76,10 @@ CASES = [
 # chunks of 4 cells (several scoring programs), the FS-L block boundary as a Triton kernel (the
 # caches' held cells must then equal the torch step's, slot for slot), and the first kernel.
 TILES = {
-    "split-w8-fs4": DecodeTiles(window_chunk=8, fs_chunk=4, num_warps=4),
-    "split-tb": DecodeTiles(window_chunk=8, boundary="triton"),
-    "split-default": DecodeTiles(),
+    "split-w8-fs4": DecodeTiles(impl="split", window_chunk=8, fs_chunk=4, num_warps=4),
+    "split-tb": DecodeTiles(impl="split", window_chunk=8, boundary="triton"),
+    "split-default": DecodeTiles(impl="split"),
+    "default": DecodeTiles(),
     "single": DecodeTiles(impl="single"),
 }
 
@@ -325,7 +326,7 @@ def test_ragged_decode_graph_with_fused_step(monkeypatch):
     B, Hq, Hkv, D = 3, 2, 1, 8
     prompts = [3, 17, 10]
     q, k, v, beta = tensors(10, B, 60, Hq, Hkv, D)
-    tiles = DecodeTiles(window_chunk=8, boundary="triton")
+    tiles = DecodeTiles(impl="split", window_chunk=8, boundary="triton")
     caches = [FreeSoloCache(cfg, B, Hq, Hkv, D, backend="torch", decode_kernel="triton", decode_tiles=tiles)
               for _ in range(2)]  # fmt: skip
     for cache in caches:
@@ -375,10 +376,10 @@ def cuda_tensors(seed, B, T, Hq, Hkv, D, dtype):
 
 
 CUDA_TILES = {
-    "split": DecodeTiles(),
-    "split_tb": DecodeTiles(boundary="triton"),
-    "split64": DecodeTiles(window_chunk=64, num_warps=4),
-    "fs256": DecodeTiles(fs_chunk=256),
+    "split": DecodeTiles(impl="split"),
+    "split_tb": DecodeTiles(impl="split", boundary="triton"),
+    "split64": DecodeTiles(impl="split", window_chunk=64, num_warps=4),
+    "fs256": DecodeTiles(impl="split", fs_chunk=256),
     "single": DecodeTiles(impl="single"),
 }
 
@@ -388,12 +389,16 @@ CUDA_TILES = {
 @pytest.mark.parametrize("tiles", list(CUDA_TILES))
 @pytest.mark.parametrize("variant", ["fsl", "fs"])
 @pytest.mark.parametrize("heads", [(8, 2), (4, 4)], ids=["GQA4", "MHA"])
-def test_cuda_fused_decode_paper_sizes_float32(variant, heads, tiles):
+def test_cuda_fused_decode_paper_sizes_float32(variant, heads, tiles, monkeypatch, request):
     """Default (paper) config, fp32: decode 300 tokens from T0 = 1800 (crosses block boundaries),
     == the parallel op (torch backend) and == the torch step, RMS-relative 1e-5; every A/B
     variant of the fused step (benchmarks/gpu_decode.py --tiles)."""
     if variant == "fsl" and tiles == "fs256":
         pytest.skip("fs_chunk shapes FS only")
+    if tiles == "split_tb":
+        monkeypatch.setenv("FREESOLO_UNVERIFIED_TRITON_BOUNDARY", "1")
+        if variant == "fsl":  # a known failure, kept visible: the kernel is refused on CUDA until it passes
+            request.applymarker(pytest.mark.xfail(strict=True, reason="Triton FS-L boundary: 106/4800 and 556/2400 rows differ on the H200 (2026-12-01)"))
     cfg = FreeSoloConfig(variant=variant)
     Hq, Hkv = heads
     B, T0, T, D = 2, 1800, 2100, 64
@@ -527,7 +532,8 @@ def test_cuda_fused_decode_rows_at_different_lengths_no_sync():
     B, Hq, Hkv, D = 4, 8, 2, 64
     prompts = [700, 1000, 1300, 90]
     q, k, v, beta = cuda_tensors(16, B, 1700, Hq, Hkv, D, torch.bfloat16)
-    cache = FreeSoloCache(cfg, B, Hq, Hkv, D, backend="torch", decode_kernel="triton", check_finite=False)
+    cache = FreeSoloCache(cfg, B, Hq, Hkv, D, backend="torch", decode_kernel="triton", check_finite=False,
+                          decode_tiles=DecodeTiles(impl="split"))  # fmt: skip
     n = max(prompts)
     cache.prefill(k[:, :n], v[:, :n], lengths=prompts)
     pos, outs = list(prompts), [[] for _ in range(B)]
@@ -558,15 +564,17 @@ def test_cuda_fused_decode_rows_at_different_lengths_no_sync():
 
 @needs_cuda
 @pytest.mark.gpu
-def test_cuda_ragged_decode_graph():
+def test_cuda_ragged_decode_graph(monkeypatch):
     """Rows at different positions in ONE CUDA graph (FS-L, Triton boundary): == eager ragged
     decode bit for bit over 300 steps (rows pausing, block boundaries at different steps), no
-    host sync in the replays."""
+    host sync in the replays. Both sides use the Triton boundary, which is refused on CUDA (it fails
+    the paper-size float32 test): this checks the graph machinery only."""
+    monkeypatch.setenv("FREESOLO_UNVERIFIED_TRITON_BOUNDARY", "1")
     cfg = FreeSoloConfig(variant="fsl")
     B, Hq, Hkv, D = 3, 8, 2, 64
     prompts = [600, 900, 130]
     q, k, v, beta = cuda_tensors(17, B, 1300, Hq, Hkv, D, torch.bfloat16)
-    tiles = DecodeTiles(boundary="triton")
+    tiles = DecodeTiles(impl="split", boundary="triton")
     caches = []
     for _ in range(2):
         cache = FreeSoloCache(cfg, B, Hq, Hkv, D, backend="torch", decode_kernel="triton", decode_tiles=tiles,
@@ -590,3 +598,19 @@ def test_cuda_ragged_decode_graph():
         assert torch.equal(got, expected), f"t={t}"
         pos = [p + n for p, n in zip(pos, lengths)]
     assert graphed.lengths == eager.lengths == pos
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_cuda_triton_boundary_is_refused(monkeypatch):
+    """DecodeTiles(boundary="triton") failed the paper-size float32 test on the H200: on CUDA it
+    raises (naming the way out) instead of running, unless the debugging switch is set."""
+    monkeypatch.delenv("FREESOLO_UNVERIFIED_TRITON_BOUNDARY", raising=False)
+    cfg = FreeSoloConfig(variant="fsl")
+    B, Hq, Hkv, D = 1, 4, 2, 64
+    q, k, v, beta = cuda_tensors(21, B, cfg.block + 1, Hq, Hkv, D, torch.bfloat16)
+    cache = FreeSoloCache(cfg, B, Hq, Hkv, D, backend="torch", decode_kernel="triton",
+                          decode_tiles=DecodeTiles(impl="split", boundary="triton"))  # fmt: skip
+    with pytest.raises(RuntimeError, match="boundary='torch'"):
+        for t in range(cfg.block + 1):
+            cache.extend(q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], beta=beta)

@@ -58,12 +58,14 @@ class DecodeTiles:
     rounding order only (the window's online-softmax split), never the selection.
     """
 
-    impl: str = "split"
-    """"split": two kernels: (B*Hkv, NW + NL) programs (window chunks of `window_chunk` slots for
+    impl: str = "single"
+    """"single" (default): one program per (row, kv head) doing everything for its G heads in
+    sequence; measured on the H200 (`benchmarks/results/gpu_decode_ab.json`) flat at 25 us per FS-L
+    step from 4k to 1M at B = 1, 124 us at B = 32, FS 10x SDPA at 1M. "split": two kernels: (B*Hkv, NW + NL) programs (window chunks of `window_chunk` slots for
     the G query heads of a kv head; FS-L: one long-branch program per query head; FS: one scoring
     program per archive chunk), then (B*Hq,) programs that merge the partials (FS: the top-K merge
-    and the readout) and advance pos. "single": the first version, one program per (row, kv head)
-    doing everything for its G heads in sequence (kept for A/B timing)."""
+    and the readout) and advance pos (faster at B = 1: 14-19 us, but slower at B = 32 and for FS at 1M; needed
+    for one batched launch over rows at different positions)."""
     window_chunk: int = 128
     """ring slots per window program (power of 2; the window is split in ceil(w / window_chunk))."""
     num_warps: int = 8
@@ -73,7 +75,9 @@ class DecodeTiles:
     boundary: str = "torch"
     """FS-L block boundary of the fused path: "torch" (`TorchCacheState._advance`, ~30 torch ops)
     or "triton" (one launch of `fsl_boundary`: only the new cells move; a no-op for rows not at a
-    boundary, so rows at different positions need no per-row host work)."""
+    boundary, so rows at different positions need no per-row host work). "triton" FAILED the
+    H200 paper-size float32 test (2.2 % of the output rows differ from the parallel op): it is
+    refused on CUDA unless FREESOLO_UNVERIFIED_TRITON_BOUNDARY=1 (see `fsl_boundary`)."""
 
     def __post_init__(self):
         if self.impl not in ("split", "single"):

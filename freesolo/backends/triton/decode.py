@@ -45,6 +45,8 @@ still one batched launch (`decode_step(..., pos=, active=)`); FS keeps one batch
 
 from __future__ import annotations
 
+import os
+
 import math
 
 import torch
@@ -852,6 +854,13 @@ def fsl_boundary(state, pos=None, active=None) -> None:
         active: optional int8 [B] (with pos): rows with 0 are left alone.
     """
     cfg, B, Hkv, D = state.cfg, state.B, state.Hkv, state.D
+    if state.device.type == "cuda" and os.environ.get("FREESOLO_UNVERIFIED_TRITON_BOUNDARY") != "1":
+        raise RuntimeError(
+            "DecodeTiles(boundary='triton') is disabled on CUDA: the fused FS-L boundary failed the H200 "
+            "paper-size float32 test (2.2 % of output rows differ from the parallel op; it passes the "
+            "interpreter's small shapes). Use DecodeTiles(boundary='torch') (the default), or set "
+            "FREESOLO_UNVERIFIED_TRITON_BOUNDARY=1 to run it anyway for debugging."
+        )
     if cfg.variant != "fsl":
         raise ValueError(f"fsl_boundary updates the FS-L pool, not variant={cfg.variant!r}")
     if state.cell_kbar.dtype != torch.float32:
