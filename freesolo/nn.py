@@ -409,6 +409,16 @@ class FreeSoloAttention(_Projections):
 _SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")  # torch >= 2.5
 
 
+def _cached_sdpa_backends():
+    """SDPA backends for cached steps (a key length that changes every call): cuDNN left out. On the
+    H200 (torch 2.11) cuDNN attention builds an execution plan for every new key length: 13.4 ms of
+    host time per call, 45 ms per token for a 4-layer dense model at 64k
+    (`benchmarks/profile_dense_decode.py`), against ~20 us of GPU time."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
 class KVCache:
     """KV cache of one baseline layer: keys (rotated at their position) and values [B, L, Hkv, D].
 
@@ -568,7 +578,8 @@ class SDPAAttention(_Projections):
             mask = "all"  # one query sees every held key
         else:
             mask = self._mask(pos, torch.arange(t0 + n - L, t0 + n, device=q.device))
-        return self._sdpa(apply_rope(q, cos, sin), keys, values, mask)
+        with _cached_sdpa_backends():
+            return self._sdpa(apply_rope(q, cos, sin), keys, values, mask)
 
     def forward(self, x: torch.Tensor, cu_seqlens=None, cache=None) -> torch.Tensor:
         """x [B, T, hidden] -> [B, T, hidden]; `cu_seqlens` / `cache` as FreeSoloAttention's."""
