@@ -375,3 +375,20 @@ def test_drills_are_well_formed():
         Mixture(lm_fraction=0.5, copy_fraction=0.3, recall_fraction=0.3)
     with pytest.raises(ValueError, match="too short for a recall drill"):
         recall_sequence(20, rng)
+
+
+def test_loss_fn_accuracy_counts_only_the_marked_answers():
+    import torch
+
+    from freesolo.retrieval.train import answer_accuracy, loss_fn
+
+    tokens = torch.tensor([[1, 5, 6, 7, 8], [1, 5, 6, 7, 9]])
+    mask = torch.tensor([[0, 0, 0, 1, 1], [0, 0, 0, 1, 1]], dtype=torch.bool)
+    logits = torch.full((2, 5, 16), -10.0)
+    logits[:, :-1].scatter_(2, tokens[:, 1:, None], 10.0)  # predicts every next token
+    logits[1, 3, 9], logits[1, 3, 4] = -10.0, 20.0  # ... except row 1's last answer token
+    assert float(answer_accuracy(logits, tokens, mask)) == 0.75
+    row0 = torch.tensor([[True], [False]]).expand_as(mask)
+    loss, acc = loss_fn(logits, tokens, mask, 0.1, acc_mask=row0)
+    assert float(acc) == 1.0 and torch.isfinite(loss)
+    assert torch.isnan(answer_accuracy(logits, tokens, torch.zeros_like(mask)))

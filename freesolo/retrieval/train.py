@@ -30,7 +30,7 @@ from .taskfile import read_task_json, task_json, write_task_json
 from .tasks import TASKS
 from .vocab import VOCAB
 
-__all__ = ["add_train_parser", "cmd_train", "loss_fn"]
+__all__ = ["add_train_parser", "answer_accuracy", "cmd_train", "loss_fn"]
 
 
 def loss_fn(logits, tokens, answer_mask, lm_weight: float, acc_mask=None):
@@ -48,15 +48,22 @@ def loss_fn(logits, tokens, answer_mask, lm_weight: float, acc_mask=None):
     n_ans = ans.sum()
     lm_part = (ce * ~ans).sum() / (~ans).sum().clamp(min=1)
     loss = lm_weight * lm_part
-    acc = torch.tensor(float("nan"))
     if n_ans > 0:
         loss = loss + (ce * ans).sum() / n_ans
-    scored = ans if acc_mask is None else ans & acc_mask[:, 1:]
+    return loss, answer_accuracy(logits, tokens, answer_mask if acc_mask is None else answer_mask & acc_mask)
+
+
+def answer_accuracy(logits, tokens, mask):
+    """Argmax accuracy of next-token predictions on the tokens `mask` bool [B, T] marks (a target
+    at t is predicted at t - 1); nan when it marks none. logits [B, T, V], tokens int64 [B, T]."""
+    import torch
+
+    scored = mask[:, 1:]
     n_scored = scored.sum()
-    if n_scored > 0:
-        pred = logits[:, :-1].argmax(-1)
-        acc = ((pred == tokens[:, 1:]) & scored).sum().float() / n_scored
-    return loss, acc
+    if n_scored == 0:
+        return torch.tensor(float("nan"))
+    pred = logits[:, :-1].argmax(-1)
+    return ((pred == tokens[:, 1:]) & scored).sum().float() / n_scored
 
 
 def _prefetch(gen, depth: int):
@@ -152,6 +159,7 @@ def cmd_train(args) -> int:
             tok = torch.from_numpy(tok_np).to(device, non_blocking=True)
             mask = torch.from_numpy(mask_np).to(device, non_blocking=True)
             task_rows = torch.from_numpy(kinds_np == ROW_KINDS["task"]).to(device, non_blocking=True)
+            recall_rows = torch.from_numpy(kinds_np == ROW_KINDS["recall"]).to(device, non_blocking=True)
             with autocast:
                 logits = model(tok)
             # the logged accuracy is the tasks' (the drills' targets are easier and would hide it)
@@ -164,17 +172,19 @@ def cmd_train(args) -> int:
             tokens_seen += tok.numel()
             if step % args.log_every == 0 or step == 1:
                 lv, av = float(loss.detach()), float(acc)
+                # the recall drill's accuracy: the first sign that the key-conditioned lookup formed
+                rv = float(answer_accuracy(logits.detach(), tok, mask & recall_rows[:, None]))
                 ema_loss = lv if ema_loss is None else 0.9 * ema_loss + 0.1 * lv
                 if not math.isnan(av):
                     ema_acc = av if ema_acc is None else 0.9 * ema_acc + 0.1 * av
                 if not math.isfinite(lv):
                     raise FloatingPointError(f"loss is {lv} at step {step}")
                 el = time.perf_counter() - start
-                log.append({"step": step, "seconds": round(el, 2), "loss": lv, "answer_acc": av, "lr": lr, "tokens": tokens_seen})
+                log.append({"step": step, "seconds": round(el, 2), "loss": lv, "answer_acc": av, "recall_acc": rv, "lr": lr, "tokens": tokens_seen})
                 bar.set_postfix(loss=f"{ema_loss:.3f}", ans_acc=f"{(ema_acc or 0):.3f}", tok_s=f"{tokens_seen / el:,.0f}")
                 if args.quiet and el - last_print >= 30:  # no bar: a plain line every 30 s
                     last_print = el
-                    print(f"  step {step}  {el:.0f} s  loss {ema_loss:.3f}  task answer-token acc {(ema_acc or 0):.3f}  {tokens_seen / el:,.0f} tok/s", flush=True)
+                    print(f"  step {step}  {el:.0f} s  loss {ema_loss:.3f}  task answer-token acc {(ema_acc or 0):.3f}  recall drill acc {rv:.3f}  {tokens_seen / el:,.0f} tok/s", flush=True)
             bar.update(1)
     bar.close()
     elapsed = time.perf_counter() - start
