@@ -33,23 +33,25 @@ def _split(tokens, start, stop, sep):
 def solve(tokens: np.ndarray, answer_start: int) -> list:
     """An independent rule-based reader: parse the context and the question, return the answer tokens.
 
-    It only knows the documented formats (tasks.py): needles `<needle> KEY <is> VALUE .`,
-    statements `<var> X = VALUE .` / `<var> X = Y .`, questions `<query> KEYS <is>` and
-    `<vt-query> VALUE <is>`.
+    It only knows the documented formats (tasks.py, format v2): needles `<needle> KEY VALUE .`,
+    statements `<var> X = VALUE .` / `<var> X = Y .`, questions `<query> KEY`, `<query> KEYS <is>`
+    (several keys) and `<vt-query> VALUE <is>`.
     """
     t = tokens.tolist()
     q = max(i for i in range(answer_start) if t[i] in (T["<query>"], T["<vt-query>"]))
     context = t[:q]
     if t[q] == T["<query>"]:
-        keys = t[q + 1 : answer_start - 1]
-        assert t[answer_start - 1] == T["<is>"]
+        keys = t[q + 1 : answer_start]
+        if keys[-1] == T["<is>"]:
+            keys = keys[:-1]
+            assert len(keys) > 1  # only a question of several keys ends with <is>
         found = {}  # key -> values in document order
         i = 0
         while i < len(context):
             if context[i] == T["<needle>"]:
                 j = context.index(T["."], i)
-                assert context[i + 2] == T["<is>"]
-                found.setdefault(context[i + 1], []).append(context[i + 3 : j])
+                assert T["<is>"] not in context[i:j]
+                found.setdefault(context[i + 1], []).append(context[i + 2 : j])
                 i = j
             i += 1
         values = found[keys[0]] if len(keys) == 1 else [found[k][0] for k in keys]
@@ -110,8 +112,8 @@ def test_answers_recoverable_and_present_once(task):
         if spec.kind != "vt":
             values = _split(s.tokens, s.answer_start, len(s.tokens), T["<sep>"])
             for v, (a, b) in zip(values, s.evidence):
-                assert s.tokens[a + 3 : b - 1].tolist() == v
-                pattern = [T["<is>"]] + v + [T["."]]
+                assert s.tokens[a + 2 : b - 1].tolist() == v
+                pattern = v + [T["."]]
                 hits = [j for j in range(len(context) - len(pattern) + 1) if context[j : j + len(pattern)] == pattern]
                 assert hits == [a + 2], (task, v, hits)
         else:
@@ -129,7 +131,7 @@ def test_depth_places_the_asked_needle(task):
     assert all(a <= b for a, b in zip(starts, starts[1:])), starts
     s = generate(task, length, 1.0, sample_seed(0, task, length, 0))
     if TASKS[task].kind == "single":  # depth 1: right before the question
-        assert s.evidence[0][1] == s.answer_start - 3
+        assert s.evidence[0][1] == s.answer_start - 2  # the question is <query> KEY
     assert starts[5] / length == pytest.approx(0.5, abs=0.05)
 
 
@@ -203,7 +205,7 @@ def test_make_batch_mask_is_the_answer_span():
             continue
         idx = np.flatnonzero(m)
         assert idx[-1] == 255 and (np.diff(idx) == 1).all()  # one contiguous span at the end
-        assert row[idx[0] - 1] == T["<is>"]
+        assert row[idx[0] - 1] == T["<is>"] or row[idx[0] - 2] == T["<query>"]  # after <is> or a key
     with pytest.raises(ValueError, match="tasks: 'x'"):
         Mixture(tasks=("x",))
 
@@ -292,7 +294,7 @@ def test_diagnose_tiny_model_consistent_with_selection():
     from freesolo.models import FreeSoloLM, LMConfig
     from freesolo.retrieval.diagnose import diagnose_sample, summarize
 
-    torch.manual_seed(0)
+    torch.manual_seed(1)  # a seed whose random model reads the needle cell somewhere (checked below)
     cfg = FreeSoloConfig(variant="fsl", window=32, cell=8, block=32, top_k=2, pool=3, recent=2)
     model = FreeSoloLM(LMConfig(vocab_size=VOCAB.vocab_size, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, attention="fsl", freesolo=cfg, backend="torch"))
     model.eval()
@@ -345,24 +347,29 @@ def test_drills_are_well_formed():
     from freesolo.retrieval.data import ROW_KINDS, copy_sequence, recall_sequence
 
     rng = np.random.default_rng(5)
-    for L in (5, 6, 64, 257):
+    offsets = set()
+    for L in (5, 6, 64, 257, 1024):
         tok, m = copy_sequence(L, rng)
-        half = (L - 1) // 2
-        assert tok.shape == m.shape == (L,) and tok[0] == T["<bos>"]
-        assert (tok[1 + half : 1 + 2 * half] == tok[1 : 1 + half]).all()  # the repeat
-        assert np.flatnonzero(m).tolist() == list(range(half + 2, L))  # every predictable repeat token
+        assert tok.shape == m.shape == (L,) and tok[0] == T["<bos>"] and not m[:5].any()
+        # every masked token continues a repeat: the pair (previous, current) occurred earlier,
+        # at a distance that varies (no fixed offset predicts the repeats)
+        for i in np.flatnonzero(m):
+            earlier = [j for j in range(1, i - 1) if tok[j] == tok[i - 1] and tok[j + 1] == tok[i]]
+            assert earlier, (L, i)
+            offsets.add(i - earlier[-1])
+    assert len(offsets) > 10
     for L in (64, 200, 1024, 2048):
         tok, m = recall_sequence(L, rng, "noise" if L % 2 else "text")
         assert tok.shape == m.shape == (L,) and tok[0] == T["<bos>"]
-        n = int(np.clip(L // 64, 2, 16))
+        n = int(np.clip(L // 48, 2, 16))
         needles = np.flatnonzero(tok == T["<needle>"])
         queries = np.flatnonzero(tok == T["<query>"])
         assert len(needles) == n and len(queries) == max(1, n // 2) == m.sum() // 4
         assert len(set(tok[needles + 1].tolist())) == n  # distinct keys
-        value_of = {int(tok[p + 1]): tok[p + 3 : p + 7].tolist() for p in needles}
+        value_of = {int(tok[p + 1]): tok[p + 2 : p + 6].tolist() for p in needles}
         for q in queries:  # each answer (masked) is the value of the asked key's needle
-            assert tok[q + 2] == T["<is>"] and m[q + 3 : q + 7].all() and not m[q : q + 3].any()
-            assert tok[q + 3 : q + 7].tolist() == value_of[int(tok[q + 1])]
+            assert m[q + 2 : q + 6].all() and not m[q : q + 2].any()
+            assert tok[q + 2 : q + 6].tolist() == value_of[int(tok[q + 1])]
     mix = Mixture(lengths=(256,), batch_tokens=256 * 32, lm_fraction=0.1, copy_fraction=0.3, recall_fraction=0.3)
     tokens, mask, kinds = make_batch(mix, np.random.default_rng(3), return_kinds=True)
     assert set(kinds.tolist()) == set(ROW_KINDS.values())

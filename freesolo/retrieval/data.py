@@ -71,32 +71,52 @@ class Mixture:
         }
 
 
+def _content_alphabet(vocab: Vocab) -> np.ndarray:
+    """Every content token id (digits, keys, filler words, variable names). int64 [n]."""
+    return np.concatenate(
+        [vocab.digits(np.arange(vocab.n_digits)), vocab.keys(np.arange(vocab.n_keys)),
+         vocab.filler(np.arange(vocab.n_filler)), vocab.vars(np.arange(vocab.n_vars))]
+    ).astype(np.int64)
+
+
 def copy_sequence(length: int, rng: np.random.Generator, vocab: Vocab = VOCAB) -> tuple[np.ndarray, np.ndarray]:
-    """A copy drill: `<bos> r r` with `r` random filler words (`(length - 1) // 2` of them; an odd
-    remainder repeats r's first word once more). tokens int64 [length], mask bool [length]: True on
-    every token of the repeat but its first (which nothing predicts)."""
+    """An induction drill: `<bos>`, then pieces that are either a new span of 4-24 random content
+    tokens or a repeat of an earlier span (probability 1/2 once one exists), until `length` tokens.
+    Repeats sit at random distances from their source, so only a content match (the previous
+    token's earlier occurrence) predicts them, not a fixed offset (a `<bos> r r` drill is solved by
+    a positional head). tokens int64 [length], mask bool [length]: True on every token of a repeat
+    but its first (which nothing predicts)."""
     if length < 5:
         raise ValueError(f"length={length} must be >= 5 for a copy drill")
-    m = (length - 1) // 2
-    r = vocab.filler(rng.integers(0, vocab.n_filler, size=m))
-    tokens = np.concatenate([[vocab.tok("<bos>")], r, r, r[: length - 1 - 2 * m]]).astype(np.int64)
-    mask = np.zeros(length, dtype=bool)
-    mask[m + 2 :] = True
-    return tokens, mask
+    alphabet = _content_alphabet(vocab)
+    tokens, mask, spans, n = [np.array([vocab.tok("<bos>")], dtype=np.int64)], [np.zeros(1, dtype=bool)], [], 1
+    while n < length:
+        if spans and rng.random() < 0.5:
+            piece = spans[int(rng.integers(len(spans)))]
+            m = np.ones(len(piece), dtype=bool)
+            m[0] = False
+        else:
+            piece = alphabet[rng.integers(0, len(alphabet), size=int(rng.integers(4, 25)))]
+            spans.append(piece)
+            m = np.zeros(len(piece), dtype=bool)
+        tokens.append(piece)
+        mask.append(m)
+        n += len(piece)
+    return np.concatenate(tokens)[:length], np.concatenate(mask)[:length]
 
 
 def recall_sequence(
     length: int, rng: np.random.Generator, haystack: str = "text", vocab: Vocab = VOCAB
 ) -> tuple[np.ndarray, np.ndarray]:
-    """A recall drill (many-key NIAH): `n` needles `<needle> KEY <is> v1..v4 .` with distinct keys at
-    random sentence boundaries of a haystack, then `a` questions `<query> KEY <is> v1..v4 .` (the
-    last without its `.`) for distinct keys in random order; `n = clip(length // 64, 2, 16)`,
+    """A recall drill (many-key NIAH): `n` needles `<needle> KEY v1..v4 .` with distinct keys at
+    random sentence boundaries of a haystack, then `a` questions `<query> KEY v1..v4 .` (the
+    last without its `.`) for distinct keys in random order; `n = clip(length // 48, 2, 16)`,
     `a = max(1, n // 2)`. Same needle and question format as the tasks. tokens int64 [length],
     mask bool [length]: True on the value tokens of the answers."""
     T = vocab.tok
-    n = int(np.clip(length // 64, 2, 16))
+    n = int(np.clip(length // 48, 2, 16))
     a = max(1, n // 2)
-    H = length - 1 - 8 * n - (8 * a - 1)
+    H = length - 1 - 7 * n - (7 * a - 1)
     if H < 0:
         raise ValueError(f"length={length} is too short for a recall drill (needs {length - H})")
     keys = vocab.keys(rng.choice(vocab.n_keys, size=n, replace=False))
@@ -105,15 +125,15 @@ def recall_sequence(
     slots = np.sort(rng.choice(bounds, size=n, replace=True))
     pieces, cursor = [np.array([T("<bos>")])], 0
     for i in range(n):
-        pieces += [hay[cursor : slots[i]], [T("<needle>"), keys[i], T("<is>")], values[i], [T(".")]]
+        pieces += [hay[cursor : slots[i]], [T("<needle>"), keys[i]], values[i], [T(".")]]
         cursor = int(slots[i])
     pieces.append(hay[cursor:])
     starts = []
-    pos = 1 + H + 8 * n
+    pos = 1 + H + 7 * n
     for j, i in enumerate(rng.choice(n, size=a, replace=False)):
-        pieces += [[T("<query>"), keys[i], T("<is>")], values[i]] + ([[T(".")]] if j < a - 1 else [])
-        starts.append(pos + 3)
-        pos += 8
+        pieces += [[T("<query>"), keys[i]], values[i]] + ([[T(".")]] if j < a - 1 else [])
+        starts.append(pos + 2)
+        pos += 7
     tokens = np.concatenate(pieces).astype(np.int64)
     if len(tokens) != length:  # an internal invariant, not a user error
         raise AssertionError(f"recall drill: {len(tokens)} tokens for length={length}")

@@ -17,10 +17,10 @@ from .vocab import VOCAB, Vocab
 __all__ = ["TASK_JSON", "FORMAT", "task_json", "write_task_json", "read_task_json"]
 
 TASK_JSON = "task.json"
-FORMAT = "freesolo-retrieval-v1"
+FORMAT = "freesolo-retrieval-v2"
 
 NEEDLE_FORMATS = {
-    "niah": "needle: <needle> KEY <is> VALUE . ; question: <query> KEY+ <is> ; answer: VALUE (<sep> VALUE)*",
+    "niah": "needle: <needle> KEY VALUE . ; question: <query> KEY (mq-niah: <query> KEY KEY .. <is>) ; answer: VALUE (<sep> VALUE)*",
     "vt": "statements: <var> X1 = VALUE . then <var> X(h+1) = X(h) . ; question: <vt-query> VALUE <is> ; answer: X1 .. X(hops+1)",
     "sequence": "<bos> haystack-with-needles question answer; exactly `length` tokens; the answer is the last span",
     "haystack": {

@@ -7,8 +7,12 @@ Every sample is one token sequence of exactly `length` tokens::
 The answer is one contiguous span at the end of the sequence, so scoring the argmax of a
 teacher-forced forward over that span is exact-match greedy decoding (`scoring.py`).
 
-Needle (NIAH tasks): ``<needle> KEY <is> v_1 .. v_n .`` ("one of the special magic numbers for
-KEY is: v."); question ``<query> KEY <is>``; the answer is the value tokens. Variable tracking
+Needle (NIAH tasks): ``<needle> KEY v_1 .. v_n .`` ("one of the special magic numbers for
+KEY: v."); question ``<query> KEY`` (MQ-NIAH: ``<query> KEY_1 .. KEY_m <is>``); the answer is the
+value tokens. The value follows its key directly, in the needle as in the question, so one
+content match (the question's key against the needle's) finds it: format v2. Format v1 put
+``<is>`` between key and value in both; a 4.5M-parameter model did not learn that two-token
+match in 3,500 steps (benchmarks/results/extrapolation_findings.md). Variable tracking
 (RULER "vt"): statements ``<var> X1 = d_1 .. d_n .`` and ``<var> X2 = X1 .`` (a chain of
 `n_hops` copies), question ``<vt-query> d_1 .. d_n <is>``, answer ``X1 X2 .. X_{hops+1}`` (the
 chain's variables in the order they were assigned).
@@ -218,7 +222,7 @@ def _pieces(spec: TaskSpec, rng: np.random.Generator, vocab: Vocab):
     else:
         keys = vocab.keys(rng.choice(vocab.n_keys, size=n, replace=False))
     values = _values(spec, n, rng, vocab)
-    needles = [np.concatenate([[T("<needle>"), keys[i], T("<is>")], values[i], [T(".")]]) for i in range(n)]
+    needles = [np.concatenate([[T("<needle>"), keys[i]], values[i], [T(".")]]) for i in range(n)]
     if spec.kind in ("single", "multikey"):
         asked = [0]
     elif spec.kind == "multivalue":
@@ -226,7 +230,8 @@ def _pieces(spec: TaskSpec, rng: np.random.Generator, vocab: Vocab):
     else:
         asked = [int(i) for i in rng.permutation(n)]  # multiquery: question order
     qkeys = [keys[0]] if spec.kind == "multivalue" else [keys[i] for i in asked]
-    question = np.concatenate([[T("<query>")], qkeys, [T("<is>")]])
+    tail = [T("<is>")] if spec.kind == "multiquery" else []  # several keys: <is> ends the question
+    question = np.concatenate([[T("<query>")], qkeys, tail]).astype(np.int64)
     return needles, asked, question, values
 
 
