@@ -66,15 +66,15 @@ def env_info() -> dict:
     return info
 
 
-def train(which: str, out_dir: str, minutes: float, train_length: int, backend: str, extra=()) -> str:
-    """Train checkpoint `ckpt_<which>` (FS-L: continued from ckpt_fs); returns its folder."""
+def train(which: str, out_dir: str, minutes: float, train_length: int, backend: str, extra=(), init_from: str | None = None) -> str:
+    """Train checkpoint `ckpt_<which>` (FS-L: continued from `init_from`, else ckpt_fs); returns its folder."""
     from freesolo.cli import main
 
     ckpt = os.path.join(out_dir, f"ckpt_{which}")
     args = ["train", "--out", ckpt, "--attention", which, "--train-length", str(train_length), "--minutes", str(minutes)]
     args += ["--backend", backend, "--log-every", "25", "--quiet"]
     if which == "fsl":
-        src = os.path.join(out_dir, "ckpt_fs")
+        src = init_from or os.path.join(out_dir, "ckpt_fs")
         committed = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "checkpoints", "ckpt_fs")
         if not os.path.isdir(src) and os.path.isdir(committed):
             src = committed
@@ -146,6 +146,8 @@ def run_plan(plan, results: Results, deadline: float, seed: int, backend: str, d
     from freesolo.retrieval.modelio import backend_scope
 
     prepared = {}
+    # cells measured by an earlier call (the same JSON file): not measured again
+    done = {(r["model"], r["variant"], r["task"], r["length"]): r.get("n", 0) for r in results.data.get("results", [])}
     for ckpt, variant, task, multiples, n, diagnose in plan:
         if time.perf_counter() > deadline:
             log(f"deadline: skipped {os.path.basename(ckpt)}/{variant} {task} x{list(multiples)}")
@@ -164,6 +166,9 @@ def run_plan(plan, results: Results, deadline: float, seed: int, backend: str, d
         model, info, kind, be = prepared[key]
         L = int(info["train_length"])
         meta = {"model": os.path.basename(ckpt), "variant": kind, "train_length": L}
+        multiples = tuple(m for m in multiples if done.get((meta["model"], kind, task, L * m), 0) < n)
+        if not multiples:
+            continue
         diagnoses: list = []
         try:
             with backend_scope(be):
@@ -206,7 +211,10 @@ def cmd_model(args) -> int:
     results.data.setdefault("env", {})["device"] = env_info()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     backend = _backend(args.backend, device)
-    ckpt = train(args.which, args.out, args.train_minutes, args.train_length, backend, args.train_extra)
+    if args.ckpt:  # evaluate a trained checkpoint (cells already in --out's JSON are skipped)
+        ckpt = args.ckpt
+    else:
+        ckpt = train(args.which, args.out, args.train_minutes, args.train_length, backend, args.train_extra, args.init_from)
     run_plan(default_plan({args.which: ckpt}, args.tasks, args.n, args.n_fsb), results, deadline - 10, args.seed, backend, device)
     log(f"model {args.which}: done in {time.perf_counter() - t0:.0f} s -> {results.path}")
     return 0
@@ -419,6 +427,8 @@ def main(argv=None) -> int:
     m = sub.add_parser("model", parents=[common], help="train one model and evaluate it")
     m.add_argument("--which", choices=["dense", "window", "fs", "fsl"], required=True)
     m.add_argument("--train-minutes", type=float, default=4.0)
+    m.add_argument("--ckpt", default=None, help="evaluate this checkpoint instead of training one (its folder name is the model name)")
+    m.add_argument("--init-from", default=None, help="FS-L: the FS checkpoint to continue from (default OUT/ckpt_fs, then the committed one)")
     m.set_defaults(func=cmd_model)
     o = sub.add_parser("oneshot", parents=[common], help="train several models, then evaluate until the deadline")
     o.add_argument("--models", nargs="+", default=["dense:1.3", "window:0.6", "fs:3.0", "fsl:0.7"], help="which:minutes, in order")

@@ -5,6 +5,11 @@
 #   MODE=model WHICH=fs bash benchmarks/extrapolation_gpu.sh     # one model, longer training, every task
 #   MODE=model WHICH=fsl ...   # continues from $WORK/ckpt_fs or benchmarks/results/checkpoints/ckpt_fs
 #   MODE=model WHICH=window ... / WHICH=dense ...
+#   MODE=parallel JOBS="dense:6.5 window:6.5 fs:6.5" bash benchmarks/extrapolation_gpu.sh
+#       several `model` runs at once on the one GPU (small models leave it mostly idle), each in $WORK/<which>;
+#       a job `which:eval` evaluates .ckpt/ckpt_<which> instead of training; fsl continues from .ckpt/ckpt_fs
+#       when no fs job trains in the same call; .ckpt/extrapolation_<which>.json (an earlier call's results)
+#       is copied in first, so its cells are not measured again. .ckpt is git-ignored: name it in `carry`.
 #
 # oneshot trains dense RoPE, FS, and FS-L (continued from FS), then evaluates S-NIAH-1 at 1x..64x the
 # training length for every model, FS-B on the FS weights (tau calibrated on training-like sequences),
@@ -29,19 +34,37 @@ MODELS=${MODELS:-"dense:1.3 window:0.6 fs:3.0 fsl:0.7"}
 TRAIN_MINUTES=${TRAIN_MINUTES:-4.5}
 BACKEND=${BACKEND:-auto}
 TRAIN_LENGTH=${TRAIN_LENGTH:-1024}
-COMMON=(--out "$WORK" --total-minutes "$TOTAL_MINUTES" --n "${N:-50}" --n-fsb "${N_FSB:-20}" --backend "$BACKEND" --train-length "$TRAIN_LENGTH")
+ARGS=(--total-minutes "$TOTAL_MINUTES" --n "${N:-50}" --n-fsb "${N_FSB:-20}" --backend "$BACKEND" --train-length "$TRAIN_LENGTH")
+COMMON=(--out "$WORK" "${ARGS[@]}")
 {
   python3 -c "import torch, triton, freesolo; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(), 'backends', freesolo.available_backends())"
-  if [ "$MODE" = model ]; then
+  if [ "$MODE" = parallel ]; then
+    pids=()
+    for job in ${JOBS:?set JOBS=\"which:minutes|eval ...\"}; do
+      which=${job%%:*}; what=${job#*:}
+      mkdir -p "$WORK/$which"
+      [ -f ".ckpt/extrapolation_$which.json" ] && cp ".ckpt/extrapolation_$which.json" "$WORK/$which/extrapolation.json"
+      extra=()
+      if [ "$what" = eval ]; then extra=(--ckpt ".ckpt/ckpt_$which"); else extra=(--train-minutes "$what"); fi
+      [ "$which" = fsl ] && [ -d .ckpt/ckpt_fs ] && extra+=(--init-from .ckpt/ckpt_fs)
+      python3 benchmarks/extrapolation.py model --which "$which" "${extra[@]}" --out "$WORK/$which" "${ARGS[@]}" > "$WORK/$which/log.txt" 2>&1 &
+      pids+=($!)
+    done
+    for pid in "${pids[@]}"; do wait "$pid"; done
+    for job in $JOBS; do which=${job%%:*}; echo "=== $which"; cat "$WORK/$which/log.txt"; cp "$WORK/$which/extrapolation.json" "$OUT/extrapolation_$which.json" 2>/dev/null; done
+    exit_results=()
+    for job in $JOBS; do exit_results+=("$WORK/${job%%:*}/extrapolation.json"); done
+    python3 benchmarks/extrapolation.py report --results "${exit_results[@]}" --merged "$WORK/extrapolation.json" --out-dir "$WORK/report"
+  elif [ "$MODE" = model ]; then
     python3 benchmarks/extrapolation.py model --which "${WHICH:?set WHICH=dense|window|fs|fsl}" --train-minutes "$TRAIN_MINUTES" "${COMMON[@]}"
   else
     # shellcheck disable=SC2086
     python3 benchmarks/extrapolation.py oneshot "${COMMON[@]}" --models $MODELS
   fi
-  python3 benchmarks/extrapolation.py report --results "$WORK/extrapolation.json" --out-dir "$WORK/report"
+  [ "$MODE" = parallel ] || python3 benchmarks/extrapolation.py report --results "$WORK/extrapolation.json" --out-dir "$WORK/report"
 } 2>&1 | tee "$OUT/log.txt"
-cp "$WORK/extrapolation.json" "$OUT/" 2>/dev/null
-for c in "$WORK"/ckpt_*; do
-  [ -d "$c" ] && tar -C "$WORK" -cf "$OUT/$(basename "$c").tar" "$(basename "$c")"
+[ "$MODE" = parallel ] || cp "$WORK/extrapolation.json" "$OUT/" 2>/dev/null
+for c in "$WORK"/ckpt_* "$WORK"/*/ckpt_*; do
+  [ -d "$c" ] && tar -C "$(dirname "$c")" -cf "$OUT/$(basename "$c").tar" "$(basename "$c")"
 done
 ls -la "$OUT"
