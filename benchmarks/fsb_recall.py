@@ -22,15 +22,44 @@ Queries (Hq = 4 heads sharing the kv head, GQA), per sampled position and head, 
 
 Run: python benchmarks/fsb_recall.py            (T = 16k and 64k, 512 query positions x 4 heads each)
 Writes benchmarks/results/fsb_recall.json and .md.
+
+Checkpoint mode (issue 14, item 6): the same study on a trained model's keys.
+
+    python benchmarks/fsb_recall.py --ckpt .ckpt/ckpt_fs --out /tmp/x/fsb_recall_model.json
+
+- input: per length T and sample s (`--seeds`, default 4), a retrieval sample of `--tasks` (default
+  s-niah-2 and mk-niah, cycled; text haystacks) with its needle at depth `depths_for(n, n)[s]` and
+  seed `sample_seed(seed, task, T, s)` (the generator of `freesolo eval`);
+- keys and queries: one forward of the checkpoint's own attention (FS for an FS checkpoint: the
+  trained model; cuda if available, bf16 autocast), capturing for EVERY layer the unrotated q and k
+  the long branch selects with (`attn.qkv` on the layer's input, in a forward pre-hook: outputs
+  untouched);
+- tau: as `freesolo eval --attention fsb` calibrates it (`retrieval.evaluate.prepare`: per layer
+  and kv head, on 8 training-distribution sequences of the training length; an FS-B checkpoint
+  keeps its saved tau); the rest of the FS-B config is the checkpoint's;
+- query positions: `--queries` (default 256) per length, split over the samples, drawn from the
+  last 8 blocks ("sample"), plus every position predicting an answer token ("answer": the
+  question's last token and the teacher-forced answer tokens but the last);
+- per layer and kv head (its G = Hq / Hkv query heads), the numba FS-B path at every `--beams` x
+  `--radius-weights` x `--leaf-orders`, against the exhaustive rho top-4 computed with the FS-B
+  rerank's own arithmetic (`_rho_all_cells`: bit-equal rho, so exact ties, which repeated tokens
+  make in layer 0, resolve the same way; with beam >= the available cells recall is exactly 1);
+  the FS row is FS's exhaustive score (with the position prior) against the same reference;
+- output: `--out` JSON (meta: env with device, torch, git commit, date, ckpt; the model, tau,
+  samples; summary: best setting per T; results: one record per T x layer x kv head x setting
+  with recall@4 (all, sample, answer), n_queries = query positions x query heads, top-1 hit,
+  rho-mass ratio, node keys and cells reranked per query) and the markdown summary next to it.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
 import platform
+import subprocess
 import sys
 import time
 
@@ -39,6 +68,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import numba
+from numba import njit, prange
 
 from freesolo import FreeSoloConfig
 from freesolo.backends._numba_fsb import build_head_forests_numba, query_head_numba
@@ -178,22 +208,9 @@ def run_length(T: int, n_queries: int, seeds: list[int], base: FreeSoloConfig) -
             reranked=np.zeros((P, HQ)),
         )
         planes = hyperplanes(base.hash_seed, 1, base.hash_bits, D)[0]
-        for leaf_order in LEAF_ORDERS:
-            t0 = time.perf_counter()
-            cfg0 = base.replace(leaf_order=leaf_order, tau=tuple(tau))
-            forests = build_head_forests_numba(seq.k, cfg0, float(tau[0]), planes)
-            build_s = time.perf_counter() - t0
-            for rw in RADIUS_WEIGHTS:
-                for beam in BEAMS:
-                    cfg = cfg0.replace(beam=beam, radius_weight=rw)
-                    t0 = time.perf_counter()
-                    idx, node_keys, reranked = query_head_numba(
-                        forests, q, positions, seq.k, cfg.per_head("sigma", HQ), cfg.per_head("lam", HQ), cfg
-                    )
-                    query_s = time.perf_counter() - t0
-                    row = _accumulate(rows, ("FS-B", leaf_order, rw, beam), idx, ref, rho, kinds, node_keys, reranked)
-                    row["build_s"] = row.get("build_s", 0.0) + build_s
-                    row["query_s"] = row.get("query_s", 0.0) + query_s
+        cfg = base.replace(tau=tuple(tau))
+        sigma, lam = cfg.per_head("sigma", HQ), cfg.per_head("lam", HQ)
+        sweep_fsb(rows, (), seq.k, q, positions, ref, rho, kinds, float(tau[0]), planes, cfg, sigma, lam)
         print(
             f"T={T} seed={seed}: {P} positions x {HQ} heads, tau={tau[0]:.3f}, "
             f"{len(seq.needle_cells)} needle cells, {int((a > tau[0]).sum())}/{len(a)} high-norm cells",
@@ -201,35 +218,63 @@ def run_length(T: int, n_queries: int, seeds: list[int], base: FreeSoloConfig) -
         )
     out = []
     for (method, leaf_order, rw, beam), row in rows.items():
-        hits, count = row.pop("hits"), row.pop("count")
         out.append(
-            {
-                "T": T,
-                "method": method,
-                "leaf_order": leaf_order,
-                "radius_weight": rw,
-                "beam": beam,
-                "recall@4": hits["all"] / (4 * count["all"]),
-                **{f"recall@4 {kind}": hits[kind] / max(1, 4 * count[kind]) for kind in QUERY_TYPES},
-                "top-1 hit": row["top1"] / count["all"],
-                "rho-mass ratio": row["mass"] / count["all"],
-                "queries": count["all"],
-                **{f"n {kind}": count[kind] for kind in QUERY_TYPES},
-                "node_keys/query": row["node_keys"] / count["all"],
-                "cells_reranked/query": row["reranked"] / count["all"],
-                **({"build_s": row["build_s"], "query_s": row["query_s"]} if "build_s" in row else {}),
-            }
+            {"T": T, "method": method, "leaf_order": leaf_order, "radius_weight": rw, "beam": beam, **_row_stats(row)}
         )
     return out
 
 
-def _accumulate(rows, key, idx, ref, rho, kinds, node_keys, reranked) -> dict:
+def sweep_fsb(
+    rows, prefix, k_g, q_g, positions, ref, rho, kinds, tau_g, planes_g, base, sigma, lam,
+    beams=BEAMS, radius_weights=RADIUS_WEIGHTS, leaf_orders=LEAF_ORDERS, types=QUERY_TYPES,
+):  # fmt: skip
+    """FS-B of one kv head at every (leaf order, radius_weight, beam), accumulated into rows[prefix + ("FS-B", ...)].
+
+    k_g [T, D] keys of the kv head, q_g [P, G, D] its query heads' queries at positions int64 [P];
+    ref [P, G, 4] / rho [P, G] (object: rho [n] per query) the exhaustive reference; kinds [P, G]
+    query types; tau_g, planes_g [r, D]: the kv head's tau and hyperplanes; sigma / lam [G].
+    The forests are built once per leaf order and reused for every beam and radius_weight.
+    """
+    for leaf_order in leaf_orders:
+        t0 = time.perf_counter()
+        cfg0 = base.replace(leaf_order=leaf_order)
+        forests = build_head_forests_numba(k_g, cfg0, tau_g, planes_g)
+        build_s = time.perf_counter() - t0
+        for rw in radius_weights:
+            for beam in beams:
+                cfg = cfg0.replace(beam=beam, radius_weight=rw)
+                t0 = time.perf_counter()
+                idx, node_keys, reranked = query_head_numba(forests, q_g, positions, k_g, sigma, lam, cfg)
+                query_s = time.perf_counter() - t0
+                key = prefix + ("FS-B", leaf_order, rw, beam)
+                row = _accumulate(rows, key, idx, ref, rho, kinds, node_keys, reranked, types)
+                row["build_s"] = row.get("build_s", 0.0) + build_s
+                row["query_s"] = row.get("query_s", 0.0) + query_s
+
+
+def _row_stats(row: dict, types=QUERY_TYPES) -> dict:
+    """The statistics of one accumulated row (`_accumulate`), as the record's fields."""
+    hits, count = row["hits"], row["count"]
+    return {
+        "recall@4": hits["all"] / (4 * count["all"]),
+        **{f"recall@4 {kind}": hits[kind] / max(1, 4 * count[kind]) for kind in types},
+        "top-1 hit": row["top1"] / count["all"],
+        "rho-mass ratio": row["mass"] / count["all"],
+        "queries": count["all"],
+        **{f"n {kind}": count[kind] for kind in types},
+        "node_keys/query": row["node_keys"] / count["all"],
+        "cells_reranked/query": row["reranked"] / count["all"],
+        **({"build_s": row["build_s"], "query_s": row["query_s"]} if "build_s" in row else {}),
+    }
+
+
+def _accumulate(rows, key, idx, ref, rho, kinds, node_keys, reranked, types=QUERY_TYPES) -> dict:
     """Add one batch of selections idx [P, H, 4] against the exhaustive ref [P, H, 4] to a row."""
     row = rows.setdefault(
         key,
         {
-            "hits": {t: 0 for t in ("all",) + QUERY_TYPES},
-            "count": {t: 0 for t in ("all",) + QUERY_TYPES},
+            "hits": {t: 0 for t in ("all",) + tuple(types)},
+            "count": {t: 0 for t in ("all",) + tuple(types)},
             "node_keys": 0,
             "reranked": 0,
             "top1": 0,
@@ -322,15 +367,426 @@ def to_markdown(results: list[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n" + NOTES
 
 
+# ---- checkpoint mode (issue 14, item 6): the same study on a trained model's keys ------------------
+
+CKPT_TASKS = ("s-niah-2", "mk-niah")  # text haystacks (the noise haystack repeats five sentences)
+CKPT_TYPES = ("sample", "answer")  # random positions in the last blocks / positions predicting an answer token
+LAST_BLOCKS = 8  # query positions are drawn from the last LAST_BLOCKS query blocks
+FS_ROW = "FS (exhaustive score)"
+
+
+@njit(parallel=True)  # no cache=True: numba cannot reload a cached parallel function of a script module
+def _rho_all_cells(q_g, positions, k_g, cell, block, n_max):
+    """rho [P, G, n_max] of every available cell (-inf past n_avail), with the FS-B rerank's own
+    arithmetic (`_numba_fsb._query_head`, same loop order): rho of a cell FS-B reranks is bit-equal
+    to the reference's, so exact ties (repeated tokens give equal keys in layer 0) resolve alike."""
+    P, G, D = q_g.shape
+    scale = 1.0 / math.sqrt(D)
+    rho = np.full((P, G, n_max), -np.inf)
+    for p in prange(P):
+        n = (positions[p] // block) * block // cell
+        logits = np.empty(cell)
+        for h in range(G):
+            qv = q_g[p, h]
+            for c in range(n):
+                best = -np.inf
+                for t in range(cell):
+                    dot = 0.0
+                    for d in range(D):
+                        dot += k_g[c * cell + t, d] * qv[d]
+                    logits[t] = dot * scale
+                    best = max(best, logits[t])
+                s = 0.0
+                for t in range(cell):
+                    s += math.exp(logits[t] - best)
+                rho[p, h, c] = best + math.log(s)
+    return rho
+
+
+def _n_avail(positions: np.ndarray, cfg: FreeSoloConfig) -> np.ndarray:
+    """Available cells of each query position (spec §3): int64 [P]."""
+    return (positions // cfg.block) * cfg.block // cfg.cell
+
+
+def exhaustive_rho(q_g, positions, k_g, cfg) -> tuple[np.ndarray, np.ndarray]:
+    """q_g [P, G, D], positions [P], k_g [T, D] -> ref [P, G, 4] (top-4 by rho among ALL available
+    cells, ties larger c first) and rho [P, G] (object: float64 [n_avail] per query)."""
+    P, G, _ = q_g.shape
+    n_of = _n_avail(positions, cfg)
+    rho_all = _rho_all_cells(q_g, positions, k_g, cfg.cell, cfg.block, int(n_of.max()))
+    ref = np.zeros((P, G, 4), np.int64)
+    rho = np.empty((P, G), dtype=object)
+    for p, n in enumerate(n_of):
+        cells = np.arange(n)
+        for h in range(G):
+            rho[p, h] = rho_all[p, h, :n]
+            ref[p, h] = np.lexsort((-cells, -rho[p, h]))[:4]
+    return ref, rho
+
+
+@functools.lru_cache(maxsize=64)
+def _erf_table(sigma: float, cell: int, T: int) -> np.ndarray:
+    """g at every distance d in [0, T]: erf(sigma * d / (2 * cell)), float64 [T + 1] (spec §4)."""
+    return np.frompyfunc(math.erf, 1, 1)(sigma * np.arange(T + 1) / (2.0 * cell)).astype(np.float64)
+
+
+def exhaustive_top4_fs(q_g, positions, kbar, a, sigma, lam, cfg) -> np.ndarray:
+    """FS: top-4 by score_h(i, c) among the available cells (ties larger c first) -> [P, G, 4]."""
+    P, G, D = q_g.shape
+    T = int(positions.max())
+    out = np.zeros((P, G, 4), np.int64)
+    for p, (i, n) in enumerate(zip(positions, _n_avail(positions, cfg))):
+        cells = np.arange(n)
+        content = kbar[:n] @ q_g[p].T / math.sqrt(D)  # (n, G)
+        for h in range(G):
+            g = _erf_table(float(sigma[h]), cfg.cell, T)[i - cells * cfg.cell]
+            out[p, h] = np.lexsort((-cells, -(content[:, h] + lam[h] * a[:n] * g)))[:4]
+    return out
+
+
+def query_positions(sample, cfg: FreeSoloConfig, n_random: int, rng) -> tuple[np.ndarray, np.ndarray]:
+    """Query positions of one sample: `n_random` drawn from the last LAST_BLOCKS blocks ("sample")
+    and every position predicting an answer token ("answer"; the first is the question's last
+    token). Only positions with >= top_k available cells. -> positions int64 [P] (sorted), kinds [P]."""
+    T = len(sample.tokens)
+    first = ((cfg.top_k * cfg.cell + cfg.block - 1) // cfg.block) * cfg.block  # first position with top_k cells
+    answer = np.arange(sample.answer_start - 1, sample.answer_start + sample.answer_len - 1)
+    answer = answer[answer >= first]
+    pool = np.setdiff1d(np.arange(max(first, T - LAST_BLOCKS * cfg.block), T), answer)
+    if len(pool) == 0:
+        raise ValueError(f"T={T} is too short for block={cfg.block}: no query position with top_k available cells")
+    picked = rng.choice(pool, min(n_random, len(pool)), replace=False)
+    positions = np.concatenate([picked, answer]).astype(np.int64)
+    kinds = np.array(["sample"] * len(picked) + ["answer"] * len(answer), dtype=object)
+    order = np.argsort(positions, kind="stable")
+    return positions[order], kinds[order]
+
+
+def capture_qk(model, tokens: np.ndarray, positions: np.ndarray, device, backend: str):
+    """One forward of `tokens` [T] (bf16 autocast on CUDA); per layer the unrotated q at `positions`
+    and every k, as the long branch's selection sees them (`attn.qkv` on the layer's input, the
+    same call the layer makes; the model's outputs are untouched).
+
+    -> qs: n_layers float64 [P, Hq, D]; ks: n_layers float32 [T, Hkv, D]; logits [T, V] (torch, on device).
+    """
+    import torch
+
+    from freesolo.retrieval.modelio import backend_scope
+
+    qs, ks = [None] * len(model.layers), [None] * len(model.layers)
+    rows = torch.as_tensor(positions, device=device)
+
+    def hook(i):
+        def pre(module, args, kwargs):
+            q, k, _ = module.qkv(args[0])  # (1, T, Hq, D), (1, T, Hkv, D)
+            qs[i] = q[0, rows].double().cpu().numpy()
+            ks[i] = k[0].float().cpu().numpy()
+
+        return pre
+
+    handles = [
+        layer.self_attn.register_forward_pre_hook(hook(i), with_kwargs=True) for i, layer in enumerate(model.layers)
+    ]
+    if device.type == "cuda":
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16)
+    else:
+        autocast = torch.autocast("cpu", enabled=False)
+    try:
+        with torch.no_grad(), autocast, backend_scope(backend):
+            logits = model(torch.as_tensor(tokens[None], device=device))[0]  # (T, V)
+    finally:
+        for h in handles:
+            h.remove()
+    return qs, ks, logits
+
+
+def _git_commit() -> str:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    if out.returncode != 0:
+        return "unknown"
+    return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
+def run_checkpoint(args) -> tuple[list[dict], dict]:
+    """The recall study on a checkpoint's keys: (records, meta). See the module docstring."""
+    import torch
+    from tqdm import tqdm
+
+    from freesolo.models import FREESOLO_ATTENTIONS
+    from freesolo.retrieval.evaluate import prepare
+    from freesolo.retrieval.modelio import backend_scope, load_model, pick_backend, pick_device
+    from freesolo.retrieval.scoring import exact_match
+    from freesolo.retrieval.tasks import depths_for, generate, sample_seed
+
+    start = time.perf_counter()
+    device = pick_device(args.device)
+    backend = (
+        args.backend if args.backend != "auto" else ("numba" if device.type == "cpu" else pick_backend("auto", device))
+    )
+    model = load_model(args.ckpt).to(device).eval()  # the checkpoint's own attention: the trained model's keys
+    if model.config.attention not in FREESOLO_ATTENTIONS:
+        raise ValueError(f"--ckpt {args.ckpt}: attention={model.config.attention!r}; FS-B needs a FreeSolo checkpoint")
+    # tau as `freesolo eval --attention fsb` calibrates it (training-length, training-distribution sequences)
+    calib_backend = "numba" if device.type == "cpu" else "torch"
+    t0 = time.perf_counter()
+    with backend_scope(calib_backend):
+        fsb, info, _ = prepare(args.ckpt, "fsb", device)
+    calibration_s = time.perf_counter() - t0
+    cfgs = [layer.self_attn.cfg for layer in fsb.layers]  # FS-B config of each layer, with its tau [Hkv]
+    del fsb
+    mc = model.config
+    Hq, Hkv, D, L = mc.n_heads, mc.n_kv_heads, mc.head_dim, mc.n_layers
+    G = Hq // Hkv
+    taus = [c.tau_array(Hkv) for c in cfgs]
+    planes = [hyperplanes(c.hash_seed, Hkv, c.hash_bits, D) for c in cfgs]
+    if args.threads:
+        numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
+    sweep = dict(
+        beams=tuple(args.beams), radius_weights=tuple(args.radius_weights), leaf_orders=tuple(args.leaf_orders)
+    )
+    n_samples = args.seeds
+    records, samples_meta = [], []
+    bar = tqdm(total=len(args.lengths) * n_samples * L, desc="fsb recall", unit="layer")
+    for T in args.lengths:
+        rows: dict[tuple, dict] = {}
+        depths = depths_for(n_samples, n_samples)
+        for s in range(n_samples):
+            task = args.tasks[s % len(args.tasks)]
+            sample = generate(task, T, float(depths[s]), sample_seed(args.seed, task, T, s))
+            rng = np.random.default_rng([args.seed, T, s])
+            positions, kinds = query_positions(sample, cfgs[0], max(1, args.queries // n_samples), rng)
+            bar.set_description(f"T={T} sample {s + 1}/{n_samples} forward")
+            t0 = time.perf_counter()
+            qs, ks, logits = capture_qk(model, sample.tokens, positions, device, backend)
+            correct = bool(exact_match(logits[None], torch.as_tensor(sample.tokens[None], device=device),
+                                       sample.answer_start, sample.answer_len)[0])  # fmt: skip
+            del logits
+            t1 = time.perf_counter()
+            kinds_pg = np.repeat(kinds[:, None], G, 1)  # (P, G)
+            n_of = _n_avail(positions, cfgs[0])
+            for layer in range(L):
+                bar.set_description(f"T={T} sample {s + 1}/{n_samples} layer {layer}")
+                cfg = cfgs[layer]
+                sigma, lam = cfg.per_head("sigma", Hq), cfg.per_head("lam", Hq)
+                for g in range(Hkv):
+                    heads = slice(g * G, (g + 1) * G)
+                    k_g = np.ascontiguousarray(ks[layer][:, g], dtype=np.float64)  # (T, D)
+                    q_g = np.ascontiguousarray(qs[layer][:, heads])  # (P, G, D)
+                    ref, rho = exhaustive_rho(q_g, positions, k_g, cfg)
+                    kbar, a = cell_stats(k_g, cfg.cell)
+                    fs = exhaustive_top4_fs(q_g, positions, kbar, a, sigma[heads], lam[heads], cfg)
+                    cost = np.repeat(n_of[:, None], G, 1)
+                    key = (layer, g, FS_ROW, "-", "-", "-")
+                    _accumulate(rows, key, fs, ref, rho, kinds_pg, cost, np.zeros_like(cost), CKPT_TYPES)
+                    sweep_fsb(rows, (layer, g), k_g, q_g, positions, ref, rho, kinds_pg, float(taus[layer][g]),
+                              planes[layer][g], cfg, sigma[heads], lam[heads], types=CKPT_TYPES, **sweep)  # fmt: skip
+                bar.update(1)
+            samples_meta.append(
+                {"T": T, "task": task, "depth": float(depths[s]), "seed": sample_seed(args.seed, task, T, s),
+                 "queries": int(len(positions)), "answer_queries": int((kinds == "answer").sum()),
+                 "answer_correct": correct, "forward_s": round(t1 - t0, 2),
+                 "analysis_s": round(time.perf_counter() - t1, 2)}
+            )  # fmt: skip
+        for (layer, g, method, leaf_order, rw, beam), row in rows.items():
+            stats = _row_stats(row, CKPT_TYPES)
+            stats["n_queries"] = stats.pop("queries")
+            records.append(
+                {"T": T, "layer": layer, "kv_head": g, "method": method, "leaf_order": leaf_order,
+                 "radius_weight": rw, "beam": beam, **stats}
+            )  # fmt: skip
+    bar.close()
+    fs_fields = ("window", "cell", "block", "top_k", "sigma", "lam", "hash_bits", "hash_seed", "leaf_order",
+                 "radius_weight", "beam")  # fmt: skip
+    meta = {
+        "mode": "checkpoint",
+        "command": args.command,
+        "env": {
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+            "torch": torch.__version__,
+            "numpy": np.__version__,
+            "numba": numba.__version__,
+            "numba_threads": numba.get_num_threads(),
+            "python": platform.python_version(),
+            "git_commit": _git_commit(),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "ckpt": os.path.abspath(args.ckpt),
+            "forward_backend": backend,
+            "calibration_backend": calib_backend,
+        },
+        "seconds": time.perf_counter() - start,
+        "calibration_s": calibration_s,
+        "model": {
+            "attention": mc.attention,
+            "n_layers": L,
+            "n_heads": Hq,
+            "n_kv_heads": Hkv,
+            "head_dim": D,
+            "train_length": int(info["train_length"]),
+            **{f: getattr(cfgs[0], f) for f in fs_fields},
+        },
+        "tau": [t.tolist() for t in taus],
+        "lengths": list(args.lengths),
+        "queries_per_T": args.queries,
+        "samples_per_T": n_samples,
+        "tasks": list(args.tasks),
+        **sweep,
+        "samples": samples_meta,
+    }
+    return records, meta
+
+
+def _mean_over_layers(records, T, method, leaf_order, rw, beam, field="recall@4") -> float:
+    vals = [
+        r[field]
+        for r in records
+        if (r["T"], r["method"], r["leaf_order"], r["radius_weight"], r["beam"]) == (T, method, leaf_order, rw, beam)
+    ]
+    return float(np.mean(vals)) if vals else float("nan")
+
+
+def summarize_checkpoint(records: list[dict], meta: dict) -> list[dict]:
+    """Per T: the best FS-B setting by mean recall@4 over layers, overall and per beam, and the spec default's."""
+    out = []
+    for T in meta["lengths"]:
+        settings = [(lo, rw, b) for lo in meta["leaf_orders"] for rw in meta["radius_weights"] for b in meta["beams"]]
+        mean = {st: _mean_over_layers(records, T, "FS-B", *st) for st in settings}
+        best = max(settings, key=lambda st: mean[st])
+        entry = {
+            "T": T,
+            "best": {"leaf_order": best[0], "radius_weight": best[1], "beam": best[2], "recall@4": mean[best]},
+        }
+        entry["per_beam"] = []
+        for b in meta["beams"]:
+            at_b = [st for st in settings if st[2] == b]
+            top = max(at_b, key=lambda st: mean[st])
+            row = {"beam": b, "leaf_order": top[0], "radius_weight": top[1], "recall@4": mean[top]}
+            for lo in meta["leaf_orders"]:
+                by_rw = {rw: mean[(lo, rw, b)] for rw in meta["radius_weights"]}
+                row[f"best radius_weight ({lo})"] = max(by_rw, key=by_rw.get)
+                row[f"worst radius_weight ({lo})"] = min(by_rw, key=by_rw.get)
+            entry["per_beam"].append(row)
+        out.append(entry)
+    return out
+
+
+def to_markdown_checkpoint(records: list[dict], meta: dict, summary: list[dict]) -> str:
+    m, env = meta["model"], meta["env"]
+    n_correct = sum(s["answer_correct"] for s in meta["samples"])
+    lines = [
+        "# FS-B recall on a trained model's keys",
+        "",
+        f"Generated by `{meta['command']}` ({env['date']}, {env['device']}, torch {env['torch']}, numba "
+        f"{env['numba']} x {env['numba_threads']} threads, git {env['git_commit'][:12]}, {meta['seconds']:.0f} s).",
+        "",
+        f"Checkpoint `{env['ckpt']}`: attention {m['attention']}, {m['n_layers']} layers, {m['n_heads']} query / "
+        f"{m['n_kv_heads']} kv heads, D = {m['head_dim']}, cell {m['cell']}, block {m['block']}, K = {m['top_k']}, "
+        f"trained at {m['train_length']} tokens. tau per layer (kv heads), calibrated as `freesolo eval --attention "
+        f"fsb` does (8 training-distribution sequences of the training length): "
+        + "; ".join(f"L{i} " + ", ".join(f"{x:.3f}" for x in t) for i, t in enumerate(meta["tau"]))
+        + ".",
+        "",
+        "recall@4 = |FS-B's 4 cells ∩ exhaustive top-4 by rho among ALL available cells| / 4 per query and query head,",
+        "on the keys and queries the long branch selects with (unrotated q, k of every layer, one forward of the",
+        f"checkpoint's own attention, {env['forward_backend']} backend). Per length: {meta['samples_per_T']} task samples "
+        f"({', '.join(meta['tasks'])}, needle depths spread over [0, 1]; answers right: {n_correct}/{len(meta['samples'])}),",
+        f"{meta['queries_per_T']} random query positions in the last {LAST_BLOCKS} blocks in all ('sample') plus every",
+        "position predicting an answer token ('answer'). Tables: mean over layers x kv heads. Numba FS-B path.",
+        "",
+    ]
+    beams = meta["beams"]
+    head = "| leaf order | radius_weight | " + " | ".join(f"beam {b}" for b in beams) + " |"
+    rule = "|---|---|" + "---|" * len(beams)
+    mid = 16 if 16 in beams else beams[len(beams) // 2]
+    layers = sorted({r["layer"] for r in records})
+    for entry in summary:
+        T = entry["T"]
+        for field, title in (("recall@4", "all queries"), ("recall@4 answer", "answer positions")):
+            lines += [f"## T = {T}: recall@4, {title}", "", head, rule]
+            for lo in meta["leaf_orders"]:
+                for rw in meta["radius_weights"]:
+                    vals = [_mean_over_layers(records, T, "FS-B", lo, rw, b, field) for b in beams]
+                    lines.append(f"| {lo} | {rw} | " + " | ".join(f"{v:.3f}" for v in vals) + " |")
+            fs = _mean_over_layers(records, T, FS_ROW, "-", "-", "-", field)
+            lines += [f"| {FS_ROW} | - | " + " | ".join(f"{fs:.3f}" for _ in beams) + " |", ""]
+        lines += [
+            f"### T = {T}: recall@4 per layer at beam {mid} (mean over kv heads)",
+            "",
+            "| leaf order | radius_weight | " + " | ".join(f"layer {i}" for i in layers) + " |",
+            "|---|---|" + "---|" * len(layers),
+        ]
+        for lo in meta["leaf_orders"]:
+            for rw in meta["radius_weights"]:
+                vals = [
+                    np.mean([r["recall@4"] for r in records if (r["T"], r["layer"], r["method"], r["leaf_order"],
+                             r["radius_weight"], r["beam"]) == (T, i, "FS-B", lo, rw, mid)])
+                    for i in layers
+                ]  # fmt: skip
+                lines.append(f"| {lo} | {rw} | " + " | ".join(f"{v:.3f}" for v in vals) + " |")
+        best = entry["best"]
+        lines += [
+            "",
+            f"**Best at T = {T}**: leaf order {best['leaf_order']}, radius_weight {best['radius_weight']}, beam "
+            f"{best['beam']}: recall@4 {best['recall@4']:.3f}.",
+            "",
+            "| beam | best (leaf order, radius_weight) | recall@4 | "
+            + " | ".join(f"best / worst radius_weight ({lo})" for lo in meta["leaf_orders"])
+            + " |",
+            "|---|---|---|" + "---|" * len(meta["leaf_orders"]),
+        ]
+        for row in entry["per_beam"]:
+            per_lo = " | ".join(
+                f"{row[f'best radius_weight ({lo})']} / {row[f'worst radius_weight ({lo})']}"
+                for lo in meta["leaf_orders"]
+            )
+            lines.append(
+                f"| {row['beam']} | {row['leaf_order']}, {row['radius_weight']} | {row['recall@4']:.3f} | {per_lo} |"
+            )
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[16384, 65536])
-    parser.add_argument("--queries", type=int, default=512, help="query positions per length (split over seeds)")
-    parser.add_argument("--seeds", type=int, default=4, help="independent sequences per length")
     parser.add_argument(
-        "--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "fsb_recall")
+        "--queries", type=int, default=None, help="query positions per length, split over seeds (512; --ckpt: 256)"
     )
+    parser.add_argument("--seeds", type=int, default=4, help="independent sequences (--ckpt: task samples) per length")
+    parser.add_argument("--out", default=None, help="output path, .json or none (the .md is written next to it)")
+    ckpt = parser.add_argument_group("checkpoint mode (--ckpt): the study on a trained model's keys")
+    ckpt.add_argument("--ckpt", default=None, help="checkpoint folder written by `freesolo train`")
+    ckpt.add_argument("--tasks", nargs="+", default=list(CKPT_TASKS), help="retrieval tasks of the samples, cycled")
+    ckpt.add_argument("--beams", type=int, nargs="+", default=list(BEAMS))
+    ckpt.add_argument("--radius-weights", type=float, nargs="+", default=list(RADIUS_WEIGHTS))
+    ckpt.add_argument("--leaf-orders", nargs="+", default=list(LEAF_ORDERS), choices=LEAF_ORDERS)
+    ckpt.add_argument("--device", default="auto", help="forward device (auto: cuda if available)")
+    ckpt.add_argument("--backend", default="auto", help="forward backend (auto: triton on cuda, numba on cpu)")
+    ckpt.add_argument("--threads", type=int, default=0, help="numba threads (0: numba's default, all cores)")
+    ckpt.add_argument("--seed", type=int, default=0, help="base seed of the task samples and query positions")
     args = parser.parse_args(argv)
+    args.command = "python benchmarks/fsb_recall.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    results_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    out = args.out or os.path.join(results_dir, "fsb_recall_model" if args.ckpt else "fsb_recall")
+    out = out[: -len(".json")] if out.endswith(".json") else out
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    if args.ckpt:
+        args.queries = 256 if args.queries is None else args.queries
+        records, meta = run_checkpoint(args)
+        summary = summarize_checkpoint(records, meta)
+        with open(out + ".json", "w") as f:
+            json.dump({"meta": meta, "summary": summary, "results": records}, f, indent=1, default=str)
+        text = to_markdown_checkpoint(records, meta, summary)
+        with open(out + ".md", "w") as f:
+            f.write(text)
+        print(text)
+        print(f"wrote {out}.json and {out}.md ({meta['seconds']:.0f} s)")
+        return records, meta
+    args.queries = 512 if args.queries is None else args.queries
     start = time.perf_counter()
     base = FreeSoloConfig(variant="fsb")
     results = []
@@ -349,12 +805,12 @@ def main(argv=None):
         "head_dim": D,
         "config": {k: v for k, v in base.__dict__.items() if k != "tau"},
     }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out + ".json", "w") as f:
+    with open(out + ".json", "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=1, default=str)
-    with open(args.out + ".md", "w") as f:
+    with open(out + ".md", "w") as f:
         f.write(to_markdown(results, meta))
     print(to_markdown(results, meta))
+    return results, meta
 
 
 if __name__ == "__main__":
