@@ -66,11 +66,12 @@ def env_info() -> dict:
     return info
 
 
-def train(which: str, out_dir: str, minutes: float, train_length: int, backend: str, extra=(), init_from: str | None = None) -> str:
-    """Train checkpoint `ckpt_<which>` (FS-L: continued from `init_from`, else ckpt_fs); returns its folder."""
+def train(which: str, out_dir: str, minutes: float, train_length: int, backend: str, extra=(), init_from: str | None = None,
+          name: str | None = None) -> str:
+    """Train checkpoint `name` (default `ckpt_<which>`; FS-L: continued from `init_from`, else ckpt_fs); returns its folder."""
     from freesolo.cli import main
 
-    ckpt = os.path.join(out_dir, f"ckpt_{which}")
+    ckpt = os.path.join(out_dir, name or f"ckpt_{which}")
     args = ["train", "--out", ckpt, "--attention", which, "--train-length", str(train_length), "--minutes", str(minutes)]
     args += ["--backend", backend, "--log-every", "25", "--quiet"]
     if which == "fsl":
@@ -82,7 +83,7 @@ def train(which: str, out_dir: str, minutes: float, train_length: int, backend: 
             raise FileNotFoundError(f"FS-L continues from {src}: train --which fs first")
         args += ["--init-from", src, "--warmup", "20", "--lr", "5e-4"]
     else:
-        args += MODEL_ARGS + FS_ARGS + ["--batch-tokens", "16384"]
+        args += MODEL_ARGS + FS_ARGS + ["--batch-tokens", "32768"]
     args += list(extra)
     log(f"train {which}: {' '.join(args)}")
     start = time.perf_counter()
@@ -209,12 +210,13 @@ def cmd_model(args) -> int:
     os.makedirs(args.out, exist_ok=True)
     results = Results(os.path.join(args.out, "extrapolation.json"))
     results.data.setdefault("env", {})["device"] = env_info()
+    results.save()  # the file exists even when the deadline leaves no cell
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     backend = _backend(args.backend, device)
     if args.ckpt:  # evaluate a trained checkpoint (cells already in --out's JSON are skipped)
         ckpt = args.ckpt
     else:
-        ckpt = train(args.which, args.out, args.train_minutes, args.train_length, backend, args.train_extra, args.init_from)
+        ckpt = train(args.which, args.out, args.train_minutes, args.train_length, backend, args.train_extra, args.init_from, args.name)
     run_plan(default_plan({args.which: ckpt}, args.tasks, args.n, args.n_fsb), results, deadline - 10, args.seed, backend, device)
     log(f"model {args.which}: done in {time.perf_counter() - t0:.0f} s -> {results.path}")
     return 0
@@ -427,6 +429,7 @@ def main(argv=None) -> int:
     m = sub.add_parser("model", parents=[common], help="train one model and evaluate it")
     m.add_argument("--which", choices=["dense", "window", "fs", "fsl"], required=True)
     m.add_argument("--train-minutes", type=float, default=4.0)
+    m.add_argument("--name", default=None, help="checkpoint folder name = model name in the records (default ckpt_<which>)")
     m.add_argument("--ckpt", default=None, help="evaluate this checkpoint instead of training one (its folder name is the model name)")
     m.add_argument("--init-from", default=None, help="FS-L: the FS checkpoint to continue from (default OUT/ckpt_fs, then the committed one)")
     m.set_defaults(func=cmd_model)

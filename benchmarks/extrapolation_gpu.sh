@@ -5,11 +5,13 @@
 #   MODE=model WHICH=fs bash benchmarks/extrapolation_gpu.sh     # one model, longer training, every task
 #   MODE=model WHICH=fsl ...   # continues from $WORK/ckpt_fs or benchmarks/results/checkpoints/ckpt_fs
 #   MODE=model WHICH=window ... / WHICH=dense ...
-#   MODE=parallel JOBS="dense:6.5 window:6.5 fs:6.5" bash benchmarks/extrapolation_gpu.sh
-#       several `model` runs at once on the one GPU (small models leave it mostly idle), each in $WORK/<which>;
-#       a job `which:eval` evaluates .ckpt/ckpt_<which> instead of training; fsl continues from .ckpt/ckpt_fs
-#       when no fs job trains in the same call; .ckpt/extrapolation_<which>.json (an earlier call's results)
-#       is copied in first, so its cells are not measured again. .ckpt is git-ignored: name it in `carry`.
+#   MODE=parallel JOBS="dense:6.5 window:6.5 fs:6.5 fs_lr1=fs:6.5" EXTRA_fs_lr1="--lr 1e-3" bash benchmarks/extrapolation_gpu.sh
+#       several `model` runs at once on the one GPU (small models leave it mostly idle). A job is
+#       [name=]which:minutes (train, then evaluate) or [name=]which:eval (evaluate .ckpt/ckpt_<name>); name
+#       (default: which) names the work folder $WORK/<name> and the checkpoint ckpt_<name>; EXTRA_<name>
+#       holds more `freesolo train` flags. fsl continues from .ckpt/ckpt_fs when it exists. An earlier
+#       call's .ckpt/extrapolation_<name>.json is copied in first: its cells are not measured again.
+#       .ckpt is git-ignored: name it in `carry`.
 #
 # oneshot trains dense RoPE, FS, and FS-L (continued from FS), then evaluates S-NIAH-1 at 1x..64x the
 # training length for every model, FS-B on the FS weights (tau calibrated on training-like sequences),
@@ -40,20 +42,34 @@ COMMON=(--out "$WORK" "${ARGS[@]}")
   python3 -c "import torch, triton, freesolo; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(), 'backends', freesolo.available_backends())"
   if [ "$MODE" = parallel ]; then
     pids=()
-    for job in ${JOBS:?set JOBS=\"which:minutes|eval ...\"}; do
-      which=${job%%:*}; what=${job#*:}
-      mkdir -p "$WORK/$which"
-      [ -f ".ckpt/extrapolation_$which.json" ] && cp ".ckpt/extrapolation_$which.json" "$WORK/$which/extrapolation.json"
-      extra=()
-      if [ "$what" = eval ]; then extra=(--ckpt ".ckpt/ckpt_$which"); else extra=(--train-minutes "$what"); fi
+    names=()
+    for job in ${JOBS:?set JOBS=\"[name=]which:minutes|eval ...\"}; do
+      spec=${job#*=}; name=${job%%=*}; [ "$name" = "$job" ] && name=${spec%%:*}
+      which=${spec%%:*}; what=${spec#*:}
+      names+=("$name")
+      mkdir -p "$WORK/$name"
+      [ -f ".ckpt/extrapolation_$name.json" ] && cp ".ckpt/extrapolation_$name.json" "$WORK/$name/extrapolation.json"
+      extra=(--name "ckpt_$name")
+      if [ "$what" = eval ]; then extra+=(--ckpt ".ckpt/ckpt_$name"); else extra+=(--train-minutes "$what"); fi
       [ "$which" = fsl ] && [ -d .ckpt/ckpt_fs ] && extra+=(--init-from .ckpt/ckpt_fs)
-      python3 benchmarks/extrapolation.py model --which "$which" "${extra[@]}" --out "$WORK/$which" "${ARGS[@]}" > "$WORK/$which/log.txt" 2>&1 &
+      var="EXTRA_$name"
+      # shellcheck disable=SC2206
+      more=(${!var:-})
+      [ ${#more[@]} -gt 0 ] && extra+=(--train-extra "${more[@]}")
+      python3 benchmarks/extrapolation.py model --which "$which" --out "$WORK/$name" "${ARGS[@]}" "${extra[@]}" > "$WORK/$name/log.txt" 2>&1 &
       pids+=($!)
     done
+    # SIDE: a command run meanwhile (e.g. GPU correctness tests, whose timing does not matter); its log in results.tar
+    if [ -n "${SIDE:-}" ]; then bash -c "$SIDE" > "$WORK/side.log" 2>&1; echo "=== side (rc $?)"; tail -n 5 "$WORK/side.log"; fi
     for pid in "${pids[@]}"; do wait "$pid"; done
-    for job in $JOBS; do which=${job%%:*}; echo "=== $which"; cat "$WORK/$which/log.txt"; cp "$WORK/$which/extrapolation.json" "$OUT/extrapolation_$which.json" 2>/dev/null; done
     exit_results=()
-    for job in $JOBS; do exit_results+=("$WORK/${job%%:*}/extrapolation.json"); done
+    for name in "${names[@]}"; do
+      echo "=== $name"; cat "$WORK/$name/log.txt"
+      cp "$WORK/$name/extrapolation.json" "$WORK/extrapolation_$name.json" 2>/dev/null
+      exit_results+=("$WORK/$name/extrapolation.json")
+    done
+    # one file for the small outputs (the device returns at most 8 files): per-job JSON, side log, train logs
+    (cd "$WORK" && tar -cf "$OUT/results.tar" extrapolation_*.json side.log side_out */log.txt */ckpt_*/train_log.json 2>/dev/null)
     python3 benchmarks/extrapolation.py report --results "${exit_results[@]}" --merged "$WORK/extrapolation.json" --out-dir "$WORK/report"
   elif [ "$MODE" = model ]; then
     python3 benchmarks/extrapolation.py model --which "${WHICH:?set WHICH=dense|window|fs|fsl}" --train-minutes "$TRAIN_MINUTES" "${COMMON[@]}"

@@ -1,7 +1,10 @@
-"""Small run of every Triton kernel of the forward and backward (FS-L, FS, FS-B readout) for
-compute-sanitizer (memcheck / racecheck):
+"""Small run of every Triton kernel of the forward and backward (FS-L, FS, FS-B readout; the fused
+and the split long kernel; deterministic and atomic backward) and of the fused decode (single and
+split kernels, the FS-L block boundary in torch and in Triton) for compute-sanitizer
+(memcheck / racecheck):
 
     compute-sanitizer --tool memcheck python benchmarks/sanitize_triton.py
+    compute-sanitizer --tool racecheck python benchmarks/sanitize_triton.py
 """
 
 from __future__ import annotations
@@ -11,8 +14,43 @@ import torch
 import freesolo
 
 
+def decode():
+    import os
+
+    from freesolo import FreeSoloCache
+    from freesolo.streaming.torch_state import DecodeTiles
+
+    B, T, Hq, Hkv, D = 2, 150, 4, 2, 32
+    for variant in ("fsl", "fs"):
+        cfg = freesolo.FreeSoloConfig(variant=variant, window=32, cell=8, block=16, pool=4, recent=2, top_k=2)
+        q, k, v = (torch.randn(B, T, h, D, device="cuda", dtype=torch.bfloat16) for h in (Hq, Hkv, Hkv))
+        tiles = {"single": DecodeTiles(impl="single"), "split": DecodeTiles(impl="split", window_chunk=16)}
+        if variant == "fsl":  # the Triton boundary is refused on CUDA until it passes the paper-size test:
+            os.environ["FREESOLO_UNVERIFIED_TRITON_BOUNDARY"] = "1"  # racecheck is how to find its bug
+            tiles["split_tb"] = DecodeTiles(impl="split", window_chunk=16, boundary="triton")
+        for name, t in tiles.items():
+            cache = FreeSoloCache(cfg, B, Hq, Hkv, D, backend="torch", decode_kernel="triton", decode_tiles=t,
+                                  dtype=torch.bfloat16, device="cuda")
+            cache.extend(q[:, :100], k[:, :100], v[:, :100])
+            outs = [cache.extend(q[:, i : i + 1], k[:, i : i + 1], v[:, i : i + 1]) for i in range(100, T)]
+            torch.cuda.synchronize()
+            print("decode", variant, name, "ok", bool(torch.isfinite(torch.cat(outs, 1)).all()))
+
+
 def main():
     torch.manual_seed(0)
+    for long_block in (None, 16):  # the fused long branch, then its own kernel over 16-query tiles
+        forward_backward(long_block)
+    decode()
+
+
+def forward_backward(long_block):
+    import os
+
+    if long_block is None:
+        os.environ.pop("FREESOLO_TRITON_LONG_BLOCK", None)
+    else:
+        os.environ["FREESOLO_TRITON_LONG_BLOCK"] = str(long_block)
     for variant in ("fsl", "fs", "fsb"):
         cfg = freesolo.FreeSoloConfig(variant=variant, window=64, cell=8, block=32, pool=4, recent=2, top_k=2)
         q = torch.randn(2, 301, 4, 32, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -23,7 +61,7 @@ def main():
         o = freesolo.freesolo_attention(q, k, v, cfg, backend="triton")
         o.float().square().sum().backward()
         torch.cuda.synchronize()
-        print(variant, "ok", bool(torch.isfinite(q.grad).all()))
+        print("long_block", long_block, variant, "ok", bool(torch.isfinite(q.grad).all()))
 
 
 if __name__ == "__main__":

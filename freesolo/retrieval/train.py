@@ -160,6 +160,7 @@ def cmd_train(args) -> int:
             mask = torch.from_numpy(mask_np).to(device, non_blocking=True)
             task_rows = torch.from_numpy(kinds_np == ROW_KINDS["task"]).to(device, non_blocking=True)
             recall_rows = torch.from_numpy(kinds_np == ROW_KINDS["recall"]).to(device, non_blocking=True)
+            copy_rows = torch.from_numpy(kinds_np == ROW_KINDS["copy"]).to(device, non_blocking=True)
             with autocast:
                 logits = model(tok)
             # the logged accuracy is the tasks' (the drills' targets are easier and would hide it)
@@ -174,17 +175,19 @@ def cmd_train(args) -> int:
                 lv, av = float(loss.detach()), float(acc)
                 # the recall drill's accuracy: the first sign that the key-conditioned lookup formed
                 rv = float(answer_accuracy(logits.detach(), tok, mask & recall_rows[:, None]))
+                # the copy drill's accuracy: the induction circuit (content match, then copy) formed
+                cv = float(answer_accuracy(logits.detach(), tok, mask & copy_rows[:, None]))
                 ema_loss = lv if ema_loss is None else 0.9 * ema_loss + 0.1 * lv
                 if not math.isnan(av):
                     ema_acc = av if ema_acc is None else 0.9 * ema_acc + 0.1 * av
                 if not math.isfinite(lv):
                     raise FloatingPointError(f"loss is {lv} at step {step}")
                 el = time.perf_counter() - start
-                log.append({"step": step, "seconds": round(el, 2), "loss": lv, "answer_acc": av, "recall_acc": rv, "lr": lr, "tokens": tokens_seen})
+                log.append({"step": step, "seconds": round(el, 2), "loss": lv, "answer_acc": av, "recall_acc": rv, "copy_acc": cv, "lr": lr, "tokens": tokens_seen})
                 bar.set_postfix(loss=f"{ema_loss:.3f}", ans_acc=f"{(ema_acc or 0):.3f}", tok_s=f"{tokens_seen / el:,.0f}")
                 if args.quiet and el - last_print >= 30:  # no bar: a plain line every 30 s
                     last_print = el
-                    print(f"  step {step}  {el:.0f} s  loss {ema_loss:.3f}  task answer-token acc {(ema_acc or 0):.3f}  recall drill acc {rv:.3f}  {tokens_seen / el:,.0f} tok/s", flush=True)
+                    print(f"  step {step}  {el:.0f} s  loss {ema_loss:.3f}  task answer-token acc {(ema_acc or 0):.3f}  recall drill acc {rv:.3f}  copy drill acc {cv:.3f}  {tokens_seen / el:,.0f} tok/s", flush=True)
             bar.update(1)
     bar.close()
     elapsed = time.perf_counter() - start
