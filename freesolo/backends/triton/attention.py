@@ -439,7 +439,7 @@ class AttentionTiles:
 
 
 # A/B switches for the default tiles (benchmarks/triton_forward_ab.py passes tiles explicitly):
-# FREESOLO_TRITON_LONG_BLOCK=16 (AttentionTiles.long_block), FREESOLO_TRITON_MAXNREG=128.
+# FREESOLO_TRITON_LONG_BLOCK=16 (AttentionTiles.long_block; 0 = the fused kernel), FREESOLO_TRITON_MAXNREG=128 (0 = no cap).
 ENV_LONG_BLOCK = "FREESOLO_TRITON_LONG_BLOCK"
 ENV_MAXNREG = "FREESOLO_TRITON_MAXNREG"
 
@@ -474,12 +474,12 @@ def _base_tiles(D: int, dtype: torch.dtype, device: torch.device) -> AttentionTi
     d_p, _ = padded_dims(D)
     wide = dtype == torch.float32
     # register pressure measured with ptxas for sm_90 (no or < 100 bytes of spills at these sizes)
-    # Measured faster, not yet the default: FREESOLO_TRITON_LONG_BLOCK=64 FREESOLO_TRITON_MAXNREG=128
-    # (the long branch in its own kernel, the window kernel capped at 128 registers) cut the FS-L 64k
-    # kernels from 4.14 to 1.98 ms on the H200 (bf16, H16 D64) with outputs within 1.1e-5 RMS of the
-    # fused kernel (benchmarks/results/triton_forward_ab.json), but the CUDA test suite has not run on
-    # it yet (T up to 2^21, D up to 256, fp16): it becomes the 16-bit default once it has.
-    split: dict = {}
+    # 16-bit: the long branch in its own kernel over 64-query tiles, the window kernel capped at 128
+    # registers. H200 (bf16, H16 D64, benchmarks/results/triton_forward_ab.json): FS-L kernels 4.14 ->
+    # 1.98 ms at 64k, API 5.75 -> 3.55 ms, outputs within 1.1e-5 RMS of the fused kernel; the CUDA
+    # forward / backward / API / L11-L12 tests passed with it (results/session_2026-12-01_s17/tests_split.log).
+    # fp32 keeps the fused kernel (its "ieee" dots; 128 registers would spill at D 128).
+    split: dict = {} if wide else dict(long_block=64, maxnreg=128)
     if d_p <= 64:
         return AttentionTiles(block_m=64, block_n=32 if wide else 64, num_warps=8, num_stages=2, **split)
     if d_p <= 128 and not wide:
