@@ -82,6 +82,8 @@ def train(which: str, out_dir: str, minutes: float, train_length: int, backend: 
         if not os.path.isdir(src):
             raise FileNotFoundError(f"FS-L continues from {src}: train --which fs first")
         args += ["--init-from", src, "--warmup", "20", "--lr", "5e-4"]
+    elif init_from:  # more training of an earlier call's checkpoint (its sizes come with it)
+        args += ["--init-from", init_from, "--warmup", "50", "--lr", "1e-3", "--batch-tokens", "32768"]
     else:
         args += MODEL_ARGS + FS_ARGS + ["--batch-tokens", "32768"]
     args += list(extra)
@@ -431,7 +433,7 @@ def main(argv=None) -> int:
     m.add_argument("--train-minutes", type=float, default=4.0)
     m.add_argument("--name", default=None, help="checkpoint folder name = model name in the records (default ckpt_<which>)")
     m.add_argument("--ckpt", default=None, help="evaluate this checkpoint instead of training one (its folder name is the model name)")
-    m.add_argument("--init-from", default=None, help="FS-L: the FS checkpoint to continue from (default OUT/ckpt_fs, then the committed one)")
+    m.add_argument("--init-from", default=None, help="continue from this checkpoint (FS-L: the FS checkpoint; default OUT/ckpt_fs, then the committed one)")
     m.set_defaults(func=cmd_model)
     o = sub.add_parser("oneshot", parents=[common], help="train several models, then evaluate until the deadline")
     o.add_argument("--models", nargs="+", default=["dense:1.3", "window:0.6", "fs:3.0", "fsl:0.7"], help="which:minutes, in order")

@@ -9,8 +9,10 @@
 #       several `model` runs at once on the one GPU (small models leave it mostly idle). A job is
 #       [name=]which:minutes (train, then evaluate) or [name=]which:eval (evaluate .ckpt/ckpt_<name>); name
 #       (default: which) names the work folder $WORK/<name> and the checkpoint ckpt_<name>; EXTRA_<name>
-#       holds more `freesolo train` flags. fsl continues from .ckpt/ckpt_fs when it exists. An earlier
-#       call's .ckpt/extrapolation_<name>.json is copied in first: its cells are not measured again.
+#       holds more `freesolo train` flags. fsl continues from the fs job of the same call (it starts when
+#       that checkpoint is saved), else from .ckpt/ckpt_fs. CONTINUE=1: a training job continues from
+#       .ckpt/ckpt_<name> when it exists (more steps for an earlier call's model). An earlier
+#       call's .ckpt/extrapolation_<name>.json is copied in for an eval job: its cells are not measured again.
 #       .ckpt is git-ignored: name it in `carry`.
 #
 # oneshot trains dense RoPE, FS, and FS-L (continued from FS), then evaluates S-NIAH-1 at 1x..64x the
@@ -36,7 +38,8 @@ MODELS=${MODELS:-"dense:1.3 window:0.6 fs:3.0 fsl:0.7"}
 TRAIN_MINUTES=${TRAIN_MINUTES:-4.5}
 BACKEND=${BACKEND:-auto}
 TRAIN_LENGTH=${TRAIN_LENGTH:-1024}
-ARGS=(--total-minutes "$TOTAL_MINUTES" --n "${N:-50}" --n-fsb "${N_FSB:-20}" --backend "$BACKEND" --train-length "$TRAIN_LENGTH")
+REST=(--n "${N:-50}" --n-fsb "${N_FSB:-20}" --backend "$BACKEND" --train-length "$TRAIN_LENGTH")
+ARGS=(--total-minutes "$TOTAL_MINUTES" "${REST[@]}")
 COMMON=(--out "$WORK" "${ARGS[@]}")
 {
   python3 -c "import torch, triton, freesolo; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(), 'backends', freesolo.available_backends())"
@@ -48,15 +51,30 @@ COMMON=(--out "$WORK" "${ARGS[@]}")
       which=${spec%%:*}; what=${spec#*:}
       names+=("$name")
       mkdir -p "$WORK/$name"
-      [ -f ".ckpt/extrapolation_$name.json" ] && cp ".ckpt/extrapolation_$name.json" "$WORK/$name/extrapolation.json"
+      # an evaluation job resumes an earlier call's results (a training job makes new weights: fresh results)
+      [ "$what" = eval ] && [ -f ".ckpt/extrapolation_$name.json" ] && cp ".ckpt/extrapolation_$name.json" "$WORK/$name/extrapolation.json"
       extra=(--name "ckpt_$name")
       if [ "$what" = eval ]; then extra+=(--ckpt ".ckpt/ckpt_$name"); else extra+=(--train-minutes "$what"); fi
-      [ "$which" = fsl ] && [ -d .ckpt/ckpt_fs ] && extra+=(--init-from .ckpt/ckpt_fs)
+      wait_for=""
+      if [ "$which" = fsl ] && [ "$what" != eval ]; then
+        case " $JOBS " in
+          *" fs:"[0-9]*) wait_for="$WORK/fs/ckpt_fs/task.json"; extra+=(--init-from "$WORK/fs/ckpt_fs") ;;
+          *) [ -d .ckpt/ckpt_fs ] && extra+=(--init-from .ckpt/ckpt_fs) ;;
+        esac
+      elif [ "${CONTINUE:-0}" = 1 ] && [ "$what" != eval ] && [ -d ".ckpt/ckpt_$name" ]; then
+        extra+=(--init-from ".ckpt/ckpt_$name")
+      fi
       var="EXTRA_$name"
       # shellcheck disable=SC2206
       more=(${!var:-})
       [ ${#more[@]} -gt 0 ] && extra+=(--train-extra "${more[@]}")
-      python3 benchmarks/extrapolation.py model --which "$which" --out "$WORK/$name" "${ARGS[@]}" "${extra[@]}" > "$WORK/$name/log.txt" 2>&1 &
+      if [ -n "$wait_for" ]; then  # start when the checkpoint it continues from is saved; same overall deadline
+        (t0=$SECONDS; while [ ! -f "$wait_for" ] && [ $((SECONDS - t0)) -lt 900 ]; do sleep 3; done
+         left=$(python3 -c "print(max(0.5, $TOTAL_MINUTES - ($SECONDS - $t0) / 60))")
+         python3 benchmarks/extrapolation.py model --which "$which" --out "$WORK/$name" --total-minutes "$left" "${REST[@]}" "${extra[@]}") > "$WORK/$name/log.txt" 2>&1 &
+      else
+        python3 benchmarks/extrapolation.py model --which "$which" --out "$WORK/$name" "${ARGS[@]}" "${extra[@]}" > "$WORK/$name/log.txt" 2>&1 &
+      fi
       pids+=($!)
     done
     # SIDE: a command run meanwhile (e.g. GPU correctness tests, whose timing does not matter); its log in results.tar
