@@ -299,7 +299,7 @@ def _hand_selection(rng, T: int, Hq: int, cfg: FreeSoloConfig, fill: str) -> np.
 @pytest.mark.skipif(torch is None, reason="torch is not installed")
 @pytest.mark.parametrize("device", _DEVICES)
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
-@pytest.mark.parametrize("long_path", ["auto", "union", "gather"])
+@pytest.mark.parametrize("long_path", ["auto", "union", "gather", "wide"])
 def test_l12_torch_readout_later_selections(device, dtype, long_path):
     """The torch readout (the backend's internal `attention` with a given selection) called with
     two selections that agree for queries <= i and differ after i (other widths and cell orders
@@ -360,3 +360,42 @@ def test_l12_torch_later_tokens_change_later_selections(device, dtype, variant):
         got = _run("torch", target, q2, k2, v2, cfg)
         assert not np.array_equal(got[1][:, cut + 128 :], want[1][:, cut + 128 :]), "later selections unchanged"
         _assert_same(f"tokens after {cut} replaced", got, want, cut + 1)
+
+
+@pytest.mark.skipif(torch is None, reason="torch is not installed")
+@pytest.mark.parametrize("mode", ["auto", "wide", "gather"])
+@pytest.mark.parametrize("variant", ["fs", "fsl", "fsb"])
+def test_l12_torch_readout_modes_chunks_of_blocks(variant, mode, monkeypatch):
+    """Every readout mode picked by FREESOLO_TORCH_READOUT, in chunks of 4 blocks as on CUDA (the
+    CPU default is one block: shared slices over several blocks, FS-L's candidate buffers per
+    block and the gathers of a multi-block chunk are read only here): later tokens replaced
+    (so the later queries of i's block and chunk select other cells) leave o[:i+1] and the
+    selection of i bitwise unchanged, and a row in a batch of two keeps the bits it has alone."""
+    from freesolo.backends.torch.attention import READOUT_ENV
+    from freesolo.backends.torch.backend import attention as torch_attention
+    from freesolo.backends.torch.backend import select_cells as torch_select
+
+    monkeypatch.setenv(READOUT_ENV, mode)
+    cfg = FreeSoloConfig(variant=variant, pool=8, recent=4)  # P + W = 12 cells: 3 blocks of cells
+    T, Hq, Hkv, D, ct = 1536, 2, 1, 64, 512
+    rng = np.random.default_rng(21)
+    q, k, v = _rows(rng, "normal", 1, T, Hq, Hkv, D, cfg.cell)
+    if variant == "fsb":
+        cfg = cfg.replace(tau=tuple(float(x) for x in np.atleast_1d(freesolo.calibrate_tau(k, cfg))))
+
+    def run(*xs):
+        qx, kx, vx = (torch.from_numpy(x).float() for x in xs)
+        o = torch_attention(qx, kx, vx, cfg, chunk_tokens=ct)
+        return _bits(o), _bits(torch_select(qx, kx, cfg, chunk_tokens=ct))
+
+    want = run(q, k, v)
+    for cut in (300, 700, 1300):  # in the first chunk (shared slices), the second, the third
+        q2, k2, v2 = q.copy(), k.copy(), v.copy()
+        lq, lk, lv = _rows(rng, "huge", 1, T - cut - 1, Hq, Hkv, D, cfg.cell)
+        q2[:, cut + 1 :], k2[:, cut + 1 :], v2[:, cut + 1 :] = lq / 1e3, lk, lv
+        got = run(q2, k2, v2)
+        assert not np.array_equal(got[1][:, cut + 1 :], want[1][:, cut + 1 :]), "later selections unchanged"
+        _assert_same(f"{mode}: tokens after {cut} replaced", got, want, cut + 1)
+    oq, ok_, ov = _rows(rng, "huge", 1, T, Hq, Hkv, D, cfg.cell)
+    batch = run(*(np.concatenate([x, o]) for x, o in ((q, oq), (k, ok_), (v, ov))))
+    _assert_same(f"{mode}: row 0 of a batch of 2", (batch[0][:1], batch[1][:1]), want, T)

@@ -323,7 +323,11 @@ def _grads(fn, tensors):
     return out.detach(), [x.grad.detach().clone() for x in tensors]
 
 
-@given(problems(variants=("fs", "fsl", "fsb"), max_t=48), st.sampled_from([1, 2]), st.sampled_from(["union", "gather"]))
+@given(
+    problems(variants=("fs", "fsl", "fsb"), max_t=48),
+    st.sampled_from([1, 2, 5]),
+    st.sampled_from(["union", "gather", "auto", "wide"]),
+)
 def test_gradients_match_dense_formulation(problem, chunk_blocks, long_path):
     cfg, B, T, Hq, Hkv, D, seed = problem
     q, k, v = random_qkv(seed, B, T, Hq, Hkv, D)
@@ -387,7 +391,7 @@ def test_low_precision_within_2x_naive(dtype, variant):
 # ---- chunking and memory ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("long_path", ["union", "gather"])
+@pytest.mark.parametrize("long_path", ["union", "gather", "auto", "wide"])
 @pytest.mark.parametrize("variant", ["fs", "fsl", "fsb"])
 def test_chunk_size_changes_nothing(variant, long_path):
     cfg = FreeSoloConfig(variant=variant, window=20, cell=4, block=8, pool=3, recent=2, top_k=2, beam=3, tau=(2.9,))
@@ -405,6 +409,53 @@ def test_chunk_size_changes_nothing(variant, long_path):
         assert_close(out.numpy(), results[0][1].numpy(), 1e-12)
         for g, g0 in zip(grads, results[0][2]):
             assert_close(g.numpy(), g0.numpy(), 1e-12)
+
+
+@pytest.mark.parametrize("variant", ["fs", "fsl", "fsb"])
+def test_readout_modes_edges_match_dense(variant):
+    """Every readout mode, with the backend's own selection (FS-L: its candidate buffers), chunks
+    of 1, 3 and 8 blocks, T = 203 (not a whole number of chunks): block 0 reads no cell, blocks 1
+    and 2 fewer than top_k (cells of 4 tokens, blocks of 8, K = 3), the FS-L pool prunes; output
+    and gradients equal the dense masked formulation built from the selection (float64)."""
+    cfg = FreeSoloConfig(variant=variant, window=16, cell=4, block=8, pool=3, recent=2, top_k=3, beam=3)
+    q, k, v = random_qkv(3, 2, 203, 4, 2, 8)
+    cfg = _with_tau(cfg, k)
+    beta = np.random.default_rng(4).standard_normal(4)
+    idx = select_cells(_t(q), _t(k), cfg)
+    assert bool((idx[:, 8:16] < 0).any()) and bool((idx[:, :8] < 0).all())  # fewer than K, none
+    xs = [_t(x, grad=True) for x in (q, k, v, beta)]
+    ref_out, ref_grads = _grads(lambda a, b, c, d: dense_reference(a, b, c, idx, cfg, d), xs)
+    for mode in ("auto", "union", "gather", "wide"):
+        for ct in (8, 24, 64):
+            fn = lambda a, b, c, d, ct=ct, mode=mode: attention(a, b, c, cfg, d, chunk_tokens=ct, long_path=mode)  # noqa: E731
+            out, grads = _grads(fn, xs)
+            assert_close(out.numpy(), ref_out.numpy(), 1e-9, f"{mode} chunk {ct}: output vs dense")
+            for name, g, r in zip(("dq", "dk", "dv", "dbeta"), grads, ref_grads):
+                assert_close(g.numpy(), r.numpy(), 1e-9, f"{mode} chunk {ct}: {name}")
+
+
+def test_readout_mode_from_environment(monkeypatch):
+    """FREESOLO_TORCH_READOUT picks the mode when the caller passes none (read at every call);
+    an unknown value is an error naming the variable; an explicit long_path wins."""
+    from freesolo.backends.torch.attention import READOUT_ENV, readout_mode
+
+    cfg = FreeSoloConfig(variant="fs", window=16, cell=4, block=8, top_k=2)
+    q, k, v = (_t(x) for x in random_qkv(5, 1, 80, 2, 1, 8))
+    want = {m: attention(q, k, v, cfg, chunk_tokens=32, long_path=m) for m in ("gather", "wide")}
+    monkeypatch.delenv(READOUT_ENV, raising=False)
+    assert readout_mode() == "auto" and readout_mode("gather") == "gather"
+    for m in ("gather", "wide"):
+        monkeypatch.setenv(READOUT_ENV, m)
+        assert readout_mode() == m
+        assert torch.equal(attention(q, k, v, cfg, chunk_tokens=32), want[m])
+        assert torch.equal(freesolo.freesolo_attention(q, k, v, cfg, backend="torch"), attention(q, k, v, cfg))
+    monkeypatch.setenv(READOUT_ENV, "gather")
+    assert torch.equal(attention(q, k, v, cfg, chunk_tokens=32, long_path="wide"), want["wide"])
+    monkeypatch.setenv(READOUT_ENV, "fast")
+    with pytest.raises(ValueError, match=READOUT_ENV):
+        attention(q, k, v, cfg)
+    with pytest.raises(ValueError, match="long_path"):
+        attention(q, k, v, cfg, long_path="fast")
 
 
 class _LargestTensor(TorchDispatchMode):

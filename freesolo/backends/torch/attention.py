@@ -12,10 +12,24 @@ Per chunk of `nb` query blocks (queries [i0, i1)):
   (U = (j1 - 1) * Bq / s, a contiguous slice of k shared by the chunk's blocks; also FS-L's
   layout while those cells are no more than P + W). One matmul gives the logits of the buffer;
   each query reads its own K*s logits (its selection order), softmaxes them and scatters the
-  weights into the buffer's columns for the value matmul;
-  "gather": the tokens of each query's own cells, [B, Hkv, G, L, K*s, D];
-  "auto" picks union per chunk when its width U is small enough that it moves less memory
-  (FS-L with candidates: always);
+  weights into the buffer's columns for the value matmul. Cost per query: two matmuls of
+  depth D over U*s columns;
+  "gather": each query's own K cells, [B, Hkv, G, L, K*s, D] (a fixed width K*s per query, the
+  cells gathered whole by cell index); cost per query: copies of 2*K*s*D elements, no wide
+  matmul.
+- the layout of each chunk follows a mode (`long_path`, or the environment variable
+  FREESOLO_TORCH_READOUT when the caller passes none; `readout_mode`):
+  "auto" (default): FS-L with its candidate sets: "union" (C_j, at most P + W cells); otherwise
+      "union" while every cell available to the chunk is at most P + W cells (no wider than
+      FS-L's buffers), then "gather";
+  "union": "union" for every chunk (FS / FS-B: every available cell, however many: a layout for
+      tests and short rows, its memory grows with T);
+  "gather": "gather" for every chunk and variant (FS-L's candidate sets unused);
+  "wide": the rule of commit 9d31a86: "union" while its per-query tensors (~5 U*s) are no
+      larger than the gather's (~4 K*s*(D+2)), i.e. up to 211 cells at D = 64, K = 4.
+  Each mode sizes the chunks for the widest layout it may take (`readout_bytes_per_query`), so
+  "auto" and "gather" cut FS / FS-B rows into chunks twice as long as "wide" (fewer launches).
+  `benchmarks/torch_readout_ab.py` times the modes on a GPU.
 - o = o_loc + beta * rmsnorm(o_long).
 Row independence (spec L12): `attention` in backend.py calls the readout one batch row at a time,
 on a row padded to whole chunks; every width above (chunk, window, U, path) is a function of the
@@ -29,27 +43,49 @@ of the buffer's other cells and of masked keys weigh exactly +0 for query i; the
 the sign of an exact zero, so the output is canonicalized (x + 0.0 turns -0.0 into +0.0 and
 leaves every other value alone).
 RoPE is applied per chunk (to the chunk's queries and key span, tables computed per chunk from
-the positions), inputs stay in their own dtype and each chunk is cast to the compute dtype on
-entry. Forward keeps only the inputs; backward recomputes one chunk at a time under autograd and
-scatters the chunk's gradients into full-size buffers (dk, dv accumulate in the compute dtype),
-so peak memory is O(T) plus one chunk.
+the positions); queries stay in their own dtype and each chunk is cast to the compute dtype on
+entry; keys and values are cast once per row (a copy for 16-bit inputs: the chunks' gathers then
+move compute-dtype rows, no cast per gathered token; exact, so the bits are those of a cast per
+chunk). Forward keeps only the inputs; backward recomputes one chunk at a time under autograd
+and scatters the chunk's gradients into full-size buffers (dk, dv accumulate in the compute
+dtype), so peak memory is O(T) plus one chunk.
 Selection indices are constants (no gradient).
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ...config import FreeSoloConfig
-from ._ops import rope, rope_tables, take_rows
+from ._ops import rope, rope_tables
 
 __all__ = [
+    "READOUT_ENV",
+    "READOUT_MODES",
     "FreeSoloReadout",
     "choose_long_path",
     "chunk_forward",
     "readout_bytes_per_query",
+    "readout_mode",
     "union_width",
 ]
+
+READOUT_ENV = "FREESOLO_TORCH_READOUT"
+READOUT_MODES = ("auto", "union", "gather", "wide")
+
+
+def readout_mode(long_path: str | None = None) -> str:
+    """The readout's layout mode: `long_path` when given, else the environment variable
+    FREESOLO_TORCH_READOUT (read at every call), else "auto". See the module docstring."""
+    if long_path is None:
+        long_path = os.environ.get(READOUT_ENV, "").strip() or "auto"
+        if long_path not in READOUT_MODES:
+            raise ValueError(f"{READOUT_ENV}={long_path!r} must be one of {READOUT_MODES}")
+    elif long_path not in READOUT_MODES:
+        raise ValueError(f"long_path={long_path!r} must be one of {READOUT_MODES}")
+    return long_path
 
 
 def union_width(cfg: FreeSoloConfig, j1: int, candidates: bool) -> int:
@@ -63,31 +99,48 @@ def union_width(cfg: FreeSoloConfig, j1: int, candidates: bool) -> int:
     return max(1, U)
 
 
-def choose_long_path(U: int, cfg: FreeSoloConfig, D: int) -> str:
-    """ "union" when its per-query tensors (~5 U*s) are no larger than the gather's (~4 K*s*(D+2)).
-    U is a chunk's fixed width (`union_width`), so the choice never depends on the data."""
-    return "union" if 5 * U <= 4 * cfg.top_k * (D + 2) else "gather"
+def _wide_cells(cfg: FreeSoloConfig, D: int) -> int:
+    """The widest union "wide" reads: its per-query tensors (~5 U*s) no larger than the gather's
+    (~4 K*s*(D+2)); 211 cells at D = 64, K = 4, s = 32."""
+    return max(1, 4 * cfg.top_k * (D + 2) // 5)
+
+
+def choose_long_path(U: int, cfg: FreeSoloConfig, D: int, mode: str = "auto") -> str:
+    """The layout of a chunk whose union width is U (`union_width`, a function of the config and
+    the chunk's position), under `mode` (`readout_mode`): never a function of the data."""
+    if mode in ("union", "gather"):
+        return mode
+    limit = cfg.pool + cfg.recent if mode == "auto" else _wide_cells(cfg, D)
+    return "union" if U <= limit else "gather"
 
 
 def readout_bytes_per_query(
     Hq: int, D: int, cfg: FreeSoloConfig, itemsize: int, candidates: bool, long_path: str = "auto"
 ) -> int:
     """Transient bytes per query position of one row's readout chunk, backward recomputation
-    included, for the largest layout a chunk may take (a function of the config, the head shapes
-    and `long_path` only, so the chunk size never depends on B, T or the data). `long_path`
-    "union" without candidate sets reads every available cell: its chunks are sized for the
-    widest "auto" union, and its memory grows with T past it (a layout for tests and short rows)."""
+    included, for the largest layout a chunk may take under mode `long_path` (a function of the
+    config, the head shapes and the mode only, so the chunk size never depends on B, T or the
+    data). "union" without candidate sets reads every available cell: its chunks are sized for
+    the widest "wide" union, and its memory grows with T past it (a layout for tests and short
+    rows)."""
     local = 6 * window_blocks(cfg) * cfg.block  # logits, mask, probabilities and their gradients
     gather = 4 * cfg.top_k * cfg.cell * (D + 2)  # gathered k, v, their gradients, logits
-    if long_path == "gather":
-        return Hq * itemsize * (local + gather)
-    if candidates:
-        U = cfg.pool + cfg.recent
-        if long_path == "union" or choose_long_path(U, cfg, D) == "union":
-            return Hq * itemsize * (local + 6 * U * cfg.cell + U * cfg.top_k)
-    U = max(1, 4 * cfg.top_k * (D + 2) // 5)  # the widest union "auto" still reads as union
-    union = 6 * U * cfg.cell + U * cfg.top_k  # logits, probabilities, their gradients, slots
-    return Hq * itemsize * (local + (union if long_path == "union" else max(gather, union)))
+
+    def union(U):  # logits, probabilities, their gradients, slots
+        return 6 * U * cfg.cell + U * cfg.top_k
+
+    mode = long_path
+    if mode == "gather":
+        long = gather
+    elif candidates:  # FS-L's candidate sets: at most P + W cells, "union" in every other mode
+        long = union(cfg.pool + cfg.recent)
+    elif mode == "auto":
+        long = max(gather, union(cfg.pool + cfg.recent))
+    elif mode == "wide":
+        long = max(gather, union(_wide_cells(cfg, D)))
+    else:  # "union"
+        long = union(_wide_cells(cfg, D))
+    return Hq * itemsize * (local + long)
 
 
 def window_blocks(cfg: FreeSoloConfig) -> int:
@@ -107,19 +160,61 @@ def _local_mask(j0: int, nb: int, cfg: FreeSoloConfig, device) -> torch.Tensor:
     return band[None] & (token >= 0)[:, None, :]
 
 
-def _masked_softmax_readout(lg, mask, values_eq, values):
-    """Unnormalized softmax over the masked entries of lg (rows with none give 0) and its
-    denominator; multiplied with `values` by einsum `values_eq` unless that is None.
-    With lg [..., U, s] the max / sum run over both last dims (the rows are [..., U*s])."""
-    lg = lg.masked_fill(~mask, float("-inf"))
-    dims = (-1,) if values_eq is not None else (-2, -1)
-    mx = lg.detach().amax(dim=dims, keepdim=True)
-    mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))  # rows with no cell: 0
-    e = torch.exp(lg - mx)  # masked entries: exp(-inf) = 0
-    den = e.sum(dim=-1, keepdim=True)
-    if values_eq is None:
-        return e, den
-    return torch.einsum(values_eq, e, values), den
+def _local_hidden(j0: int, nb: int, cfg: FreeSoloConfig, device, cache: dict | None = None) -> torch.Tensor:
+    """~_local_mask: the window keys query rows may not see. With `cache` (a dict owned by one
+    readout call), the chunks whose windows start at or after token 0 (j0 >= nwin - 1: the same
+    mask) share one tensor (fewer launches per chunk)."""
+    nwin = window_blocks(cfg)
+    if cache is None or j0 < nwin - 1:
+        return ~_local_mask(j0, nb, cfg, device)
+    key = ("local", nb)
+    if key not in cache:
+        cache[key] = ~_local_mask(nwin - 1, nb, cfg, device)
+    return cache[key]
+
+
+def _own_softmax(lk: torch.Tensor, absent: torch.Tensor, s: int):
+    """lk [..., K*s] a query's own logits (its K cells in selection order; a fresh tensor),
+    absent [..., K] bool (no cell in that slot) -> (e [..., K*s] unnormalized weights, masked
+    entries +0; den [..., 1], summed in the query's own order). Rows with no cell: e = 0, den = 0."""
+    shape = lk.shape
+    lk = lk.reshape(*shape[:-1], -1, s)  # (..., K, s): the mask of a cell covers its s tokens
+    grad = torch.is_grad_enabled()
+    lk = lk.masked_fill(absent[..., None], float("-inf")) if grad else lk.masked_fill_(absent[..., None], float("-inf"))
+    mx = lk.detach().amax(dim=(-2, -1), keepdim=True)  # max: exact in any order
+    mx = torch.nan_to_num(mx, nan=0.0, posinf=0.0, neginf=0.0)  # rows with no cell (-inf): 0
+    e = (torch.exp(lk - mx) if grad else lk.sub_(mx).exp_()).reshape(shape)  # masked entries: exp(-inf) = +0
+    return e, e.sum(dim=-1, keepdim=True)
+
+
+def _union_long(qu, k_long, v_long, slot, s: int):
+    """Long branch of blocks reading a buffer of cells ("union" layout) -> (num [..., nb, Bq, D],
+    den [..., nb, Bq, 1]).
+
+    qu [B, Hkv, G, nb, Bq, D] scaled queries; k_long, v_long [B, Hkv, nb, U*s, D] (a buffer per
+    block) or [B, Hkv, U*s, D] (one shared by the blocks); slot [B, Hkv, G, nb, Bq, K] the buffer
+    slot of each selected cell in selection order (>= U: none). The logits of the buffer come
+    from one matmul; each query reads its own K*s logits (its selection order: a fixed layout),
+    softmaxes them and scatters the weights back into the buffer's columns for the value matmul:
+    the wide [Bq, U*s] tensors are written twice and read twice."""
+    B, Hkv, G, nb, Bq, D = qu.shape
+    per_block = k_long.dim() == 5
+    eq_k = "bhgnqd,bhnud->bhgnqu" if per_block else "bhgnqd,bhud->bhgnqu"
+    eq_v = "bhgnqu,bhnud->bhgnqd" if per_block else "bhgnqu,bhud->bhgnqd"
+    lg = torch.einsum(eq_k, qu, k_long)  # (B, Hkv, G, nb, Bq, U*s)
+    U = k_long.shape[-2] // s
+    K = slot.shape[-1]
+    col = (slot[..., None] * s + torch.arange(s, device=qu.device)).reshape(B, Hkv, G, nb, Bq, K * s)
+    col = col.clamp(max=U * s - 1)  # slot >= U (no cell): any column, its weight is 0 (masked)
+    lk = torch.gather(lg, -1, col)  # (B, Hkv, G, nb, Bq, K*s): the query's own logits
+    e, den = _own_softmax(lk, slot >= U, s)  # den (B, Hkv, G, nb, Bq, 1), in the query's own order
+    # weights back into the buffer's columns; a masked entry adds +0 (exact, so the order of the
+    # additions into a column, atomic on CUDA, never changes a bit)
+    if torch.is_grad_enabled():
+        p = torch.zeros_like(lg).scatter_add(-1, col, e)
+    else:
+        p = lg.zero_().scatter_add_(-1, col, e)  # forward: reuse the logits' storage
+    return torch.einsum(eq_v, p, v_long), den
 
 
 def chunk_forward(
@@ -136,6 +231,7 @@ def chunk_forward(
     pad_front: int,
     cfg: FreeSoloConfig,
     path: str,
+    local_hidden: torch.Tensor | None = None,
 ):
     """One chunk of the readout; differentiable in q, k_span, v_span, k_long, v_long, beta.
 
@@ -146,9 +242,11 @@ def chunk_forward(
         rope_q, rope_k: (cos, sin) [L, D/2] / [S, D/2] of those positions, in the compute dtype.
         k_long, v_long: "gather": [B, Hkv, G, L, K*s, D]; "union": [B, Hkv, nb, U*s, D] (a buffer
             per block) or [B, Hkv, U*s, D] (one buffer shared by the chunk's blocks), unrotated.
-        long_mask: "gather": [B, Hkv, G, L, K*s] bool; "union": [B, Hkv, G, nb, Bq, K] int64, the
-            buffer slot of each of the query's K selected cells in selection order (U: none).
+        long_mask: "gather": [B, Hkv, G, L, K] bool (False: no cell in that slot); "union":
+            [B, Hkv, G, nb, Bq, K] int64, the buffer slot of each of the query's K selected cells
+            in selection order (U: none).
         beta: [Hkv, G]. pad_front: zero keys before kr_span (the window starts before token 0).
+        local_hidden: ~_local_mask(j0, nb) (computed when None).
     Returns:
         o [B, Hkv, G, L, D] in the compute dtype (zeros are +0.0: see the module docstring).
     """
@@ -171,78 +269,63 @@ def chunk_forward(
         return torch.stack([xb[:, :, o : o + nb] for o in range(nwin)], dim=3).reshape(B, Hkv, nb, nwin * Bq, D)
 
     kw, vw = windows(kr_span), windows(v_span)
-    logits = torch.einsum("bhgnqd,bhnkd->bhgnqk", qb, kw) * scale  # (B, Hkv, G, nb, Bq, nwin*Bq)
-    logits = logits.masked_fill(~_local_mask(j0, nb, cfg, q.device), float("-inf"))
+    # scale on the queries (D wide), not on the logits (nwin*Bq wide): one wide pass less
+    logits = torch.einsum("bhgnqd,bhnkd->bhgnqk", qb * scale, kw)  # (B, Hkv, G, nb, Bq, nwin*Bq)
+    if local_hidden is None:
+        local_hidden = _local_hidden(j0, nb, cfg, q.device)
+    if torch.is_grad_enabled():  # (in place under autograd would rebase the einsum's view: copies)
+        logits = logits.masked_fill(local_hidden, float("-inf"))
+    else:
+        logits.masked_fill_(local_hidden, float("-inf"))
     o_loc = torch.einsum("bhgnqk,bhnkd->bhgnqd", torch.softmax(logits, dim=-1), vw)
     o_loc = o_loc.reshape(B, Hkv, G, nb * Bq, D)[:, :, :, :L]
     # ---- long branch: NoPE softmax over the selected tokens
     if path == "union":
-        # logits of the block's buffer by one matmul; each query then reads its own K cells'
-        # logits (its selection order: a fixed layout), softmaxes them and scatters the weights
-        # back into the buffer's columns for the value matmul: the wide [Bq, U*s] tensors are
-        # written twice and read twice (no mask / exp / max passes over them)
-        s = cfg.cell
         qu = torch.nn.functional.pad(q, (0, 0, 0, pad_q)) if pad_q else q
-        qu = qu.reshape(B, Hkv, G, nb, Bq, D)
-        per_block = k_long.dim() == 5  # [B, Hkv, nb, U*s, D]; else one buffer [B, Hkv, U*s, D]
-        eq_k = "bhgnqd,bhnud->bhgnqu" if per_block else "bhgnqd,bhud->bhgnqu"
-        eq_v = "bhgnqu,bhnud->bhgnqd" if per_block else "bhgnqu,bhud->bhgnqd"
-        lg = torch.einsum(eq_k, qu * scale, k_long)  # (B, Hkv, G, nb, Bq, U*s)
-        slot = long_mask  # (B, Hkv, G, nb, Bq, K): the union slot of each selected cell, U = none
-        U = k_long.shape[-2] // s
-        K = slot.shape[-1]
-        col = (slot[..., None] * s + torch.arange(s, device=q.device)).reshape(B, Hkv, G, nb, Bq, K * s)
-        col = col.clamp(max=U * s - 1)  # slot U (no cell): any column, its weight is 0 (masked below)
-        lk = torch.gather(lg, -1, col)  # (B, Hkv, G, nb, Bq, K*s): the query's own logits
-        ok = (slot < U)[..., None].expand(B, Hkv, G, nb, Bq, K, s).reshape(B, Hkv, G, nb, Bq, K * s)
-        lk = lk.masked_fill(~ok, float("-inf"))
-        mx = lk.detach().amax(dim=-1, keepdim=True)
-        mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))  # rows with no cell: 0
-        e = torch.exp(lk - mx)  # masked entries: +0
-        den = e.sum(dim=-1, keepdim=True)  # (B, Hkv, G, nb, Bq, 1), in the query's own order
-        # weights back into the buffer's columns; a masked entry adds +0 (exact, so the order of
-        # the additions into a column, atomic on CUDA, never changes a bit)
-        if torch.is_grad_enabled():
-            p = torch.zeros_like(lg).scatter_add(-1, col, e)
-        else:
-            p = lg.zero_().scatter_add_(-1, col, e)  # forward: reuse the logits' storage
-        num = torch.einsum(eq_v, p, v_long)
+        qu = qu.reshape(B, Hkv, G, nb, Bq, D) * scale  # (B, Hkv, G, nb, Bq, D)
+        num, den = _union_long(qu, k_long, v_long, long_mask, cfg.cell)
         num = num.reshape(B, Hkv, G, nb * Bq, D)[:, :, :, :L]
         den = den.reshape(B, Hkv, G, nb * Bq, 1)[:, :, :, :L]
     else:
-        lg = torch.einsum("bhgld,bhglnd->bhgln", q, k_long) * scale  # (B, Hkv, G, L, K*s)
-        num, den = _masked_softmax_readout(lg, long_mask, "bhgln,bhglnd->bhgld", v_long)
-    o_long = num / torch.where(den > 0, den, torch.ones_like(den))
+        # keys on the left: the gradient of k_long comes out [K*s, D] (no transposed copy)
+        lg = torch.matmul(k_long, (q * scale).unsqueeze(-1)).squeeze(-1)  # (B, Hkv, G, L, K*s)
+        e, den = _own_softmax(lg, ~long_mask, cfg.cell)
+        num = torch.matmul(e.unsqueeze(-2), v_long).squeeze(-2)  # (B, Hkv, G, L, D)
+    o_long = num / torch.where(den > 0, den, 1.0)  # rows with no cell: num = 0
     rms = torch.rsqrt((o_long * o_long).mean(dim=-1, keepdim=True) + cfg.eps)
     return o_loc + beta.view(1, Hkv, G, 1, 1) * (o_long * rms) + 0.0  # + 0.0: -0.0 -> +0.0 (L12)
 
 
 class _Chunk:
-    """Index bookkeeping of one chunk: query range, key span, long-branch layout, token indices,
+    """Index bookkeeping of one chunk: query range, key span, long-branch layout, cell indices,
     buffer slots and RoPE tables (every shape a function of the config and the chunk's position;
-    every buffer's content a function of the cells available to its block)."""
+    every buffer's content a function of the cells available to its block).
 
-    def __init__(self, j0, j1, T, cfg, idx, cand, long_path, D, cdt):
+    `mode` is the readout mode (`readout_mode`); `cache` a dict shared by one readout call's
+    chunks (the local mask of the chunks past the first window)."""
+
+    def __init__(self, j0, j1, T, cfg, idx, cand, mode, D, cdt, cache=None):
         Bq, s = cfg.block, cfg.cell
         dev = idx.device
-        if cand is not None and (j1 - 1) * Bq // s <= cfg.pool + cfg.recent:
-            cand = None  # every available cell fits the candidates' width: the shared slice, no gather
+        if mode == "gather" or (cand is not None and (j1 - 1) * Bq // s <= cfg.pool + cfg.recent):
+            cand = None  # "gather", or every available cell fits the candidates' width: the shared slice
         self.U = union_width(cfg, j1, cand is not None)
-        path = choose_long_path(self.U, cfg, D) if long_path == "auto" else long_path
+        path = choose_long_path(self.U, cfg, D, mode)
         self.path = path
         self.j0 = j0
         self.i0, self.i1 = j0 * Bq, min(T, j1 * Bq)
         start = self.i0 - (window_blocks(cfg) - 1) * Bq
         self.lo, self.hi = max(0, start), min(T, j1 * Bq)
         self.pad_front = self.lo - start
+        self.local_hidden = _local_hidden(j0, j1 - j0, cfg, dev, cache)
         theta = cfg.rope_theta
         self.cos_k, self.sin_k = rope_tables(self.hi - self.lo, D, theta, dev, cdt, start=self.lo)  # [S, D/2]
         # the key span ends with the chunk's queries (hi == i1): their table is its tail
         self.cos_q, self.sin_q = self.cos_k[self.i0 - self.lo :], self.sin_k[self.i0 - self.lo :]  # [L, D/2]
         cells = idx[:, :, :, self.i0 : self.i1]  # (B, Hkv, G, L, K)
         B, Hkv, G, L, K = cells.shape
-        ar = torch.arange(s, device=dev)
         self.span = None  # "union" without candidates: the buffer is the token span [0, span)
+        self.s = s
         if path == "union":
             nb = j1 - j0
             U = self.U
@@ -252,20 +335,15 @@ class _Chunk:
                 self.mask = torch.where(sel >= 0, sel, torch.full_like(sel, U))  # U: no cell
             else:  # block j's candidates, increasing (-1 pads first): slot of a cell by binary search
                 uc = cand[:, :, j0:j1, :U].flip(dims=[-1])  # (B, Hkv, nb, U)
-                self.tok = (uc.clamp(min=0)[..., None] * s + ar).clamp(max=T - 1).reshape(B, Hkv, nb, U * s)
+                self.cells = uc.clamp(min=0)  # (B, Hkv, nb, U): the buffer's cells (pads read cell 0)
                 x = sel.permute(0, 1, 3, 2, 4, 5).reshape(B, Hkv, nb, G * Bq * K)  # (B, Hkv, nb, G*Bq*K)
                 slot = torch.searchsorted(uc, x).clamp(max=U - 1)
                 hit = (torch.gather(uc, -1, slot) == x) & (x >= 0)
                 slot = torch.where(hit, slot, torch.full_like(slot, U))  # U: no cell (or none of C_j)
                 self.mask = slot.reshape(B, Hkv, nb, G, Bq, K).permute(0, 1, 3, 2, 4, 5)  # (B, Hkv, G, nb, Bq, K)
-                self.bi = torch.arange(B, device=dev).view(B, 1, 1, 1)
-                self.hi_ = torch.arange(Hkv, device=dev).view(1, Hkv, 1, 1)
-        else:
-            tok = cells.clamp(min=0)[..., None] * s + ar  # (B, Hkv, G, L, K, s)
-            self.tok = tok.clamp(max=T - 1).reshape(B, Hkv, G, L, K * s)  # -1 pads read a masked token
-            self.mask = (cells >= 0)[..., None].expand(B, Hkv, G, L, K, s).reshape(B, Hkv, G, L, K * s)
-            self.bi = torch.arange(B, device=dev).view(B, 1, 1, 1, 1)
-            self.hi_ = torch.arange(Hkv, device=dev).view(1, Hkv, 1, 1, 1)
+        else:  # the query's own K cells, gathered whole: (B, Hkv, G, L, K) cell indices, -1 pads read cell 0
+            self.cells = cells.clamp(min=0)
+            self.mask = cells >= 0  # (B, Hkv, G, L, K): slot holds a cell
 
     def rope_q(self):
         """cos / sin of the chunk's query positions [L, D/2]."""
@@ -275,20 +353,33 @@ class _Chunk:
         """cos / sin of the chunk's key span [S, D/2]."""
         return self.cos_k, self.sin_k
 
+    def _cell_rows(self, x):
+        """x [B, Hkv, T, D] -> (its cells [B*Hkv*C, s*D] as a view, flat row of each of self.cells).
+        Needs T % s == 0 (the backend pads rows to whole chunks of whole blocks)."""
+        B, Hkv, T, D = x.shape
+        s = self.s
+        if T % s:
+            raise ValueError(f"T={T} must be a multiple of cell={s} (pad the row to whole blocks)")
+        C = T // s
+        base = (torch.arange(B * Hkv, device=x.device) * C).view(B, Hkv, *([1] * (self.cells.dim() - 2)))
+        return x.view(B * Hkv * C, s * D), (self.cells + base).reshape(-1)
+
     def gather(self, x):
-        """x [B, Hkv, T, D] -> the long branch's tokens (union or per-query layout)."""
+        """x [B, Hkv, T, D] -> the long branch's tokens: "union" [B, Hkv, U*s, D] (a slice) or
+        [B, Hkv, nb, U*s, D]; "gather" [B, Hkv, G, L, K*s, D]."""
         if self.span is not None:
             return x[:, :, : self.span]
-        return take_rows(x, self.tok)
+        rows, index = self._cell_rows(x)
+        *lead, n = self.cells.shape
+        return rows.index_select(0, index).view(*lead, n * self.s, x.shape[-1])
 
     def scatter_add(self, dst, src):
         """dst [B, Hkv, T, D] (contiguous) += src (layout of `gather`) at the same tokens."""
         if self.span is not None:
             dst[:, :, : self.span] += src
             return
-        B, Hkv, T, D = dst.shape
-        rows = ((self.bi * Hkv + self.hi_) * T + self.tok).reshape(-1)  # flat (b, h, t) row of each token
-        dst.view(B * Hkv * T, D).index_add_(0, rows, src.reshape(-1, D))
+        rows, index = self._cell_rows(dst)
+        rows.index_add_(0, index, src.reshape(index.numel(), rows.shape[1]))
 
     def leaves(self, q, k, v, beta):
         """The chunk's slices of every differentiable input, in chunk_forward's order."""
@@ -301,6 +392,21 @@ class _Chunk:
             beta,
         )
 
+    def forward(self, x, cfg):
+        """chunk_forward of the leaves `x` (`leaves`, maybe detached copies)."""
+        return chunk_forward(
+            *x[:5],
+            self.mask,
+            x[5],
+            self.rope_q(),
+            self.rope_k(),
+            self.j0,
+            self.pad_front,
+            cfg,
+            self.path,
+            self.local_hidden,
+        )
+
 
 class FreeSoloReadout(torch.autograd.Function):
     """o = local(rope(q), rope(k), v) + beta * rmsnorm(long(q, k, v; idx)), chunked, recomputed in backward.
@@ -311,8 +417,9 @@ class FreeSoloReadout(torch.autograd.Function):
         idx: int64 [B, Hkv, G, T, K] selected cells (-1 padded);
         cand: None, or int64 [B, Hkv, ceil(T / Bq), P + W], FS-L's candidate set of every block
         (decreasing, -1 padded), a superset of the block's selected cells: the "union" buffers;
-        long_path: "auto", "union" or "gather".
-        Row independence needs B = 1 and T a whole number of chunks (backend.attention does it).
+        long_path: the readout mode, one of READOUT_MODES (see `readout_mode`).
+        T must be a multiple of the cell (the backend pads rows to whole chunks); row
+        independence needs B = 1 and T a whole number of chunks (backend.attention does both).
         Returns o [B, Hkv, G, T, D] in q's dtype.
     """
 
@@ -322,14 +429,13 @@ class FreeSoloReadout(torch.autograd.Function):
         nblocks = -(-T // cfg.block)
         cdt = beta.dtype
         out = q.new_empty(B, Hkv, G, T, D)
+        cache = {}
+        kc, vc = k.detach().to(cdt), v.detach().to(cdt)  # once per row: the chunks gather / slice them
         with torch.no_grad():
             for j0 in range(0, nblocks, nblocks_per_chunk):
                 j1 = min(nblocks, j0 + nblocks_per_chunk)
-                c = _Chunk(j0, j1, T, cfg, idx, cand, long_path, D, cdt)
-                x = c.leaves(q, k, v, beta)
-                out[:, :, :, c.i0 : c.i1] = chunk_forward(
-                    *x[:5], c.mask, x[5], c.rope_q(), c.rope_k(), j0, c.pad_front, cfg, c.path
-                )
+                c = _Chunk(j0, j1, T, cfg, idx, cand, long_path, D, cdt, cache)
+                out[:, :, :, c.i0 : c.i1] = c.forward(c.leaves(q, kc, vc, beta), cfg)
         ctx.has_cand = cand is not None
         ctx.save_for_backward(q, k, v, beta, idx, *((cand,) if ctx.has_cand else ()))
         ctx.cfg, ctx.nblocks_per_chunk, ctx.long_path = cfg, nblocks_per_chunk, long_path
@@ -347,12 +453,14 @@ class FreeSoloReadout(torch.autograd.Function):
         dq = torch.empty_like(q)  # every query belongs to exactly one chunk
         dk, dv = torch.zeros_like(k, dtype=cdt), torch.zeros_like(v, dtype=cdt)  # accumulated over chunks
         dbeta = torch.zeros_like(beta)
+        cache = {}
+        kc, vc = k.to(cdt), v.to(cdt)
         for j0 in range(0, nblocks, ctx.nblocks_per_chunk):
             j1 = min(nblocks, j0 + ctx.nblocks_per_chunk)
-            c = _Chunk(j0, j1, T, cfg, idx, cand, ctx.long_path, D, cdt)
-            x = [t.detach().to(cdt).requires_grad_(True) for t in c.leaves(q, k, v, beta)]
+            c = _Chunk(j0, j1, T, cfg, idx, cand, ctx.long_path, D, cdt, cache)
+            x = [t.detach().to(cdt).requires_grad_(True) for t in c.leaves(q, kc, vc, beta)]
             with torch.enable_grad():
-                o = chunk_forward(*x[:5], c.mask, x[5], c.rope_q(), c.rope_k(), j0, c.pad_front, cfg, c.path)
+                o = c.forward(x, cfg)
                 g = torch.autograd.grad(o, x, dout[:, :, :, c.i0 : c.i1].to(cdt))
             dq[:, :, :, c.i0 : c.i1] = g[0]
             dk[:, :, c.lo : c.hi] += g[1]

@@ -29,7 +29,7 @@ import torch
 from ...config import FreeSoloConfig
 from ..base import Backend
 from ._ops import chunk_blocks, compute_dtype, pad_time, padded_length
-from .attention import FreeSoloReadout, readout_bytes_per_query
+from .attention import FreeSoloReadout, readout_bytes_per_query, readout_mode
 from .selection import fs_fsl_select
 
 __all__ = ["TorchBackend", "attention", "select_cells"]
@@ -111,7 +111,7 @@ def attention(
     idx: torch.Tensor | None = None,
     chunk_tokens: int | None = None,
     chunk_bytes: int | None = None,
-    long_path: str = "auto",
+    long_path: str | None = None,
 ) -> torch.Tensor:
     """FreeSolo attention with autograd to q, k, v, beta (spec §7, §8).
 
@@ -119,7 +119,8 @@ def attention(
         q: [B, T, Hq, D] unrotated queries; k, v: [B, T, Hkv, D]; beta: [Hq] or None (ones).
         idx: optional int64 [B, T, Hq, K] selection to read instead of computing it (-1 padded).
         chunk_tokens / chunk_bytes: query chunk size, or its memory budget (default by device).
-        long_path: "auto", "union" or "gather": layout of the long branch (see attention.py).
+        long_path: the long branch's layout mode, "auto", "union", "gather" or "wide" (see
+            attention.py); None: the environment variable FREESOLO_TORCH_READOUT, else "auto".
     Returns:
         o [B, T, Hq, D] in q's dtype.
     """
@@ -152,8 +153,7 @@ def attention(
             )
     b = torch.ones(Hq, dtype=cdt, device=q.device) if beta is None else beta.to(cdt)
     idx4 = idx4.contiguous()
-    if long_path not in ("auto", "union", "gather"):
-        raise ValueError(f"long_path={long_path!r} must be 'auto', 'union' or 'gather'")
+    long_path = readout_mode(long_path)  # validated; the environment's mode when None
     per_query = readout_bytes_per_query(Hq, D, cfg, torch.finfo(cdt).bits // 8, cand is not None, long_path)
     nbc = chunk_blocks(per_query, cfg.block, q.device, chunk_tokens, chunk_bytes)
     T_pad = padded_length(T, cfg.block, nbc)
