@@ -52,6 +52,7 @@ import freesolo
 from freesolo.backends.torch._ops import cell_stats
 from freesolo.backends.torch.attention import READOUT_ENV, READOUT_MODES
 from freesolo.backends.torch.backend import attention as torch_attention
+from gpu_attention import _once_ms, _sync  # noqa: E402 (benchmarks/ is this script's folder)
 
 LENGTHS = [4096, 16384, 65536]
 MODES = ["auto", "wide", "gather"]
@@ -85,19 +86,6 @@ REFERENCE_MS = {
         "fs fwd 4096": 15.72, "fs fwd 16384": 73.27, "fs fwd 65536": 365.29,
     },
 }  # fmt: skip
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def _once_ms(fn, device) -> float:
-    _sync(device)
-    t = time.perf_counter()
-    fn()
-    _sync(device)
-    return 1e3 * (time.perf_counter() - t)
 
 
 def _peak_gib(fn, device):
