@@ -157,10 +157,18 @@ def cmd_eval(args) -> int:
         print(f"freesolo eval: {meta['model']} attention={kind} backend={backend} device={device} tasks={tasks} lengths={lengths} n={args.n}")
         deadline = time.perf_counter() + args.minutes * 60 if args.minutes else None
         diagnoses: list = []
+        env = {"backend": backend, "device": str(device), "torch": torch.__version__}
+        done: list = []
+
+        def save_so_far(record):  # after every cell: a killed run keeps what it measured
+            done.append(record)
+            if args.out:
+                _write_results(args.out, done, [], [], meta["model"] + "/" + kind, env)
+
         records, grid = evaluate(
             model, device, tasks, lengths, args.n, args.depths, args.seed, args.batch_tokens, meta,
             grid_tasks=("s-niah-1",) if args.grid else (), deadline=deadline, quiet=args.quiet,
-            diagnose=args.diagnose, diagnoses=diagnoses,
+            on_record=save_so_far, diagnose=args.diagnose, diagnoses=diagnoses,
         )
         if diagnoses:
             from .diagnose import summarize
@@ -169,20 +177,27 @@ def cmd_eval(args) -> int:
                 summ = summarize([d for d in diagnoses if d["length"] == length])
                 print(f"  diagnosis L={length}: {json.dumps(summ)}")
     if args.out:
-        data = {"results": [], "grid": []}
-        if os.path.exists(args.out):
-            with open(args.out) as f:
-                data = json.load(f)
-        data["results"] = merge_records(data.get("results", []), records)
-        data["grid"] = merge_records(data.get("grid", []), grid)
-        if diagnoses:
-            data["diagnosis"] = merge_records(data.get("diagnosis", []), diagnoses, keys=("model", "variant", "task", "length", "index"))
-        data.setdefault("env", {})[meta["model"] + "/" + kind] = {"backend": backend, "device": str(device), "torch": torch.__version__}
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(data, f, indent=1)
+        _write_results(args.out, records, grid, diagnoses, meta["model"] + "/" + kind, env)
         print(f"wrote {len(records)} records (+{len(grid)} grid) to {args.out}")
     return 0
+
+
+def _write_results(path: str, records: list, grid: list, diagnoses: list, env_key: str, env: dict) -> None:
+    """Merge records (and grid / diagnosis records) into the JSON file at `path` (created if absent)."""
+    data = {"results": [], "grid": []}
+    if os.path.exists(path):
+        with open(path) as f:
+            data = json.load(f)
+    data["results"] = merge_records(data.get("results", []), records)
+    data["grid"] = merge_records(data.get("grid", []), grid)
+    if diagnoses:
+        data["diagnosis"] = merge_records(data.get("diagnosis", []), diagnoses, keys=("model", "variant", "task", "length", "index"))
+    data.setdefault("env", {})[env_key] = env
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
 
 
 def add_eval_parser(sub) -> None:
