@@ -71,7 +71,7 @@ import numba
 from numba import njit, prange
 
 from freesolo import FreeSoloConfig
-from freesolo.backends._numba_fsb import build_head_forests_numba, query_head_numba
+from freesolo.backends.numba.fsb import build_head_forests_numba, cell_rho, query_head_numba
 from freesolo.reference.forest import hyperplanes
 from freesolo.reference.oracle import calibrate_tau
 from freesolo.reference.primitives import cell_stats
@@ -378,7 +378,7 @@ FS_ROW = "FS (exhaustive score)"
 @njit(parallel=True)  # no cache=True: numba cannot reload a cached parallel function of a script module
 def _rho_all_cells(q_g, positions, k_g, cell, block, n_max):
     """rho [P, G, n_max] of every available cell (-inf past n_avail), with the FS-B rerank's own
-    arithmetic (`_numba_fsb._query_head`, same loop order): rho of a cell FS-B reranks is bit-equal
+    arithmetic (`freesolo.backends.numba.fsb.cell_rho`): rho of a cell FS-B reranks is bit-equal
     to the reference's, so exact ties (repeated tokens give equal keys in layer 0) resolve alike."""
     P, G, D = q_g.shape
     scale = 1.0 / math.sqrt(D)
@@ -389,17 +389,7 @@ def _rho_all_cells(q_g, positions, k_g, cell, block, n_max):
         for h in range(G):
             qv = q_g[p, h]
             for c in range(n):
-                best = -np.inf
-                for t in range(cell):
-                    dot = 0.0
-                    for d in range(D):
-                        dot += k_g[c * cell + t, d] * qv[d]
-                    logits[t] = dot * scale
-                    best = max(best, logits[t])
-                s = 0.0
-                for t in range(cell):
-                    s += math.exp(logits[t] - best)
-                rho[p, h, c] = best + math.log(s)
+                rho[p, h, c] = cell_rho(k_g, qv, c, cell, scale, logits)
     return rho
 
 

@@ -24,7 +24,7 @@ import numpy as np
 
 import freesolo
 from freesolo import FreeSoloConfig
-from freesolo.backends import numba_backend
+from freesolo.backends.numba import backend as numba_backend
 from freesolo.reference import oracle
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "numba_vs_numpy.json")

@@ -2,7 +2,7 @@
 
 The structural counter's closed forms are checked three ways: against brute-force loops written
 here from the spec, against the oracle's own candidate sets, and against the instrumented
-counters of the numba path (`numba_backend.count_costs`) and of the FS-B oracle
+counters of the numba path (`freesolo.backends.numba.backend.count_costs`) and of the FS-B oracle
 (`reference.fsb.fsb_costs`). Exponents of the counted total cost over T in [16k, 1M] are
 deterministic and tested; measured time is not.
 """
@@ -192,7 +192,7 @@ def test_fsb_counts_need_high_prefix():
 @pytest.mark.parametrize("variant", ["fs", "fsl"])
 @pytest.mark.parametrize("T,Hq,Hkv", [(1, 1, 1), (63, 2, 1), (111, 4, 2), (300, 2, 2)])
 def test_structural_counts_equal_numba_count_costs(variant, T, Hq, Hkv):
-    from freesolo.backends.numba_backend import count_costs
+    from freesolo.backends.numba.backend import count_costs
 
     cfg = SMALL_CFG.replace(variant=variant)
     q, k, _ = random_qkv(T + Hq, 2, T, Hq, Hkv, 8)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import freesolo
 from freesolo import FreeSoloConfig
-from freesolo.backends._numba_fsb import select_cells_fsb_numba
+from freesolo.backends.numba.fsb import select_cells_fsb_numba
 from freesolo.reference.fsb import beam_search, fsb_costs, fsb_node_keys_count, head_forests, node_key, select_cells_fsb
 from freesolo.reference.oracle import calibrate_tau
 from freesolo.reference.primitives import cell_scores
@@ -254,7 +254,7 @@ def test_numba_equals_oracle_at_default_sizes():
     got, costs = select_cells_fsb_numba(q, k, cfg, return_costs=True)
     assert np.array_equal(got, ref)
     assert np.array_equal(freesolo.select_cells(q, k, cfg, backend="numpy"), ref)
-    assert np.array_equal(freesolo.select_cells(q, k, cfg, backend="numba"), ref)  # the backend uses _numba_fsb
+    assert np.array_equal(freesolo.select_cells(q, k, cfg, backend="numba"), ref)  # the backend uses numba/fsb.py
     hf = head_forests(k, cfg)[(0, 0)]
     for i in (0, 127, 128, 700, 1099):
         n = (i // 128) * 4

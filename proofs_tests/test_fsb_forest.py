@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from freesolo.backends._numba_fsb import build_flat_forest, radix_argsort_numba
+from freesolo.backends.numba.fsb import build_flat_forest, radix_argsort_numba
 from freesolo.reference.forest import (
     CausalForests,
     ForestElements,

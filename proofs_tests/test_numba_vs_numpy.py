@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import freesolo
 from freesolo import FreeSoloConfig
-from freesolo.backends import numba_backend as nbb
+from freesolo.backends.numba import backend as nbb
 from freesolo.reference import oracle
 from freesolo.reference.primitives import available_cells, cell_stats, fsl_candidates
 
@@ -174,7 +174,7 @@ def test_vectorised_exp_matches_libm():
     """The kernels' exp: <= 2 ulp from math.exp down to -708, exactly 0 below, exactly 1 at 0."""
     import math
 
-    from freesolo.backends._numba_kernels import _exp_nonpositive
+    from freesolo.backends.numba.kernels import _exp_nonpositive
 
     rng = np.random.default_rng(0)
     x = np.concatenate(
@@ -229,7 +229,7 @@ def test_no_selected_cell_gives_local_only():
 
 def test_fsb_uses_shared_readout():
     """FS-B on numba = its selection, then the same local branch / readout / combine as FS-L."""
-    from freesolo.backends._numba_fsb import select_cells_fsb_numba
+    from freesolo.backends.numba.fsb import select_cells_fsb_numba
 
     q, k, v = random_qkv(5, 1, 129, 4, 2, 6)
     cfg = FreeSoloConfig(variant="fsb", tau=tuple(oracle.calibrate_tau(k, FreeSoloConfig(**SMALL))), **SMALL)

@@ -30,7 +30,7 @@ __all__ = [
 # name -> (module, class) under freesolo.backends; imported only when first used.
 BACKENDS = {
     "numpy": ("numpy_backend", "NumpyBackend"),
-    "numba": ("numba_backend", "NumbaBackend"),
+    "numba": ("numba", "NumbaBackend"),
     "torch": ("torch", "TorchBackend"),
     "triton": ("triton", "TritonBackend"),
 }
@@ -57,7 +57,7 @@ def _import_module(name: str):
     if name == "numpy":
         from . import numpy_backend as module
     elif name == "numba":
-        from . import numba_backend as module
+        from . import numba as module
     elif name == "torch":
         from . import torch as module
     elif name == "triton":

@@ -4,7 +4,7 @@ Every per-query count below depends only on the position `i`, the config and (FS
 high-norm cells `n_high` among the available ones, so it is computed per query block with NumPy,
 vectorised: a sweep to T = 1M tokens takes well under a second. `proofs_tests/test_complexity.py`
 cross-checks these closed forms against the instrumented counters of the numba path
-(`freesolo.backends.numba_backend.count_costs`) and of the FS-B oracle (`reference.fsb.fsb_costs`).
+(`freesolo.backends.numba.backend.count_costs`) and of the FS-B oracle (`reference.fsb.fsb_costs`).
 
 Per query `i` (block `j = i // Bq`, available cells `n_j = j*Bq/s`) and query head:
 

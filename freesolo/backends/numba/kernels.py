@@ -2,7 +2,7 @@
 
 Kernel order: RoPE -> cell statistics -> FS-L candidate pools (per block, per kv head) -> cell
 scores and top-K (FS / FS-L) -> windowed RoPE attention -> NoPE readout over selected cells ->
-token counter. The host functions in `numba_backend.py` lay the arrays out and call these.
+token counter. The host functions in `backend.py` lay the arrays out and call these.
 
 Parallel loops run over flattened (batch, head, query block) tasks; query blocks are visited in
 a zig-zag order (0, nb-1, 1, nb-2, ...) so that FS, whose cost grows with the block index, is

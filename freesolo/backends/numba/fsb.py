@@ -19,15 +19,16 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit, prange
 
-from ..config import FreeSoloConfig
-from ..reference.forest import content_codes, hyperplanes
-from ..reference.primitives import cell_stats
+from ...config import FreeSoloConfig
+from ...reference.forest import content_codes, hyperplanes
+from ...reference.primitives import cell_stats
 
 __all__ = [
     "FlatForest",
     "HeadForestsNumba",
     "build_flat_forest",
     "build_head_forests_numba",
+    "cell_rho",
     "query_head_numba",
     "radix_argsort_numba",
     "select_cells_fsb_numba",
@@ -254,6 +255,28 @@ def _beam(qv, q_norm, i, scale, sigma, lam, rw, cell, beam, n, height_base, mu, 
     return nf, evaluated
 
 
+@njit(cache=True, inline="always")
+def cell_rho(k_g, qv, c, cell, scale, logits):
+    """rho of cell c for the query qv [D]: logsumexp over the cell's tokens of scale * (k . q).
+
+    k_g [T, D] (one kv head's keys), logits [>= cell] scratch. The rerank's arithmetic, in one
+    place: `benchmarks/fsb_recall.py` scores every cell with it, so its exhaustive reference is
+    bit-equal to FS-B's rho (exact ties resolve alike).
+    """
+    D = qv.shape[0]
+    best = -np.inf
+    for t in range(cell):
+        dot = 0.0
+        for d in range(D):
+            dot += k_g[c * cell + t, d] * qv[d]
+        logits[t] = dot * scale
+        best = max(best, logits[t])
+    s = 0.0
+    for t in range(cell):
+        s += math.exp(logits[t] - best)
+    return best + math.log(s)
+
+
 @njit(cache=True)
 def _add_unique(found, nfound, union, nu):
     """Append found[:nfound] to union[:nu], skipping cells already there; returns the new length."""
@@ -368,17 +391,7 @@ def _query_head(
             reranked[p, h] = nu
             for x in range(nu):  # rho = logsumexp over the cell's tokens
                 c = union[x]
-                best = -np.inf
-                for t in range(cell):
-                    dot = 0.0
-                    for d in range(D):
-                        dot += k_g[c * cell + t, d] * qv[d]
-                    logits[t] = dot * scale
-                    best = max(best, logits[t])
-                s = 0.0
-                for t in range(cell):
-                    s += math.exp(logits[t] - best)
-                rho[x] = best + math.log(s)
+                rho[x] = cell_rho(k_g, qv, c, cell, scale, logits)
                 y = x  # insertion by (rho desc, c desc)
                 while y > 0:
                     o = rank[y - 1]

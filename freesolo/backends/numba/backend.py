@@ -1,7 +1,7 @@
 """`numba` backend: the oracle's algorithm (spec §2-§7) compiled with numba, float64 throughout.
 
 Host functions here convert to float64, lay the arrays out for the kernels of
-`_numba_kernels.py` (per-head keys, transposed values, cell-major values) and call them. RoPE
+`kernels.py` (per-head keys, transposed values, cell-major values) and call them. RoPE
 tables come from NumPy with the oracle's arithmetic (cached per (T, D, theta)). FS-L scores only
 the <= P+W cells of its block's candidate pool (computed once per block and kv head); the local
 branch keeps O(window) scratch per task, so memory is O(T * D) at any T.
@@ -21,8 +21,8 @@ import importlib
 
 import numpy as np
 
-from ..config import FreeSoloConfig
-from .base import HostBackend
+from ...config import FreeSoloConfig
+from ..base import HostBackend
 
 __all__ = [
     "NumbaBackend",
@@ -38,9 +38,9 @@ __all__ = [
 
 def _kernels():
     """The compiled kernels (imported lazily: `import freesolo` never imports numba)."""
-    from . import _numba_kernels
+    from . import kernels
 
-    return _numba_kernels
+    return kernels
 
 
 def _f64(x) -> np.ndarray:
@@ -133,8 +133,8 @@ def _select(q: np.ndarray, k: np.ndarray, cfg: FreeSoloConfig) -> tuple[np.ndarr
 
 
 def _fsb_module():
-    """`_numba_fsb`, imported on first FS-B use (its kernels compile then)."""
-    return importlib.import_module("freesolo.backends._numba_fsb")
+    """`fsb`, imported on first FS-B use (its kernels compile then)."""
+    return importlib.import_module("freesolo.backends.numba.fsb")
 
 
 def select_cells(q: np.ndarray, k: np.ndarray, cfg: FreeSoloConfig) -> np.ndarray:
@@ -205,9 +205,9 @@ def count_costs(q, k, cfg: FreeSoloConfig) -> dict[str, np.ndarray]:
         "available_per_block"  int64 [nb]: n_j
         "total_cells_scored", "total_tokens_read": int64 scalars (0-d arrays), sums over (b, i, h).
       FS / FS-L also: "candidates_per_block" int64 [B, Hkv, nb]: |C_j| per kv head and query block.
-      FS-B also (from `_numba_fsb`): "node_keys", "cells_reranked" int64 [B, T, Hq].
+      FS-B also (from `fsb.py`): "node_keys", "cells_reranked" int64 [B, T, Hq].
     """
-    from .._validation import check_inputs
+    from ..._validation import check_inputs
 
     check_inputs(q, k, None, cfg)
     q, k = _f64(q), _f64(k)
