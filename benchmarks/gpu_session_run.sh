@@ -9,13 +9,15 @@
 #   bwd_split    fwd+bwd A/B of the backward bench with the split forward (issue 11's ratios)
 #   train_step   one training step, FS-L (Triton, split forward) vs SDPA vs FlexAttention SWA-512 (issue 11)
 #   tests_torch  issue 9: CUDA tests of the torch backend (L11 / L12 with every readout layout, FREESOLO_TORCH_READOUT)
+#   tests_decode issue 12: the fused decode's CUDA tests, the paper-size Triton boundary cases included (fixed on
+#                the CPU in 2e35fb3: a strict xfail that XPASSes confirms the fix; then drop the xfail and the refusal)
 #   torch_ab     issue 9: the torch readout formulations (benchmarks/torch_readout_ab.py)
 set -u
 OUT=${OUT:-/tmp/session_out}
 W=/tmp/session_work
 mkdir -p "$OUT" "$W"
 export PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=ci PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-STEPS=${STEPS:-"tests_torch bwd_split train_step torch_ab"}
+STEPS=${STEPS:-"tests_torch tests_decode bwd_split train_step torch_ab"}
 SPLIT=(env FREESOLO_TRITON_LONG_BLOCK=64 FREESOLO_TRITON_MAXNREG=128)
 step() {  # step NAME SECONDS COMMAND...: run with a timeout, log to $W/NAME.log, one summary line
   local name=$1 secs=$2; shift 2
@@ -28,6 +30,7 @@ step() {  # step NAME SECONDS COMMAND...: run with a timeout, log to $W/NAME.log
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" | tee "$OUT/summary.txt"
 step tests_split 200 "${SPLIT[@]}" python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k "cuda or gpu" proofs_tests/test_triton_attention.py proofs_tests/test_triton_backend.py proofs_tests/test_triton_backward.py proofs_tests/test_row_independence.py proofs_tests/test_packed.py proofs_tests/test_models.py
 step tests_torch 150 python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k "cuda or gpu" proofs_tests/test_row_independence.py proofs_tests/test_packed.py proofs_tests/test_torch_cuda.py proofs_tests/test_torch_backend.py
+step tests_decode 150 python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k "cuda or gpu" proofs_tests/test_triton_decode.py proofs_tests/test_cache_gpu.py proofs_tests/test_cache_ragged.py
 step sanitize 240 bash -c "compute-sanitizer --tool memcheck python3 benchmarks/sanitize_triton.py && compute-sanitizer --tool racecheck python3 benchmarks/sanitize_triton.py"
 step bwd_split 70 "${SPLIT[@]}" python3 benchmarks/triton_backward_bench.py --lengths 4096 16384 65536 --no-api --no-profile --rep 30 --out "$W/triton_backward_split.json"
 step train_step 150 "${SPLIT[@]}" python3 benchmarks/train_step.py --lengths 4096 16384 65536 --out "$W"
