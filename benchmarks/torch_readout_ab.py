@@ -52,7 +52,7 @@ import freesolo
 from freesolo.backends.torch._ops import cell_stats
 from freesolo.backends.torch.attention import READOUT_ENV, READOUT_MODES
 from freesolo.backends.torch.backend import attention as torch_attention
-from gpu_attention import _once_ms, _sync  # noqa: E402 (benchmarks/ is this script's folder)
+from gpu_attention import _once_ms, _sync, _versions  # noqa: E402 (benchmarks/ is this script's folder)
 
 LENGTHS = [4096, 16384, 65536]
 MODES = ["auto", "wide", "gather"]
@@ -151,35 +151,11 @@ def time_modes(fns, device, rep_ms, slow_reps):
     return {m: statistics.median(x) for m, x in samples.items()}
 
 
-def _git_commit():
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=False,
-            cwd=os.path.dirname(os.path.abspath(__file__)),
-        )
-        return out.stdout.strip() or None
-    except OSError:
-        return None
-
-
 def _env(device, commit):
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
-    return {
-        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (dry run)",
-        "torch": torch.__version__,
-        "triton": triton_version,
-        "python": sys.version.split()[0],
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "git_commit": commit or _git_commit(),
-    }
+    """gpu_attention's environment record; `commit` (--commit) overrides git when the copy has no .git."""
+    env = _versions(device)
+    env["git_commit"] = commit or env["git_commit"]
+    return env
 
 
 def main(argv=None):

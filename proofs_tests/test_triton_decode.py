@@ -156,6 +156,17 @@ def test_fused_step_writes_every_element(variant, tiles):
     assert torch.equal(state.pos, twin.state.pos), "decode_step must advance pos by one"
 
 
+def assert_boundary_state(state, want: dict, t: int) -> None:
+    """The FS-L pool after the Triton boundary == `want` (the torch `_advance`'s): held cell ids
+    exactly, their raw k / v exactly, their statistics within 1e-6."""
+    assert torch.equal(state.cell_ids, want["cell_ids"]), f"t={t}: held cells differ"
+    held = (want["cell_ids"] >= 0)[..., None, None]
+    for name in ("cell_k", "cell_v"):
+        assert torch.equal(getattr(state, name) * held, want[name] * held), f"t={t}: {name}"
+    torch.testing.assert_close(state.cell_a, want["cell_a"], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(state.cell_kbar * held[..., 0], want["cell_kbar"] * held[..., 0], rtol=1e-6, atol=1e-6)
+
+
 @needs_kernels
 @pytest.mark.parametrize("B", [1, 2])
 def test_fused_boundary_kernel_equals_torch_pool_update(B):
@@ -194,13 +205,7 @@ def test_fused_boundary_kernel_equals_torch_pool_update(B):
                 getattr(state, name)[1].copy_(want[name][1])
         else:
             fsl_boundary(state)
-        assert torch.equal(state.cell_ids, want["cell_ids"]), f"t={t}: held cells differ"
-        held = (want["cell_ids"] >= 0)[..., None, None]
-        for name in ("cell_k", "cell_v"):
-            assert torch.equal(getattr(state, name) * held, want[name] * held), f"t={t}: {name}"
-        torch.testing.assert_close(state.cell_a, want["cell_a"], rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(state.cell_kbar * held[..., 0], want["cell_kbar"] * held[..., 0], rtol=1e-6,
-                                   atol=1e-6)  # fmt: skip
+        assert_boundary_state(state, want, t)
         new = set(range(t // cfg.cell - 4, t // cfg.cell))
         evicted_new += sum(len(new - set(row.tolist())) for row in want["cell_ids"].flatten(0, 1))
         for name, x in before.items():  # the next prefill applies this boundary itself
@@ -232,13 +237,7 @@ def test_fused_boundary_kernel_before_recent_window_fills():
         for name, x in before.items():
             getattr(state, name).copy_(x)
         fsl_boundary(state)
-        assert torch.equal(state.cell_ids, want["cell_ids"]), f"t={t}: held cells differ"
-        held = (want["cell_ids"] >= 0)[..., None, None]
-        for name in ("cell_k", "cell_v"):
-            assert torch.equal(getattr(state, name) * held, want[name] * held), f"t={t}: {name}"
-        torch.testing.assert_close(state.cell_a, want["cell_a"], rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(state.cell_kbar * held[..., 0], want["cell_kbar"] * held[..., 0], rtol=1e-6,
-                                   atol=1e-6)  # fmt: skip
+        assert_boundary_state(state, want, t)
         for name, x in before.items():  # the next prefill applies this boundary itself
             getattr(state, name).copy_(x)
 
