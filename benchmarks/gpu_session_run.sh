@@ -11,13 +11,14 @@
 #   tests_torch  issue 9: CUDA tests of the torch backend (L11 / L12 with every readout layout, FREESOLO_TORCH_READOUT)
 #   tests_decode issue 12: the fused decode's CUDA tests, the paper-size Triton boundary cases included (fixed on
 #                the CPU in 2e35fb3: a strict xfail that XPASSes confirms the fix; then drop the xfail and the refusal)
+#   fsb_probe    issue 14: where FS-B evaluation time goes (benchmarks/fsb_eval_probe.py)
 #   torch_ab     issue 9: the torch readout formulations (benchmarks/torch_readout_ab.py)
 set -u
 OUT=${OUT:-/tmp/session_out}
 W=/tmp/session_work
 mkdir -p "$OUT" "$W"
 export PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=ci PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-STEPS=${STEPS:-"tests_torch tests_decode bwd_split train_step torch_ab"}
+STEPS=${STEPS:-"tests_torch tests_decode fsb_probe torch_ab bwd_split train_step"}
 SPLIT=(env FREESOLO_TRITON_LONG_BLOCK=64 FREESOLO_TRITON_MAXNREG=128)
 step() {  # step NAME SECONDS COMMAND...: run with a timeout, log to $W/NAME.log, one summary line
   local name=$1 secs=$2; shift 2
@@ -26,14 +27,16 @@ step() {  # step NAME SECONDS COMMAND...: run with a timeout, log to $W/NAME.log
   timeout "$secs" "$@" >"$W/$name.log" 2>&1
   local rc=$?
   echo "$name rc=$rc $((SECONDS - t0)) s: $(tail -n 1 "$W/$name.log")" | tee -a "$OUT/summary.txt"
+  tar -C "$W" -cf "$OUT/session.tar" .  # after every step: a call killed at its limit keeps what ran
 }
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" | tee "$OUT/summary.txt"
 step tests_split 200 "${SPLIT[@]}" python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k "cuda or gpu" proofs_tests/test_triton_attention.py proofs_tests/test_triton_backend.py proofs_tests/test_triton_backward.py proofs_tests/test_row_independence.py proofs_tests/test_packed.py proofs_tests/test_models.py
 step tests_torch 120 python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k "cuda or gpu" proofs_tests/test_row_independence.py proofs_tests/test_packed.py proofs_tests/test_torch_cuda.py proofs_tests/test_torch_backend.py
-step tests_decode 110 python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k "cuda or gpu" proofs_tests/test_triton_decode.py proofs_tests/test_cache_gpu.py proofs_tests/test_cache_ragged.py
+step tests_decode 100 python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k "cuda or gpu" proofs_tests/test_triton_decode.py proofs_tests/test_cache_gpu.py proofs_tests/test_cache_ragged.py
 step sanitize 240 bash -c "compute-sanitizer --tool memcheck python3 benchmarks/sanitize_triton.py && compute-sanitizer --tool racecheck python3 benchmarks/sanitize_triton.py"
-step torch_ab 170 python3 benchmarks/torch_readout_ab.py --out "$W/torch_readout_ab.json"
+step fsb_probe 45 python3 benchmarks/fsb_eval_probe.py --lengths 4096 32768
+step torch_ab 160 python3 benchmarks/torch_readout_ab.py --out "$W/torch_readout_ab.json"
 step bwd_split 60 "${SPLIT[@]}" python3 benchmarks/triton_backward_bench.py --lengths 4096 16384 65536 --no-api --no-profile --rep 30 --out "$W/triton_backward_split.json"
-step train_step 100 "${SPLIT[@]}" python3 benchmarks/train_step.py --lengths 4096 16384 65536 --out "$W"
+step train_step 90 "${SPLIT[@]}" python3 benchmarks/train_step.py --lengths 4096 16384 65536 --out "$W"
 tar -C "$W" -cf "$OUT/session.tar" .
 ls -la "$OUT"
