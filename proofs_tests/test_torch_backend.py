@@ -182,6 +182,26 @@ def test_fsb_beam_and_rerank_chunks_change_nothing():
         np.testing.assert_array_equal(got.reshape(1, 2, 200, 3).permute(0, 2, 1, 3).numpy(), ref)
 
 
+def test_selection_chunk_scope_changes_nothing_and_restores():
+    """`selection_chunk_scope` (the eval's long FS-B chunks) gives the oracle's selection at every
+    size, restores the default on exit, and refuses a size <= 0."""
+    from freesolo.backends.torch import selection_chunk_scope
+    from freesolo.backends.torch._ops import selection_chunk_tokens
+    from freesolo.reference.fsb import select_cells_fsb
+
+    q, k, _ = random_qkv(2, 1, 150, 2, 1, 8)
+    cfg = _with_tau(FreeSoloConfig(variant="fsb", window=16, cell=4, block=8, beam=3, top_k=3, hash_bits=6), k)
+    ref = select_cells_fsb(q, k, cfg)
+    for tokens in (8, 40, 150, 4096):
+        with selection_chunk_scope(tokens):
+            assert selection_chunk_tokens() == tokens
+            np.testing.assert_array_equal(select_cells(_t(q), _t(k), cfg).numpy(), ref)
+        assert selection_chunk_tokens() is None
+    with pytest.raises(ValueError, match="must be positive"):
+        with selection_chunk_scope(0):
+            pass
+
+
 def test_tie_breaks_are_exact():
     """Equal scores / norms: the larger cell wins (spec §5, §7), independent of sort internals."""
     cfg = FreeSoloConfig(variant="fsl", window=8, cell=2, block=4, pool=2, recent=1, top_k=2, lam=1.0)

@@ -8,6 +8,7 @@ length heat map). Sample `i` of (task, length) has depth `depths_for(n, n_depths
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -51,6 +52,7 @@ def evaluate(
     on_record=None,
     diagnose: int = 0,
     diagnoses: list | None = None,
+    selection_chunk: int | None = None,
 ) -> tuple[list, list]:
     """Score `model` on every (task, length); returns (records, grid records).
 
@@ -58,6 +60,8 @@ def evaluate(
     (time.perf_counter() value): cells not started by then are skipped (and reported).
     `diagnose` > 0 (FreeSolo models): up to that many failed and as many correct samples per cell are
     diagnosed (`diagnose.diagnose_sample`) and appended to the list `diagnoses`.
+    `selection_chunk`: the torch backend's selection chunks min(length, selection_chunk) positions
+    long (`selection_chunk_scope`: FS-B's search is launch-bound, one chunk per row is fastest).
     """
     from tqdm import tqdm
 
@@ -72,7 +76,8 @@ def evaluate(
             samples = [generate(task, length, float(depths[i]), sample_seed(seed, task, length, i)) for i in range(n)]
             bar = tqdm(total=n, desc=f"{meta['variant']} {task} L={length}", unit="sample", disable=quiet, leave=False)
             start = time.perf_counter()
-            ok = score_samples(forward, samples, max(1, batch_tokens // length), progress=bar.update, deadline=deadline)
+            with _selection_chunk(selection_chunk, length):
+                ok = score_samples(forward, samples, max(1, batch_tokens // length), progress=bar.update, deadline=deadline)
             bar.close()
             if len(ok) < n:
                 print(f"  {task} @ {length}: deadline after {len(ok)} of {n} samples")
@@ -102,6 +107,15 @@ def evaluate(
                     sel = depths == d
                     grid.append({**meta, "task": task, "length": int(length), "depth": float(d), "accuracy": float(ok[sel].mean()), "n": int(sel.sum())})
     return records, grid
+
+
+def _selection_chunk(tokens: int | None, length: int):
+    """The torch backend's selection chunk scope for one cell (a no-op when `tokens` is None)."""
+    if tokens is None:
+        return contextlib.nullcontext()
+    from ..backends.torch import selection_chunk_scope
+
+    return selection_chunk_scope(min(int(length), int(tokens)))
 
 
 def merge_records(old: list, new: list, keys=("model", "variant", "task", "length", "depth")) -> list:
@@ -168,7 +182,7 @@ def cmd_eval(args) -> int:
         records, grid = evaluate(
             model, device, tasks, lengths, args.n, args.depths, args.seed, args.batch_tokens, meta,
             grid_tasks=("s-niah-1",) if args.grid else (), deadline=deadline, quiet=args.quiet,
-            on_record=save_so_far, diagnose=args.diagnose, diagnoses=diagnoses,
+            on_record=save_so_far, diagnose=args.diagnose, diagnoses=diagnoses, selection_chunk=args.selection_chunk,
         )
         if diagnoses:
             from .diagnose import summarize
@@ -216,6 +230,7 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--out", default=None, help="JSON file to merge the records into ({results: [...], grid: [...]})")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-tokens", type=int, default=65536, help="samples per forward = max(1, batch_tokens // length)")
+    p.add_argument("--selection-chunk", type=int, default=None, help="torch backend selection chunk: min(length, N) positions (FS-B: fewer launches; default: the budget)")
     p.add_argument("--minutes", type=float, default=0.0, help="skip cells not started within this budget (0: no limit)")
     p.add_argument("--backend", default="auto")
     p.add_argument("--device", default="auto")

@@ -4,6 +4,7 @@ Note: this package is `freesolo.backends.torch`; its modules import PyTorch with
 `import torch` (Python 3 absolute imports), never relatively.
 """
 
+from ._ops import selection_chunk_scope
 from .backend import TorchBackend, attention, select_cells
 
-__all__ = ["TorchBackend", "attention", "select_cells"]
+__all__ = ["TorchBackend", "attention", "select_cells", "selection_chunk_scope"]

@@ -15,6 +15,7 @@ inputs in the entries that reach query i, whatever the other rows or the later t
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -27,6 +28,8 @@ __all__ = [
     "compute_dtype",
     "pad_time",
     "padded_length",
+    "selection_chunk_tokens",
+    "selection_chunk_scope",
     "rope",
     "rope_tables",
     "take_rows",
@@ -42,6 +45,31 @@ DEFAULT_CHUNK_BYTES = {"cuda": 2 << 30, "cpu": 64 << 20}
 # more: a row shorter than the cap computes the whole cap (8192 doubled the FS-L selection's work
 # at T = 4096), and past it the extra chunks' launches overlap the GPU's work.
 MAX_CHUNK_TOKENS = {"cuda": 4096, "cpu": 128}
+_SELECTION_CHUNK_TOKENS: list = [None]  # set by `selection_chunk_scope`
+
+
+@contextlib.contextmanager
+def selection_chunk_scope(tokens: int | None):
+    """Within the scope, the torch backend's cell selection (called without `chunk_tokens` /
+    `chunk_bytes`) cuts each row's queries into chunks of `tokens` positions (rounded up to whole
+    blocks) instead of the budget default; None restores the default. FS-B's search is a Python
+    loop of small ops per chunk (launch-bound on a GPU): chunks as long as the sequence cut its
+    launches several-fold at the cost of transient memory (`fsb_bytes_per_query` per position).
+    Rows stay independent (L12): the size is the caller's constant, not a function of B or the data.
+    """
+    if tokens is not None and tokens <= 0:
+        raise ValueError(f"selection chunk tokens={tokens} must be positive (or None)")
+    old = _SELECTION_CHUNK_TOKENS[0]
+    _SELECTION_CHUNK_TOKENS[0] = tokens
+    try:
+        yield
+    finally:
+        _SELECTION_CHUNK_TOKENS[0] = old
+
+
+def selection_chunk_tokens() -> int | None:
+    """The chunk size `selection_chunk_scope` set (None: the budget default)."""
+    return _SELECTION_CHUNK_TOKENS[0]
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

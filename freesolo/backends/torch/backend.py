@@ -28,7 +28,7 @@ import torch
 
 from ...config import FreeSoloConfig
 from ..base import Backend
-from ._ops import chunk_blocks, compute_dtype, pad_time, padded_length
+from ._ops import chunk_blocks, compute_dtype, pad_time, padded_length, selection_chunk_tokens
 from .attention import FreeSoloReadout, readout_bytes_per_query, readout_mode
 from .selection import fs_fsl_select
 
@@ -67,12 +67,15 @@ def _select(q4, k4, cfg: FreeSoloConfig, chunk_tokens, chunk_bytes, candidates: 
     the selection functions run one row at a time."""
     B, Hkv, G, T, D = q4.shape
     Hq = Hkv * G
+    rerank_tokens = chunk_tokens  # FS-B's rerank sub-chunks: never from the scope (its memory grows fastest)
+    if chunk_tokens is None and chunk_bytes is None:
+        chunk_tokens = selection_chunk_tokens()  # `selection_chunk_scope`; None: the budget default
     if cfg.variant == "fsb":
         from .fsb import fsb_bytes_per_query, fsb_select
 
         beam_bytes, rerank_bytes = fsb_bytes_per_query(1, Hq, D, cfg, q4.element_size())
         nbc = chunk_blocks(beam_bytes, cfg.block, q4.device, chunk_tokens, chunk_bytes)
-        nbr = min(nbc, chunk_blocks(rerank_bytes, cfg.block, q4.device, chunk_tokens, chunk_bytes))  # powers of 2
+        nbr = min(nbc, chunk_blocks(rerank_bytes, cfg.block, q4.device, rerank_tokens, chunk_bytes))
         sigma, lam = _per_head(cfg, "sigma", Hq, Hkv, q4), _per_head(cfg, "lam", Hq, Hkv, q4)
         idx = fsb_select(q4, k4, cfg, sigma, lam, nbc, nbr)
         return (idx, None) if candidates else idx

@@ -7,8 +7,10 @@ level's node statistics (mu, rad, A, e) are reductions over groups of 2^l consec
 All trees of all heights live in one flat node table per (b, kv head); a node's flat id is
 `base[h] + m * (2^(h+1) - 1) + level_offset(h, l) + index`. Work: O(M log^2 M * D) per forest.
 
-Search (vectorized over the queries of a chunk, all query heads, batch rows): a Python loop over
-levels from the tallest height down to 0 keeps a frontier of `beam` nodes per query. At level l
+Search (vectorized over the queries of a chunk, all query heads, batch rows, and both forests:
+`beam_search_forests`, one op per level for the two, as the search is launch-bound on a GPU): a
+Python loop over levels from the tallest height down to 0 keeps a frontier of `beam` nodes per
+query and forest. At level l
 the candidates are the children of the frontier plus the root of the tree of height l (when bit
 l of the block's element count is set; at the tallest height that root alone forms the
 frontier, as in the oracle). Exact tie-break: candidates are first sorted by their global index
@@ -34,7 +36,9 @@ from .selection import topk_cells
 __all__ = [
     "TREE_FIELDS",
     "NodeTable",
+    "SearchTables",
     "beam_search",
+    "beam_search_forests",
     "build_node_table",
     "build_segments",
     "content_codes",
@@ -47,7 +51,7 @@ __all__ = [
 def fsb_bytes_per_query(B: int, Hq: int, D: int, cfg: FreeSoloConfig, itemsize: int) -> tuple[int, int]:
     """Transient bytes per query position of (the beam search, the rerank) of FS-B selection, for
     B rows (the backend passes B = 1: it selects one row at a time)."""
-    beam = 6 * (2 * cfg.beam + 1) * (D + 8)  # keys, node statistics, integer node ids
+    beam = 2 * 6 * (2 * cfg.beam + 1) * (D + 8)  # both forests: keys, node statistics, integer node ids
     rerank = 2 * cfg.beam * cfg.cell * (D + 2)  # gathered tokens of the <= 2*beam cells, logits
     return B * Hq * itemsize * beam, B * Hq * itemsize * rerank
 
@@ -160,65 +164,98 @@ def _level_offset(h: torch.Tensor, l: int) -> torch.Tensor:
     return (1 << (h + 1)) - (1 << (h - l + 1))
 
 
-def _beam_search(table: NodeTable, n, q, qnorm, pos, sigma, lam, cfg: FreeSoloConfig):
-    """Beam search of one forest kind for the queries of a chunk.
+class SearchTables:
+    """The node tables of several forests, searched together (one beam per forest, one op per
+    level for all of them: the search is launch-bound on a GPU, so two forests in one pass halve
+    its launches). One forest: the table's own tensors (no copy); several: concatenated along the
+    node axis once (forest f's ids shifted by the nodes of the forests before it).
 
-    table: NodeTable; n: int64 [B, Hkv, nb] elements covered by each block's forest.
-    q [B, Hkv, G, nb, Bq, D], qnorm [B, Hkv, G, nb, Bq], pos [nb, Bq] query positions (float),
-    sigma / lam [Hkv, G]. Returns element cells int64 [B, Hkv, G, nb, Bq, beam] (-1 = none).
+    mu [B, Hkv, N, D], rad / A [B, Hkv, N], e / cell int64 [B, Hkv, N]; base int64
+    [F, max_height + 2] (flat id of tree 0 of height h in forest f; unused heights 0).
+    """
+
+    def __init__(self, tables: list):
+        self.max_height = max(t.max_height for t in tables)
+        width = self.max_height + 2
+        offsets, offset = [], 0
+        for t in tables:
+            offsets.append(offset)
+            offset += t.mu.shape[2]
+        if len(tables) == 1:
+            fields = {name: getattr(tables[0], name) for name in TREE_FIELDS}
+        else:
+            fields = {name: torch.cat([getattr(t, name) for t in tables], dim=2) for name in TREE_FIELDS}
+        self.mu, self.rad, self.A, self.e, self.cell = (fields[name] for name in TREE_FIELDS)
+        base = torch.zeros(len(tables), max(width, 1), dtype=torch.int64, device=self.mu.device)
+        for f, (t, off) in enumerate(zip(tables, offsets)):
+            h = min(width, t.base.shape[0])
+            base[f, :h] = t.base[:h] + off
+        self.base = base
+
+
+def beam_search_forests(tables: SearchTables, n, q, qnorm, pos, sigma, lam, cfg: FreeSoloConfig):
+    """Beam search of several forests for the queries of a chunk (spec §6.4), one beam per forest.
+
+    tables: SearchTables of F forests; n: int64 [B, Hkv, nb, F] elements covered by each block's
+    forest f. q [B, Hkv, G, nb, Bq, D], qnorm [B, Hkv, G, nb, Bq], pos [nb, Bq] query positions
+    (float), sigma / lam [Hkv, G]. Returns element cells int64 [B, Hkv, G, nb, Bq, F * beam]
+    (forest 0's beam first; -1 = none).
     """
     B, Hkv, G, nb, Bq, D = q.shape
+    Fo = n.shape[-1]
     dev = q.device
-    F = cfg.beam
+    W = cfg.beam
     scale = D**-0.5
-    shape = (B, Hkv, G, nb, Bq, F)
-    z = torch.zeros(shape, dtype=torch.int64, device=dev)
-    tb, th, ts, ix = z, z, z, z  # tree base, tree height, tree start, index in level
-    valid = torch.zeros(shape, dtype=torch.bool, device=dev)
-    sig = sigma.view(1, Hkv, G, 1, 1, 1)
-    lm = lam.view(1, Hkv, G, 1, 1, 1)
-    nq = n[:, :, None, :, None, None].expand(B, Hkv, G, nb, Bq, 1)  # (B, Hkv, G, nb, Bq, 1)
+    if tables.max_height < 0:  # no element at all
+        return torch.full((B, Hkv, G, nb, Bq, Fo * W), -1, dtype=torch.int64, device=dev)
+    # frontier: (tree base, tree height, tree start, index in level) per node, and its validity
+    state = torch.zeros(B, Hkv, G, nb, Bq, Fo, W, 4, dtype=torch.int64, device=dev)
+    valid = torch.zeros(B, Hkv, G, nb, Bq, Fo, W, dtype=torch.bool, device=dev)
+    sig = sigma.view(1, Hkv, G, 1, 1, 1, 1)
+    lm = lam.view(1, Hkv, G, 1, 1, 1, 1)
+    nq = n[:, :, None, :, None, :, None]  # (B, Hkv, 1, nb, 1, Fo, 1)
+    child_scale = torch.tensor([1, 1, 1, 2], dtype=torch.int64, device=dev)
+    right_child = torch.tensor([0, 0, 0, 1], dtype=torch.int64, device=dev)
+    row_base = (torch.arange(B * Hkv, device=dev) * tables.mu.shape[2]).view(B, Hkv, 1, 1, 1, 1, 1)
     big = torch.iinfo(torch.int64).max
-    if table.max_height < 0:  # no element at all
-        return torch.full(shape, -1, dtype=torch.int64, device=dev)
-    for l in range(table.max_height, -1, -1):
+    for l in range(tables.max_height, -1, -1):
         # children of the frontier (if any), then the root of the tree of height l
-        c_tb = torch.cat([tb, tb], dim=-1)
-        c_th = torch.cat([th, th], dim=-1)
-        c_ts = torch.cat([ts, ts], dim=-1)
-        c_ix = torch.cat([2 * ix, 2 * ix + 1], dim=-1)
-        c_ok = torch.cat([valid, valid], dim=-1)
-        has_root = ((nq >> l) & 1) == 1  # (..., 1)
+        left = state * child_scale
+        has_root = ((nq >> l) & 1) == 1  # (B, Hkv, 1, nb, 1, Fo, 1)
         r_ts = (nq >> (l + 1)) << (l + 1)
-        r_tb = table.base[l] + (r_ts >> l) * ((2 << l) - 1)
-        c_tb = torch.cat([c_tb, r_tb], dim=-1)
-        c_th = torch.cat([c_th, torch.full_like(r_ts, l)], dim=-1)
-        c_ts = torch.cat([c_ts, r_ts], dim=-1)
-        c_ix = torch.cat([c_ix, torch.zeros_like(r_ts)], dim=-1)
-        c_ok = torch.cat([c_ok, has_root], dim=-1)  # (..., 2F+1)
-        flat = torch.where(c_ok, c_tb + _level_offset(c_th, l) + c_ix, torch.zeros_like(c_tb))
-        mu = take_rows(table.mu, flat)  # (B, Hkv, G, nb, Bq, 2F+1, D)
-        dot = torch.einsum("bhgnqd,bhgnqcd->bhgnqc", q, mu)
-        prior = (
-            lm
-            * take_rows(table.A, flat)
-            * torch.erf(sig * (pos[..., None] - take_rows(table.e, flat).to(q.dtype)) / (2.0 * cfg.cell))
-        )
-        key = scale * (dot + cfg.radius_weight * qnorm[..., None] * take_rows(table.rad, flat)) + prior
+        r_tb = tables.base[:, l].view(Fo, 1) + (r_ts >> l) * ((2 << l) - 1)
+        root = torch.stack([r_tb, torch.full_like(r_ts, l), r_ts, torch.zeros_like(r_ts)], dim=-1)
+        shape = (B, Hkv, G, nb, Bq, Fo, 1, 4)
+        cand = torch.cat([left, left + right_child, root.expand(shape)], dim=-2)  # (..., Fo, 2W+1, 4)
+        c_ok = torch.cat([valid, valid, has_root.expand(shape[:-1])], dim=-1)  # (..., Fo, 2W+1)
+        c_tb, c_th, c_ts, c_ix = cand.unbind(-1)
+        flat = torch.where(c_ok, c_tb + _level_offset(c_th, l) + c_ix, 0)
+        rows = (flat + row_base).reshape(-1)  # one flat row index for every field's gather
+        mu = tables.mu.reshape(-1, D).index_select(0, rows).view(*flat.shape, D)
+        rad, A, e = (getattr(tables, x).reshape(-1).index_select(0, rows).view(flat.shape) for x in ("rad", "A", "e"))
+        dot = torch.einsum("bhgnqd,bhgnqfcd->bhgnqfc", q, mu)
+        prior = lm * A * torch.erf(sig * (pos[..., None, None] - e.to(q.dtype)) / (2.0 * cfg.cell))
+        key = scale * (dot + cfg.radius_weight * qnorm[..., None, None] * rad) + prior
         key = key.masked_fill(~c_ok, float("-inf"))
-        gidx = torch.where(c_ok, (c_ts >> l) + c_ix, torch.full_like(c_ix, big))
+        gidx = torch.where(c_ok, (c_ts >> l) + c_ix, big)
         o1 = torch.sort(gidx, dim=-1).indices  # by (segment start, index in level)
-        key1 = torch.gather(key, -1, o1)
-        o2 = torch.sort(key1, dim=-1, descending=True, stable=True).indices[..., :F]
-        order = torch.gather(o1, -1, o2)
-        tb, th, ts, ix = (torch.gather(x, -1, order) for x in (c_tb, c_th, c_ts, c_ix))
+        o2 = torch.sort(torch.gather(key, -1, o1), dim=-1, descending=True, stable=True).indices[..., :W]
+        order = torch.gather(o1, -1, o2)  # (..., Fo, W)
+        state = torch.gather(cand, -2, order[..., None].expand(*order.shape, 4))
         valid = torch.gather(c_ok, -1, order)
-    flat = torch.where(valid, tb + _level_offset(th, 0) + ix, torch.zeros_like(tb))
-    cells = take_rows(table.cell, flat)
-    return torch.where(valid, cells, torch.full_like(cells, -1))
+    tb, th, _, ix = state.unbind(-1)
+    flat = torch.where(valid, tb + _level_offset(th, 0) + ix, 0)
+    cells = tables.cell.reshape(-1).index_select(0, (flat + row_base).reshape(-1)).view(flat.shape)
+    return torch.where(valid, cells, -1).reshape(B, Hkv, G, nb, Bq, Fo * W)
 
 
-beam_search = _beam_search  # public name (the streaming cache searches its tables with it)
+def beam_search(table: NodeTable, n, q, qnorm, pos, sigma, lam, cfg: FreeSoloConfig):
+    """Beam search of one forest kind: n int64 [B, Hkv, nb]; the rest as `beam_search_forests`.
+    Returns element cells int64 [B, Hkv, G, nb, Bq, beam] (-1 = none)."""
+    return beam_search_forests(SearchTables([table]), n[..., None], q, qnorm, pos, sigma, lam, cfg)
+
+
+_beam_search = beam_search  # the name the streaming cache imports
 
 
 @torch.no_grad()
@@ -271,6 +308,7 @@ def _fsb_select_row(q, k, cfg: FreeSoloConfig, sigma, lam, nblocks_per_chunk: in
         cfg,
         outward,
     )
+    both = SearchTables([t_all, t_high])  # the two forests searched in one pass
     high_prefix = torch.cat([torch.zeros(B, Hkv, 1, dtype=torch.int64, device=dev), torch.cumsum(high, -1)], -1)
     scale = D**-0.5
     idx = torch.full((B, Hkv, G, T, K), -1, dtype=torch.int64, device=dev)
@@ -289,13 +327,8 @@ def _fsb_select_row(q, k, cfg: FreeSoloConfig, sigma, lam, nblocks_per_chunk: in
         qc = qc.reshape(B, Hkv, G, nb, Bq, D)
         qn = torch.linalg.vector_norm(qc, dim=-1)
         pos = torch.arange(i0, i0 + nb * Bq, device=dev, dtype=q.dtype).view(nb, Bq)
-        found = torch.cat(
-            [
-                _beam_search(t_all, n_all, qc, qn, pos, sigma, lam, cfg),
-                _beam_search(t_high, n_hi, qc, qn, pos, sigma, lam, cfg),
-            ],
-            dim=-1,
-        )  # (B, Hkv, G, nb, Bq, 2*beam)
+        n_both = torch.stack([n_all, n_hi], dim=-1)  # (B, Hkv, nb, 2)
+        found = beam_search_forests(both, n_both, qc, qn, pos, sigma, lam, cfg)  # (B, Hkv, G, nb, Bq, 2*beam)
         found = torch.sort(found, dim=-1, descending=True).values  # larger c first, -1 last
         dup = torch.zeros_like(found, dtype=torch.bool)
         dup[..., 1:] = found[..., 1:] == found[..., :-1]
