@@ -30,7 +30,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from freesolo.retrieval.evaluate import evaluate, merge_records, prepare  # noqa: E402
+from freesolo.retrieval.evaluate import evaluate, extend_records, merge_records, prepare  # noqa: E402
 from freesolo.retrieval.tasks import TASK_NAMES  # noqa: E402
 
 MULTIPLES = (1, 2, 4, 8, 16, 32, 64)
@@ -285,13 +285,14 @@ def _table(records, task: str, lengths, train_length: int) -> list[str]:
 
 
 def load_results(paths) -> dict:
-    """Merge result files (later files replace earlier records with the same key)."""
+    """Merge result files (later files replace earlier records with the same key; a record with
+    `first` > 0 extends the earlier one: `freesolo eval --first`)."""
     data = {"results": [], "grid": [], "diagnosis": [], "env": {}}
     for path in paths:
         with open(path) as f:
             d = json.load(f)
-        data["results"] = merge_records(data["results"], d.get("results", []))
-        data["grid"] = merge_records(data["grid"], d.get("grid", []))
+        data["results"] = extend_records(data["results"], d.get("results", []))
+        data["grid"] = extend_records(data["grid"], d.get("grid", []))
         data["diagnosis"] = merge_records(data["diagnosis"], d.get("diagnosis", []), keys=("model", "variant", "task", "length", "index"))
         data["env"].update(d.get("env", {}))
     return data

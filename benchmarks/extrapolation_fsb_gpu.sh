@@ -6,7 +6,9 @@
 # the committed checkpoint (or CKPT carried). $OUT receives fsb_cells.tar (one JSON and log per task, the study).
 #   CKPT (benchmarks/results/checkpoints/ckpt_fs), MULTIPLES ("2 4 8 16 32 64"), MINUTES (8.0: eval deadline per process), N (50),
 #   TRAIN_LENGTH (1024), RECALL (0), SELECTION_CHUNK (16384: `freesolo eval --selection-chunk`, the
-#   torch selection's chunk = min(length, it): FS-B's search is launch-bound, long chunks cut its launches)
+#   torch selection's chunk = min(length, it): FS-B's search is launch-bound, long chunks cut its launches),
+#   CELLS ("task@length+first ...": instead of MULTIPLES, continue cells cut short at sample `first`;
+#   the report pools them with the earlier records: `extend_records`)
 # Measured 2026-12-01 (H200): FS-B's torch selection costs ~0.4 s per sample up to 8k and ~4 s at
 # 32k-64k, and the processes are GPU-bound (14 at once were ~6x slower each): the 32x and 64x cells
 # at n = 50 take a call of their own (MULTIPLES=32, then 64). Then (same day) the two forests were
@@ -29,11 +31,24 @@ if [ "${PROBE:-1}" = 1 ]; then  # one process alone first: seconds per FS-B forw
   timeout 90 python3 benchmarks/fsb_eval_probe.py --ckpt "$CKPT" --lengths 4096 32768 65536 --selection-chunk "$CHUNK" > "$W/fsb_probe.log" 2>&1
   echo "fsb_probe rc=$?"; grep "one forward" "$W/fsb_probe.log"
 fi
+END=$((SECONDS + ${MINUTES%.*} * 60))  # one deadline for every eval of this call
 pids=()
 for task in s-niah-1 s-niah-2 s-niah-3 mk-niah mv-niah mq-niah vt; do
   grid=(); [ "$task" = s-niah-1 ] && grid=(--grid)
-  python3 -m freesolo.cli eval --ckpt "$CKPT" --attention fsb --task "$task" --lengths "${lengths[@]}" --n "$N" \
-    "${grid[@]}" --minutes "$MINUTES" --selection-chunk "$CHUNK" --quiet --out "$W/fsb_$task.json" > "$W/fsb_$task.log" 2>&1 &
+  if [ -z "${CELLS:-}" ]; then
+    python3 -m freesolo.cli eval --ckpt "$CKPT" --attention fsb --task "$task" --lengths "${lengths[@]}" --n "$N" \
+      "${grid[@]}" --minutes "$MINUTES" --selection-chunk "$CHUNK" --quiet --out "$W/fsb_$task.json" > "$W/fsb_$task.log" 2>&1 &
+  else  # CELLS="task@length+first ...": continue cut cells (`freesolo eval --first`), in the given order, one JSON each
+    (
+      for cell in $CELLS; do
+        [ "${cell%%@*}" = "$task" ] || continue
+        rest=${cell#*@}; length=${rest%%+*}; first=${rest#*+}
+        left=$((END - SECONDS)); [ "$left" -gt 5 ] || { echo "skipped $cell: past the deadline"; continue; }
+        python3 -m freesolo.cli eval --ckpt "$CKPT" --attention fsb --task "$task" --lengths "$length" --n "$N" --first "$first" \
+          "${grid[@]}" --minutes "$(python3 -c "print($left / 60)")" --selection-chunk "$CHUNK" --quiet --out "$W/fsb_${task}_${length}_from$first.json"
+      done
+    ) > "$W/fsb_$task.log" 2>&1 &
+  fi
   pids+=($!)
 done
 if [ "${RECALL:-0}" = 1 ]; then

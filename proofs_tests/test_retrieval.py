@@ -195,6 +195,39 @@ def test_score_samples_copy_model_and_random_model():
         score_samples(lambda tok: _copy_logits(tok), samples[:1] + generate_many("s-niah-2", 201, 1, seed=0))
 
 
+def test_eval_first_continues_a_cut_run_exactly():
+    """`evaluate(..., first=k)` scores the samples k..n-1 of a full run, and `extend_records` pools
+    them with a run over 0..k-1 into the full run's record (accuracy, n, per-depth grid); a record
+    that does not continue its predecessor is refused."""
+    torch = pytest.importorskip("torch")
+    from freesolo.retrieval.evaluate import evaluate, extend_records
+
+    def model(tokens):  # copies the answer, except on samples whose token sum is divisible by 3
+        t = tokens.numpy()
+        wrong = [(b, t.shape[1] - 2) for b in range(t.shape[0]) if int(t[b].sum()) % 3 == 0]
+        return torch.from_numpy(_copy_logits(t, wrong_at=wrong))
+
+    meta = {"model": "copy", "variant": "fs", "train_length": 128}
+    common = dict(tasks=["s-niah-1"], lengths=[300], n_depths=4, seed=0, batch_tokens=900, meta=meta, quiet=True)
+    full, full_grid = evaluate(model, torch.device("cpu"), n=12, **common)
+    head, head_grid = evaluate(model, torch.device("cpu"), n=5, **common)
+    tail, tail_grid = evaluate(model, torch.device("cpu"), n=12, first=5, **common)
+    assert 0.0 < full[0]["accuracy"] < 1.0, "the fake model must get some samples wrong for this test to bite"
+    assert tail[0]["first"] == 5 and tail[0]["n"] == 7
+    pooled = extend_records(head, tail)
+    assert len(pooled) == 1 and pooled[0]["n"] == 12 and pooled[0]["parts"] == [[0, 5], [5, 12]]
+    assert pooled[0]["accuracy"] == pytest.approx(full[0]["accuracy"], abs=1e-12)
+    grid = {g["depth"]: g for g in extend_records(head_grid, tail_grid)}
+    for g in full_grid:
+        assert grid[g["depth"]]["n"] == g["n"] and grid[g["depth"]]["accuracy"] == pytest.approx(g["accuracy"], abs=1e-12)
+    with pytest.raises(ValueError, match="starts at sample 5"):
+        extend_records(full, tail)  # full covers 0..11: the tail does not continue it
+    with pytest.raises(ValueError, match="no record covers"):
+        extend_records([], tail)
+    with pytest.raises(ValueError, match="first=12"):
+        evaluate(model, torch.device("cpu"), n=12, first=12, **common)
+
+
 def test_make_batch_mask_is_the_answer_span():
     mix = Mixture(lengths=(256,), batch_tokens=256 * 8, lm_fraction=0.25)
     tokens, mask = make_batch(mix, np.random.default_rng(2))

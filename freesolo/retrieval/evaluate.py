@@ -21,7 +21,7 @@ from .scoring import score_samples
 from .taskfile import read_task_json
 from .tasks import TASKS, depths_for, generate, sample_seed
 
-__all__ = ["add_eval_parser", "cmd_eval", "evaluate", "merge_records"]
+__all__ = ["add_eval_parser", "cmd_eval", "evaluate", "extend_records", "merge_records"]
 
 
 def _forward_fn(model, device):
@@ -53,6 +53,7 @@ def evaluate(
     diagnose: int = 0,
     diagnoses: list | None = None,
     selection_chunk: int | None = None,
+    first: int = 0,
 ) -> tuple[list, list]:
     """Score `model` on every (task, length); returns (records, grid records).
 
@@ -62,7 +63,11 @@ def evaluate(
     diagnosed (`diagnose.diagnose_sample`) and appended to the list `diagnoses`.
     `selection_chunk`: the torch backend's selection chunks min(length, selection_chunk) positions
     long (`selection_chunk_scope`: FS-B's search is launch-bound, one chunk per row is fastest).
+    `first` > 0: score samples first..n-1 only (the same samples as a full run's); the records
+    carry `first`, and `extend_records` adds them to a run that scored 0..first-1.
     """
+    if not 0 <= first < n:
+        raise ValueError(f"first={first} must be in [0, n={n})")
     from tqdm import tqdm
 
     forward = _forward_fn(model, device)
@@ -72,15 +77,15 @@ def evaluate(
             if deadline is not None and time.perf_counter() > deadline:
                 print(f"  skipped {task} @ {length}: past the deadline")
                 continue
-            depths = depths_for(n, n_depths)
-            samples = [generate(task, length, float(depths[i]), sample_seed(seed, task, length, i)) for i in range(n)]
-            bar = tqdm(total=n, desc=f"{meta['variant']} {task} L={length}", unit="sample", disable=quiet, leave=False)
+            depths = depths_for(n, n_depths)[first:]
+            samples = [generate(task, length, float(depths[i - first]), sample_seed(seed, task, length, i)) for i in range(first, n)]
+            bar = tqdm(total=n - first, desc=f"{meta['variant']} {task} L={length}", unit="sample", disable=quiet, leave=False)
             start = time.perf_counter()
             with _selection_chunk(selection_chunk, length):
                 ok = score_samples(forward, samples, max(1, batch_tokens // length), progress=bar.update, deadline=deadline)
             bar.close()
-            if len(ok) < n:
-                print(f"  {task} @ {length}: deadline after {len(ok)} of {n} samples")
+            if len(ok) < n - first:
+                print(f"  {task} @ {length}: deadline after {len(ok)} of {n - first} samples")
                 depths = depths[: len(ok)]
             rec = {
                 **meta,
@@ -90,6 +95,7 @@ def evaluate(
                 "n": int(len(ok)),
                 "seconds": round(time.perf_counter() - start, 2),
                 "seed": int(seed),
+                **({"first": int(first)} if first else {}),
             }
             records.append(rec)
             if on_record is not None:
@@ -101,11 +107,14 @@ def evaluate(
                 picks = [i for i in range(len(ok)) if not ok[i]][:diagnose] + [i for i in range(len(ok)) if ok[i]][:diagnose]
                 for i in picks:
                     d = diagnose_sample(model, samples[i], device)
-                    diagnoses.append({**meta, "task": task, "length": int(length), "depth": float(depths[i]), "index": i, "correct": bool(ok[i]), **d})
+                    diagnoses.append({**meta, "task": task, "length": int(length), "depth": float(depths[i]), "index": first + i, "correct": bool(ok[i]), **d})
             if task in grid_tasks:
                 for d in np.unique(depths):
                     sel = depths == d
-                    grid.append({**meta, "task": task, "length": int(length), "depth": float(d), "accuracy": float(ok[sel].mean()), "n": int(sel.sum())})
+                    grid.append({
+                        **meta, "task": task, "length": int(length), "depth": float(d), "accuracy": float(ok[sel].mean()), "n": int(sel.sum()),
+                        **({"first": int(first)} if first else {}),
+                    })
     return records, grid
 
 
@@ -116,6 +125,35 @@ def _selection_chunk(tokens: int | None, length: int):
     from ..backends.torch import selection_chunk_scope
 
     return selection_chunk_scope(min(int(length), int(tokens)))
+
+
+def extend_records(old: list, new: list, keys=("model", "variant", "task", "length", "depth")) -> list:
+    """`merge_records`, except that a new record with `first` > 0 (samples first..first+n-1 of a
+    cell) is added to the old record of the same key that covers samples 0..first-1: n summed,
+    accuracy the pooled mean (accuracy x n counts samples exactly), `parts` lists the sample ranges.
+    A result record (no `depth`) must continue its old record exactly (old n == first); a grid
+    record (per depth) follows its cell's result record."""
+    plain = [r for r in new if not r.get("first")]
+    out = merge_records(old, plain, keys)
+    index = {tuple(r.get(k) for k in keys): i for i, r in enumerate(out)}
+    for r in new:
+        first = r.get("first")
+        if not first:
+            continue
+        key = tuple(r.get(k) for k in keys)
+        if key not in index:
+            raise ValueError(f"record {key} continues from sample {first}, but no record covers samples 0..{first - 1}")
+        base = out[index[key]]
+        if "depth" not in keys or r.get("depth") is None:
+            if base.get("first") or base["n"] != first:
+                raise ValueError(f"record {key} starts at sample {first}, the old one covers {base.get('first', 0)}..{base.get('first', 0) + base['n'] - 1}")
+        n = base["n"] + r["n"]
+        merged = {**base, "n": n, "accuracy": (base["accuracy"] * base["n"] + r["accuracy"] * r["n"]) / n}
+        merged["parts"] = base.get("parts", [[0, base["n"]]]) + [[first, first + r["n"]]]
+        if "seconds" in base and "seconds" in r:
+            merged["seconds"] = round(base["seconds"] + r["seconds"], 2)
+        out[index[key]] = merged
+    return out
 
 
 def merge_records(old: list, new: list, keys=("model", "variant", "task", "length", "depth")) -> list:
@@ -183,6 +221,7 @@ def cmd_eval(args) -> int:
             model, device, tasks, lengths, args.n, args.depths, args.seed, args.batch_tokens, meta,
             grid_tasks=("s-niah-1",) if args.grid else (), deadline=deadline, quiet=args.quiet,
             on_record=save_so_far, diagnose=args.diagnose, diagnoses=diagnoses, selection_chunk=args.selection_chunk,
+            first=args.first,
         )
         if diagnoses:
             from .diagnose import summarize
@@ -229,6 +268,7 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--name", default=None, help="model name in the records (default: the folder name)")
     p.add_argument("--out", default=None, help="JSON file to merge the records into ({results: [...], grid: [...]})")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--first", type=int, default=0, help="score samples FIRST..n-1 only (continue a run cut short; merged by extend_records)")
     p.add_argument("--batch-tokens", type=int, default=65536, help="samples per forward = max(1, batch_tokens // length)")
     p.add_argument("--selection-chunk", type=int, default=None, help="torch backend selection chunk: min(length, N) positions (FS-B: fewer launches; default: the budget)")
     p.add_argument("--minutes", type=float, default=0.0, help="skip cells not started within this budget (0: no limit)")
