@@ -220,6 +220,13 @@ def test_eval_first_continues_a_cut_run_exactly():
     grid = {g["depth"]: g for g in extend_records(head_grid, tail_grid)}
     for g in full_grid:
         assert grid[g["depth"]]["n"] == g["n"] and grid[g["depth"]]["accuracy"] == pytest.approx(g["accuracy"], abs=1e-12)
+    # a run cut before it reached every depth (n=50 over 10 depths, cut at 9): its continuation's
+    # grid record of the depth it missed is added as it is
+    base = {"model": "m", "variant": "fsb", "task": "s-niah-1", "length": 4096}
+    old = [{**base, "depth": 0.0, "accuracy": 1.0, "n": 1}]
+    new = [{**base, "depth": 0.0, "accuracy": 0.0, "n": 4, "first": 9}, {**base, "depth": 1.0, "accuracy": 0.25, "n": 4, "first": 9}]
+    got = {g["depth"]: g for g in extend_records(old, new)}
+    assert got[0.0]["n"] == 5 and got[0.0]["accuracy"] == pytest.approx(0.2) and got[1.0]["n"] == 4 and "first" not in got[1.0]
     with pytest.raises(ValueError, match="starts at sample 5"):
         extend_records(full, tail)  # full covers 0..11: the tail does not continue it
     with pytest.raises(ValueError, match="no record covers"):

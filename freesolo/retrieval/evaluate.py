@@ -132,7 +132,8 @@ def extend_records(old: list, new: list, keys=("model", "variant", "task", "leng
     cell) is added to the old record of the same key that covers samples 0..first-1: n summed,
     accuracy the pooled mean (accuracy x n counts samples exactly), `parts` lists the sample ranges.
     A result record (no `depth`) must continue its old record exactly (old n == first); a grid
-    record (per depth) follows its cell's result record."""
+    record (per depth) follows its cell's result record (a depth the first part did not reach is
+    added as it is)."""
     plain = [r for r in new if not r.get("first")]
     out = merge_records(old, plain, keys)
     index = {tuple(r.get(k) for k in keys): i for i, r in enumerate(out)}
@@ -141,6 +142,10 @@ def extend_records(old: list, new: list, keys=("model", "variant", "task", "leng
         if not first:
             continue
         key = tuple(r.get(k) for k in keys)
+        if key not in index and r.get("depth") is not None:  # a depth the earlier samples did not reach
+            index[key] = len(out)
+            out.append({**{k: v for k, v in r.items() if k != "first"}, "parts": [[first, first + r["n"]]]})
+            continue
         if key not in index:
             raise ValueError(f"record {key} continues from sample {first}, but no record covers samples 0..{first - 1}")
         base = out[index[key]]
