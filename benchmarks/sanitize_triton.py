@@ -25,8 +25,7 @@ def decode():
         cfg = freesolo.FreeSoloConfig(variant=variant, window=32, cell=8, block=16, pool=4, recent=2, top_k=2)
         q, k, v = (torch.randn(B, T, h, D, device="cuda", dtype=torch.bfloat16) for h in (Hq, Hkv, Hkv))
         tiles = {"single": DecodeTiles(impl="single"), "split": DecodeTiles(impl="split", window_chunk=16)}
-        if variant == "fsl":  # the Triton boundary is refused on CUDA until it passes the paper-size test:
-            os.environ["FREESOLO_UNVERIFIED_TRITON_BOUNDARY"] = "1"  # racecheck is how to find its bug
+        if variant == "fsl":  # the fused Triton FS-L boundary
             tiles["split_tb"] = DecodeTiles(impl="split", window_chunk=16, boundary="triton")
         for name, t in tiles.items():
             cache = FreeSoloCache(cfg, B, Hq, Hkv, D, backend="torch", decode_kernel="triton", decode_tiles=t,

@@ -422,17 +422,9 @@ CUDA_TILES = {
 
 
 # (variant, tiles) pairs: fs_chunk shapes FS scoring only, so "fs256" is an FS case. The Triton FS-L
-# boundary failed on the H200; the cause (issue 12) is fixed but not yet re-run there: a strict xfail
-# (an XPASS fails: then drop this mark and the CUDA refusal in `fsl_boundary`).
-_BOUNDARY_XFAIL = pytest.mark.xfail(
-    strict=True,
-    reason="Triton FS-L boundary: 106/4800 and 556/2400 rows differed on the H200 (2026-12-01). Cause "
-    "(issue 12): at the first boundary (n_avail 4 < W 8) the empty slots tied, none was freed, cells 0-3 "
-    "were dropped; reproduced and fixed on CPU (interpreter, paper size), awaiting the H200 re-run",
-)
+# boundary ("split_tb") failed here on the H200 until 2e35fb3 (issue 12); it passes since (2026-12-01).
 PAPER_CASES = [
-    pytest.param(variant, tiles, id=f"{variant}-{tiles}",
-                 marks=[_BOUNDARY_XFAIL] if (variant, tiles) == ("fsl", "split_tb") else [])  # fmt: skip
+    pytest.param(variant, tiles, id=f"{variant}-{tiles}")
     for variant in ("fsl", "fs")
     for tiles in CUDA_TILES
     if not (variant == "fsl" and tiles == "fs256")
@@ -443,12 +435,10 @@ PAPER_CASES = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant, tiles", PAPER_CASES)
 @pytest.mark.parametrize("heads", [(8, 2), (4, 4)], ids=["GQA4", "MHA"])
-def test_cuda_fused_decode_paper_sizes_float32(variant, heads, tiles, monkeypatch):
+def test_cuda_fused_decode_paper_sizes_float32(variant, heads, tiles):
     """Default (paper) config, fp32: decode 300 tokens from T0 = 1800 (crosses block boundaries),
     == the parallel op (torch backend) and == the torch step, RMS-relative 1e-5; every A/B
     variant of the fused step (benchmarks/gpu_decode.py --tiles)."""
-    if tiles == "split_tb":  # the boundary kernel is refused on CUDA without the debugging switch
-        monkeypatch.setenv("FREESOLO_UNVERIFIED_TRITON_BOUNDARY", "1")
     cfg = FreeSoloConfig(variant=variant)
     Hq, Hkv = heads
     B, T0, T, D = 2, 1800, 2100, 64
@@ -614,12 +604,10 @@ def test_cuda_fused_decode_rows_at_different_lengths_no_sync():
 
 @needs_cuda
 @pytest.mark.gpu
-def test_cuda_ragged_decode_graph(monkeypatch):
+def test_cuda_ragged_decode_graph():
     """Rows at different positions in ONE CUDA graph (FS-L, Triton boundary): == eager ragged
     decode bit for bit over 300 steps (rows pausing, block boundaries at different steps), no
-    host sync in the replays. Both sides use the Triton boundary, which is refused on CUDA (it fails
-    the paper-size float32 test): this checks the graph machinery only."""
-    monkeypatch.setenv("FREESOLO_UNVERIFIED_TRITON_BOUNDARY", "1")
+    host sync in the replays. Both sides use the Triton boundary."""
     cfg = FreeSoloConfig(variant="fsl")
     B, Hq, Hkv, D = 3, 8, 2, 64
     prompts = [600, 900, 130]
@@ -650,18 +638,3 @@ def test_cuda_ragged_decode_graph(monkeypatch):
     assert graphed.lengths == eager.lengths == pos
 
 
-@needs_cuda
-@pytest.mark.gpu
-def test_cuda_triton_boundary_is_refused(monkeypatch):
-    """DecodeTiles(boundary="triton") failed the paper-size float32 test on the H200 (issue 12, fixed,
-    awaiting the H200 re-run): on CUDA it raises (naming the way out) instead of running, unless the
-    debugging switch is set."""
-    monkeypatch.delenv("FREESOLO_UNVERIFIED_TRITON_BOUNDARY", raising=False)
-    cfg = FreeSoloConfig(variant="fsl")
-    B, Hq, Hkv, D = 1, 4, 2, 64
-    q, k, v, beta = cuda_tensors(21, B, cfg.block + 1, Hq, Hkv, D, torch.bfloat16)
-    cache = FreeSoloCache(cfg, B, Hq, Hkv, D, backend="torch", decode_kernel="triton",
-                          decode_tiles=DecodeTiles(impl="split", boundary="triton"))  # fmt: skip
-    with pytest.raises(RuntimeError, match="boundary='torch'"):
-        for t in range(cfg.block + 1):
-            cache.extend(q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], beta=beta)

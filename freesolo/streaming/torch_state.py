@@ -75,11 +75,9 @@ class DecodeTiles:
     boundary: str = "torch"
     """FS-L block boundary of the fused path: "torch" (`TorchCacheState._advance`, ~30 torch ops)
     or "triton" (one launch of `fsl_boundary`: only the new cells move; a no-op for rows not at a
-    boundary, so rows at different positions need no per-row host work). "triton" FAILED the
-    H200 paper-size float32 test (2.2 % of the output rows differed from the parallel op: it
-    dropped the first block's cells while fewer than `recent` cells were available, issue 12;
-    fixed and tested under the interpreter, not yet re-run on the H200): it is refused on CUDA
-    unless FREESOLO_UNVERIFIED_TRITON_BOUNDARY=1 (see `fsl_boundary`)."""
+    boundary, so rows at different positions need no per-row host work). "triton" once failed the
+    H200 paper-size float32 test (it dropped the first block's cells while fewer than `recent`
+    cells were available, issue 12); fixed in 2e35fb3, the test passes on the H200 (2026-12-01)."""
 
     def __post_init__(self):
         if self.impl not in ("split", "single"):

@@ -863,17 +863,6 @@ def fsl_boundary(state, pos=None, active=None) -> None:
         active: optional int8 [B] (with pos): rows with 0 are left alone.
     """
     cfg, B, Hkv, D = state.cfg, state.B, state.Hkv, state.D
-    # Issue 12: the H200 paper-size float32 test failed (the first block's cells dropped while
-    # n_avail < W, reproduced and fixed under the interpreter). Refused on CUDA until the fix passes
-    # that test on the H200 (then remove this and the test's strict xfail `_BOUNDARY_XFAIL`).
-    if state.device.type == "cuda" and os.environ.get("FREESOLO_UNVERIFIED_TRITON_BOUNDARY") != "1":
-        raise RuntimeError(
-            "DecodeTiles(boundary='triton') is disabled on CUDA: the fused FS-L boundary failed the H200 "
-            "paper-size float32 test (2.2 % of output rows differed from the parallel op: the cells of "
-            "the first block were dropped while fewer than W cells were available; fixed, the fix "
-            "awaits the H200 re-run). Use DecodeTiles(boundary='torch') (the default), or set "
-            "FREESOLO_UNVERIFIED_TRITON_BOUNDARY=1 to run it anyway for debugging."
-        )
     if cfg.variant != "fsl":
         raise ValueError(f"fsl_boundary updates the FS-L pool, not variant={cfg.variant!r}")
     if state.cell_kbar.dtype != torch.float32:
