@@ -12,13 +12,16 @@
 #   tests_decode issue 12: the fused decode's CUDA tests, the paper-size Triton boundary cases included (fixed on
 #                the CPU in 2e35fb3: a strict xfail that XPASSes confirms the fix; then drop the xfail and the refusal)
 #   fsb_probe    issue 14: where FS-B evaluation time goes (benchmarks/fsb_eval_probe.py)
+#   tests_fsb    issue 12: the Triton FS-B search's tests on CUDA (proofs_tests/test_triton_fsb_search.py)
+#   fsb_bench    issue 12: FS-B selection, torch search vs Triton search, same run (benchmarks/fsb_search_bench.py)
+#   bwd_64k      issue 11: fwd+bwd at 64k only (the 60 s bwd_split step could not reach it), API timing included
 #   torch_ab     issue 9: the torch readout formulations (benchmarks/torch_readout_ab.py)
 set -u
 OUT=${OUT:-/tmp/session_out}
 W=/tmp/session_work
 mkdir -p "$OUT" "$W"
 export PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=ci PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-STEPS=${STEPS:-"tests_torch tests_decode fsb_probe torch_ab bwd_split train_step"}
+STEPS=${STEPS:-"tests_fsb fsb_bench bwd_64k tests_decode"}
 SPLIT=(env FREESOLO_TRITON_LONG_BLOCK=64 FREESOLO_TRITON_MAXNREG=128)
 step() {  # step NAME SECONDS COMMAND...: run with a timeout, log to $W/NAME.log, one summary line
   local name=$1 secs=$2; shift 2
@@ -34,6 +37,9 @@ step tests_split 200 "${SPLIT[@]}" python3 -m pytest -q -n ${NPROC:-14} -p no:be
 step tests_torch 120 python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k "cuda or gpu" proofs_tests/test_row_independence.py proofs_tests/test_packed.py proofs_tests/test_torch_cuda.py proofs_tests/test_torch_backend.py
 step tests_decode 100 python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k "cuda or gpu" proofs_tests/test_triton_decode.py proofs_tests/test_cache_gpu.py proofs_tests/test_cache_ragged.py
 step sanitize 240 bash -c "compute-sanitizer --tool memcheck python3 benchmarks/sanitize_triton.py && compute-sanitizer --tool racecheck python3 benchmarks/sanitize_triton.py"
+step tests_fsb 150 python3 -m pytest -q -n ${NPROC:-8} -p no:benchmark proofs_tests/test_triton_fsb_search.py
+step fsb_bench 180 python3 benchmarks/fsb_search_bench.py --lengths 4096 16384 65536 --out "$W/fsb_search.json"
+step bwd_64k 100 "${SPLIT[@]}" python3 benchmarks/triton_backward_bench.py --lengths 65536 --no-profile --rep 30 --out "$W/triton_backward_64k.json"
 step fsb_probe 45 python3 benchmarks/fsb_eval_probe.py --lengths 4096 32768
 step torch_ab 160 python3 benchmarks/torch_readout_ab.py --out "$W/torch_readout_ab.json"
 step bwd_split 60 "${SPLIT[@]}" python3 benchmarks/triton_backward_bench.py --lengths 4096 16384 65536 --no-api --no-profile --rep 30 --out "$W/triton_backward_split.json"

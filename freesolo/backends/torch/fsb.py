@@ -39,6 +39,8 @@ __all__ = [
     "SearchTables",
     "beam_search",
     "beam_search_forests",
+    "block_element_counts",
+    "build_row_forests",
     "build_node_table",
     "build_segments",
     "content_codes",
@@ -258,6 +260,50 @@ def beam_search(table: NodeTable, n, q, qnorm, pos, sigma, lam, cfg: FreeSoloCon
 _beam_search = beam_search  # the name the streaming cache imports
 
 
+def build_row_forests(k, cfg: FreeSoloConfig, outward: bool) -> tuple:
+    """Both FS-B forests of one row (spec §6.2-§6.3), built with torch ops on k's device.
+
+    k: [1, Hkv, T, D] unrotated keys (compute dtype; statistics of the complete cells C = T // s).
+    outward: round node radii up (any dtype below float64).
+    Returns (SearchTables of [the all-cells forest, the high-norm forest], high_prefix int64
+    [1, Hkv, C + 1]: the number of high-norm cells among the first c cells).
+    """
+    B, Hkv, _, D = k.shape
+    s, dev = cfg.cell, k.device
+    tau = torch.as_tensor(cfg.tau_array(Hkv), dtype=torch.float64, device=dev)  # (Hkv,)
+    planes = torch.as_tensor(hyperplanes(cfg.hash_seed, Hkv, cfg.hash_bits, D), device=dev)  # (Hkv, r, D)
+    kbar, a = cell_stats(k, s)  # (B, Hkv, C, D), (B, Hkv, C) in compute dtype
+    C = a.shape[-1]
+    kbar64, a64 = cell_stats(k.to(torch.float64), s)  # codes and the tau test from float64 (spec §6.2)
+    codes = content_codes(kbar64, planes) if cfg.leaf_order == "content" else torch.zeros_like(a64, dtype=torch.int64)
+    all_cells = torch.arange(C, device=dev).expand(B, Hkv, C)
+    t_all = build_node_table(kbar, a, all_cells, codes, C, cfg, outward)
+    high = a64 > tau.view(1, Hkv, 1)  # (B, Hkv, C)
+    order = torch.sort((~high).to(torch.int8), dim=-1, stable=True).indices  # high cells first, increasing
+    n_high = high.sum(dim=-1)  # (B, Hkv)
+    Mh = int(n_high.max()) if C else 0
+    hc = order[:, :, :Mh]  # (B, Hkv, Mh) high cells (rows with fewer: padding never read)
+    t_high = build_node_table(
+        torch.gather(kbar, 2, hc[..., None].expand(B, Hkv, Mh, D)),
+        torch.gather(a, 2, hc),
+        hc,
+        torch.gather(codes, 2, hc),
+        Mh,
+        cfg,
+        outward,
+    )
+    high_prefix = torch.cat([torch.zeros(B, Hkv, 1, dtype=torch.int64, device=dev), torch.cumsum(high, -1)], -1)
+    return SearchTables([t_all, t_high]), high_prefix
+
+
+def block_element_counts(high_prefix, j0: int, j1: int, cfg: FreeSoloConfig):
+    """Elements of each query block's two forests, blocks j0..j1-1: int64 [B, Hkv, j1 - j0, 2]
+    (all cells: n_j = j * Bq // s available cells; high-norm: those among them, from high_prefix)."""
+    B, Hkv = high_prefix.shape[:2]
+    n_all = (torch.arange(j0, j1, device=high_prefix.device) * cfg.block // cfg.cell).expand(B, Hkv, j1 - j0)
+    return torch.stack([n_all, torch.gather(high_prefix, 2, n_all)], dim=-1)
+
+
 @torch.no_grad()
 def fsb_select(q, k, cfg: FreeSoloConfig, sigma, lam, nblocks_per_chunk: int, rerank_blocks: int) -> torch.Tensor:
     """FS-B selection.
@@ -285,31 +331,7 @@ def _fsb_select_row(q, k, cfg: FreeSoloConfig, sigma, lam, nblocks_per_chunk: in
     B, Hkv, G, T, D = q.shape
     s, Bq, K = cfg.cell, cfg.block, cfg.top_k
     dev = q.device
-    tau = torch.as_tensor(cfg.tau_array(Hkv), dtype=torch.float64, device=dev)  # (Hkv,)
-    planes = torch.as_tensor(hyperplanes(cfg.hash_seed, Hkv, cfg.hash_bits, D), device=dev)  # (Hkv, r, D)
-    kbar, a = cell_stats(k, s)  # (B, Hkv, C, D), (B, Hkv, C) in compute dtype
-    C = a.shape[-1]
-    kbar64, a64 = cell_stats(k.to(torch.float64), s)  # codes and the tau test from float64 (spec §6.2)
-    codes = content_codes(kbar64, planes) if cfg.leaf_order == "content" else torch.zeros_like(a64, dtype=torch.int64)
-    all_cells = torch.arange(C, device=dev).expand(B, Hkv, C)
-    outward = q.dtype != torch.float64
-    t_all = build_node_table(kbar, a, all_cells, codes, C, cfg, outward)
-    high = a64 > tau.view(1, Hkv, 1)  # (B, Hkv, C)
-    order = torch.sort((~high).to(torch.int8), dim=-1, stable=True).indices  # high cells first, increasing
-    n_high = high.sum(dim=-1)  # (B, Hkv)
-    Mh = int(n_high.max()) if C else 0
-    hc = order[:, :, :Mh]  # (B, Hkv, Mh) high cells (rows with fewer: padding never read)
-    t_high = build_node_table(
-        torch.gather(kbar, 2, hc[..., None].expand(B, Hkv, Mh, D)),
-        torch.gather(a, 2, hc),
-        hc,
-        torch.gather(codes, 2, hc),
-        Mh,
-        cfg,
-        outward,
-    )
-    both = SearchTables([t_all, t_high])  # the two forests searched in one pass
-    high_prefix = torch.cat([torch.zeros(B, Hkv, 1, dtype=torch.int64, device=dev), torch.cumsum(high, -1)], -1)
+    both, high_prefix = build_row_forests(k, cfg, outward=q.dtype != torch.float64)
     scale = D**-0.5
     idx = torch.full((B, Hkv, G, T, K), -1, dtype=torch.int64, device=dev)
     nblocks = -(-T // Bq)
@@ -318,8 +340,7 @@ def _fsb_select_row(q, k, cfg: FreeSoloConfig, sigma, lam, nblocks_per_chunk: in
         nb = j1 - j0
         if (j1 - 1) * Bq // s == 0:
             continue  # no block of the chunk has an available cell
-        n_all = (torch.arange(j0, j1, device=dev) * Bq // s).expand(B, Hkv, nb)  # (B, Hkv, nb)
-        n_hi = torch.gather(high_prefix, 2, n_all)
+        n_both = block_element_counts(high_prefix, j0, j1, cfg)  # (B, Hkv, nb, 2)
         i0, i1 = j0 * Bq, min(T, j1 * Bq)
         qc = q[:, :, :, i0:i1]
         if i1 - i0 < nb * Bq:
@@ -327,7 +348,6 @@ def _fsb_select_row(q, k, cfg: FreeSoloConfig, sigma, lam, nblocks_per_chunk: in
         qc = qc.reshape(B, Hkv, G, nb, Bq, D)
         qn = torch.linalg.vector_norm(qc, dim=-1)
         pos = torch.arange(i0, i0 + nb * Bq, device=dev, dtype=q.dtype).view(nb, Bq)
-        n_both = torch.stack([n_all, n_hi], dim=-1)  # (B, Hkv, nb, 2)
         found = beam_search_forests(both, n_both, qc, qn, pos, sigma, lam, cfg)  # (B, Hkv, G, nb, Bq, 2*beam)
         found = torch.sort(found, dim=-1, descending=True).values  # larger c first, -1 last
         dup = torch.zeros_like(found, dtype=torch.bool)

@@ -133,12 +133,28 @@ def rope_cos_sin(T: int, D: int, theta: float, device: torch.device) -> tuple[to
     return cached[0][:T], cached[1][:T]
 
 
+FSB_SEARCH_ENV = "FREESOLO_TRITON_FSB_SEARCH"
+
+
+def fsb_search_mode() -> str:
+    """FS-B's search on this backend: "torch" (default: the torch backend's vectorized search) or
+    "triton" (`fsb_search.fsb_select_cells`: one program per query and head; equal to the torch
+    search under the interpreter, not yet timed or checked on a GPU), from FREESOLO_TRITON_FSB_SEARCH."""
+    mode = os.environ.get(FSB_SEARCH_ENV, "").strip().lower() or "torch"
+    if mode not in ("torch", "triton"):
+        raise ValueError(f"{FSB_SEARCH_ENV}={mode!r} must be 'torch' or 'triton'")
+    return mode
+
+
 def _select(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig) -> torch.Tensor:
-    """int64 [B, T, Hq, K]: FS / FS-L by the Triton kernels, FS-B by the torch backend's search."""
+    """int64 [B, T, Hq, K]: FS / FS-L by the Triton kernels, FS-B by the search `fsb_search_mode` names."""
     if cfg.variant == "fsb":
+        if fsb_search_mode() == "triton":
+            from .fsb_search import fsb_select_cells
+
+            return fsb_select_cells(q, k, cfg)
         from ..torch.backend import select_cells as torch_select
 
-        # FS-B's beam search runs as torch ops (the GPU search is a separate issue); fixed chunk size.
         return torch_select(q, k, cfg)
     from .selection import select_cells as triton_select
 
@@ -266,7 +282,8 @@ def triton_select_cells(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig) -
 
 
 class TritonBackend(Backend):
-    """Fused Triton kernels: FS and FS-L entirely in Triton, FS-B with the torch search + Triton readout."""
+    """Fused Triton kernels: FS and FS-L entirely in Triton, FS-B with the torch search (or the
+    Triton search: FREESOLO_TRITON_FSB_SEARCH=triton, `fsb_search_mode`) + Triton readout."""
 
     name = "triton"
     array_kind = "torch"

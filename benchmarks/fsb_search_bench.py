@@ -1,0 +1,99 @@
+"""FS-B selection on the GPU: the torch backend's search against the Triton search (issue 12),
+same run, same inputs, and how often their selections differ (near-ties only).
+
+Providers per length (B 1, H 16 MHA, D 64, bf16, the default config, tau = median a_c per head):
+  torch         `freesolo.backends.torch.select_cells` (budget chunks, 4096 tokens on CUDA)
+  torch_chunk   the same in one selection chunk per row (`selection_chunk_scope(T)`)
+  triton        `freesolo.backends.triton.fsb_search.fsb_select_cells`
+Writes a JSON (env, shapes, medians, differing fraction) and prints one line per length:
+    python benchmarks/fsb_search_bench.py --lengths 4096 16384 65536 --out results/fsb_search.json
+`--dry-run`: CPU, Triton interpreter, T = 64: plumbing only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+if "--dry-run" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from freesolo import FreeSoloConfig  # noqa: E402
+from freesolo.backends.torch import select_cells as torch_select  # noqa: E402
+from freesolo.backends.torch import selection_chunk_scope  # noqa: E402
+from freesolo.backends.triton.fsb_search import fsb_select_cells  # noqa: E402
+from gpu_attention import _tau, _versions, bench_ms  # noqa: E402 (benchmarks/ is this script's folder)
+
+__all__ = ["main"]
+
+SHAPE = {"B": 1, "Hq": 16, "Hkv": 16, "D": 64}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 65536])
+    ap.add_argument("--providers", nargs="+", default=["torch", "torch_chunk", "triton"])
+    ap.add_argument("--rep", type=int, default=100, help="do_bench rep (ms) for calls under 50 ms")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--dry-run", action="store_true")
+    args = ap.parse_args(argv)
+    device = torch.device("cpu" if args.dry_run else "cuda")
+    dtype = torch.float32 if args.dry_run else torch.bfloat16
+    lengths = [64] if args.dry_run else args.lengths
+    shape = {"B": 1, "Hq": 2, "Hkv": 1, "D": 16} if args.dry_run else SHAPE
+    base = FreeSoloConfig(variant="fsb", window=16, cell=4, block=8, beam=4) if args.dry_run else FreeSoloConfig(variant="fsb")
+    calls = {
+        "torch": lambda q, k, cfg: torch_select(q, k, cfg),
+        "torch_chunk": lambda q, k, cfg: _in_one_chunk(q, k, cfg),
+        "triton": lambda q, k, cfg: fsb_select_cells(q, k, cfg),
+    }
+    results = []
+    t_start = time.perf_counter()
+    for T in lengths:
+        gen = torch.Generator(device=device).manual_seed(0)
+        q = torch.randn(1, T, shape["Hq"], shape["D"], device=device, dtype=dtype, generator=gen)
+        k = torch.randn(1, T, shape["Hkv"], shape["D"], device=device, dtype=dtype, generator=gen)
+        cfg = base.replace(tau=_tau(k, base))
+        sel, line = {}, []
+        for name in args.providers:
+            sel[name] = calls[name](q, k, cfg)  # warm-up (compiles the kernel)
+            ms = bench_ms(lambda: calls[name](q, k, cfg), device, args.rep)
+            results.append({"T": T, "provider": name, "ms": ms})
+            line.append(f"{name} {ms:9.2f} ms")
+        ref = sel.get("torch")
+        for name, idx in sel.items():
+            if ref is not None and name != "torch":
+                frac = float((idx != ref).any(-1).float().mean())
+                results.append({"T": T, "provider": name, "differs_from_torch": frac})
+                line.append(f"{name} differs {frac:.4%}")
+        print(f"T={T:>8}: " + " | ".join(line) + f"  ({time.perf_counter() - t_start:.0f} s)", flush=True)
+    payload = {
+        "env": _versions(device),
+        "dtype": str(dtype).replace("torch.", ""),
+        "shape": shape,
+        "freesolo_config": {k: getattr(base, k) for k in ("window", "cell", "block", "beam", "top_k", "leaf_order", "radius_weight")},
+        "timing": "median ms: triton.testing.do_bench under 50 ms per call, else the median of 3 calls",
+        "results": results,
+    }
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(payload, f, indent=1)
+        print(f"wrote {args.out}")
+    return 0
+
+
+def _in_one_chunk(q, k, cfg):
+    with selection_chunk_scope(q.shape[1]):
+        return torch_select(q, k, cfg)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

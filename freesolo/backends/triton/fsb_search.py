@@ -1,0 +1,257 @@
+"""FS-B selection with a Triton beam search and rerank (spec §6.4-§6.5, §7).
+
+The forests are built by the torch backend's `build_row_forests` (torch ops on the GPU, one row at
+a time: statistics, content codes, stable sorts per dyadic segment). Then one launch of
+`_fsb_search_kernel` per row, one program per (query, query head):
+
+1. For each forest (all cells, high-norm cells): the level-wise beam search of spec §6.4 over the
+   query block's element count n, from the tallest tree's root down to the leaves. The frontier
+   (at most `beam` nodes) lives in registers as (tree base, tree height, tree start, index in
+   level); at level l the candidates are the frontier's children and the root of the tree of
+   height l when bit l of n is set. Node key = scale * (q . mu + radius_weight * |q| * rad)
+   + lam * A * erf(sigma * (i - e) / (2 s)); the new frontier is the `beam` candidates first by
+   (key desc, index in level asc): the torch search's (sort by index, stable sort by key) order,
+   computed as ranks from a [candidates x candidates] comparison (no sort, no host work).
+2. Rerank: the <= 2 * beam found cells (duplicates dropped), rho = logsumexp over the cell's s
+   tokens of scale * q . k, top-K by (rho desc, c desc), -1 padded.
+
+No [T, nodes] tensor and no gathered copy of node statistics exist: a level costs one
+[2 * beam, D] load per program. Row independence (L12): a program reads its own row's tables and
+its own query; the tables of a row are built from that row alone.
+
+All pointer offsets are int64.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...config import FreeSoloConfig
+from . import _common  # noqa: F401  (its import patches the interpreter's dynamic loop bounds for NumPy >= 2.4)
+
+__all__ = ["MAX_BEAM", "fsb_select_cells"]
+
+MAX_BEAM = 64  # the frontier lives in registers: [2 * beam, D] node tiles, [2 * beam]^2 rank tiles
+_BIG = tl.constexpr(2**62)  # the index in level of an invalid candidate (after every real one)
+
+
+@triton.jit
+def _level_offset(h, l):
+    """Index of the first node of level l inside a tree of height h (levels 0..h stored in order)."""
+    return (1 << (h + 1)) - (1 << (h - l + 1))
+
+
+@triton.jit
+def _node_keys(flat, ok, q, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr, e_ptr, scale, radius_weight, two_cell,
+               D, BLOCK_D: tl.constexpr):  # fmt: skip
+    """Keys of the nodes `flat` (int64 [M], valid where `ok`): scale * (q . mu + rw * |q| * rad) + prior."""
+    d = tl.arange(0, BLOCK_D)
+    rows = node0 + flat
+    mu = tl.load(mu_ptr + rows[:, None] * D + d[None, :], mask=ok[:, None] & (d[None, :] < D), other=0.0)
+    dot = tl.sum(mu * q[None, :], 1)
+    rad = tl.load(rad_ptr + rows, mask=ok, other=0.0)
+    amax = tl.load(a_ptr + rows, mask=ok, other=0.0)
+    e = tl.load(e_ptr + rows, mask=ok, other=0).to(tl.float32)
+    prior = lm * amax * tl.math.erf(sig * (pos - e) / two_cell)
+    key = scale * (dot + radius_weight * qnorm * rad) + prior
+    return tl.where(ok, key, float("-inf"))
+
+
+@triton.jit
+def _beats(key_a, idx_a, key_b, idx_b):
+    """a before b in the beam's order: key desc, then index in level asc."""
+    return (key_a > key_b) | ((key_a == key_b) & (idx_a < idx_b))
+
+
+@triton.jit
+def _search_forest(n, base_ptr, q, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr, e_ptr, cell_ptr,
+                   scale, radius_weight, two_cell, D, BLOCK_D: tl.constexpr, W: tl.constexpr, WP: tl.constexpr):  # fmt: skip
+    """Beam search of one forest over its first n elements: element cells int64 [WP] (-1 = none).
+
+    base_ptr: int64 [max_height + 2] flat id of tree 0 of height h (this forest, this kv head's
+    table starting at node0). Slots >= W stay empty (WP: W rounded up to a power of two).
+    """
+    slots = tl.arange(0, WP)
+    tb = tl.zeros([WP], dtype=tl.int64)  # tree base (flat id of the tree's first node)
+    th = tl.zeros([WP], dtype=tl.int64)  # tree height
+    ts = tl.zeros([WP], dtype=tl.int64)  # tree start (first element)
+    ix = tl.zeros([WP], dtype=tl.int64)  # index in level inside the tree
+    valid = tl.zeros([WP], dtype=tl.int32)
+    top = -1
+    while (n >> (top + 1)) > 0:  # top = floor(log2 n): no level above it holds a node for n
+        top += 1
+    for t in range(0, top + 1):
+        lvl = top - t
+        # the frontier's children, interleaved (slot s -> lanes 2s, 2s+1)
+        c_tb = tl.reshape(tl.join(tb, tb), [2 * WP])
+        c_th = tl.reshape(tl.join(th, th), [2 * WP])
+        c_ts = tl.reshape(tl.join(ts, ts), [2 * WP])
+        c_ix = tl.reshape(tl.join(2 * ix, 2 * ix + 1), [2 * WP])
+        c_ok = tl.reshape(tl.join(valid, valid), [2 * WP]) != 0
+        c_flat = tl.where(c_ok, c_tb + _level_offset(c_th, lvl) + c_ix, 0)
+        c_key = _node_keys(c_flat, c_ok, q, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr, e_ptr,
+                           scale, radius_weight, two_cell, D, BLOCK_D)  # fmt: skip
+        c_gidx = tl.where(c_ok, (c_ts >> lvl) + c_ix, _BIG)
+        # the root of the tree of height lvl (bit lvl of n), as a one-lane tensor
+        one = tl.arange(0, 1)
+        has_root = ((n >> lvl) & 1) == 1
+        r_ts = ((n >> (lvl + 1)) << (lvl + 1)) + one * 0
+        r_tb = tl.load(base_ptr + lvl) + (r_ts >> lvl) * ((2 << lvl) - 1)
+        r_ok = (one == 0) & has_root
+        r_flat = tl.where(r_ok, r_tb + _level_offset(lvl + one * 0, lvl), 0)
+        r_key = _node_keys(r_flat, r_ok, q, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr, e_ptr,
+                           scale, radius_weight, two_cell, D, BLOCK_D)  # fmt: skip
+        r_gidx = tl.where(r_ok, r_ts >> lvl, _BIG)
+        # ranks in (key desc, index asc) among the candidates; the first W form the new frontier
+        beat_cc = _beats(c_key[None, :], c_gidx[None, :], c_key[:, None], c_gidx[:, None]) & c_ok[None, :]
+        beat_rc = _beats(r_key[None, :], r_gidx[None, :], c_key[:, None], c_gidx[:, None]) & r_ok[None, :]
+        c_rank = tl.sum(beat_cc.to(tl.int32), 1) + tl.sum(beat_rc.to(tl.int32), 1)
+        beat_cr = _beats(c_key[:, None], c_gidx[:, None], r_key[None, :], r_gidx[None, :]) & c_ok[:, None]
+        r_rank = tl.sum(beat_cr.to(tl.int32), 0)  # [1]
+        c_take = (c_rank[None, :] == slots[:, None]) & c_ok[None, :] & (c_rank[None, :] < W)  # [WP, 2 WP]
+        r_take = (r_rank[None, :] == slots[:, None]) & r_ok[None, :] & (r_rank[None, :] < W)  # [WP, 1]
+        tb = tl.sum(tl.where(c_take, c_tb[None, :], 0), 1) + tl.sum(tl.where(r_take, r_tb[None, :], 0), 1)
+        th = tl.sum(tl.where(c_take, c_th[None, :], 0), 1) + tl.sum(tl.where(r_take, lvl, 0), 1)
+        ts = tl.sum(tl.where(c_take, c_ts[None, :], 0), 1) + tl.sum(tl.where(r_take, r_ts[None, :], 0), 1)
+        ix = tl.sum(tl.where(c_take, c_ix[None, :], 0), 1)  # a root's index in level is 0
+        valid = tl.sum(c_take.to(tl.int32), 1) + tl.sum(r_take.to(tl.int32), 1)
+    leaf = tl.where(valid != 0, tb + ix, 0)  # level 0: the tree's leaves come first
+    return tl.load(cell_ptr + node0 + leaf, mask=valid != 0, other=-1)
+
+
+@triton.jit
+def _fsb_search_kernel(
+    q_ptr,  # fp32 [Hq, T, D]: one row, heads first (query head hq = h * G + g)
+    k_ptr,  # fp32 [Hkv, T, D]
+    mu_ptr,  # fp32 [Hkv, N, D]: both forests' node tables (SearchTables)
+    rad_ptr,  # fp32 [Hkv, N]
+    a_ptr,  # fp32 [Hkv, N]
+    e_ptr,  # int64 [Hkv, N]
+    cell_ptr,  # int64 [Hkv, N]
+    base_ptr,  # int64 [2, HB]
+    hp_ptr,  # int64 [Hkv, C + 1]: high-norm cells among the first c
+    sigma_ptr,  # fp32 [Hq]
+    lam_ptr,  # fp32 [Hq]
+    out_ptr,  # int64 [Hq, T, K]
+    found_ptr,  # int64 [Hq, T, 2 W] (written when FOUND): each forest's beam, slot = rank
+    T,
+    N,
+    C1,
+    HB,
+    G,
+    scale,
+    radius_weight,
+    two_cell,
+    D,
+    BLOCK_D: tl.constexpr,
+    CELL: tl.constexpr,
+    QBLOCK: tl.constexpr,
+    W: tl.constexpr,
+    WP: tl.constexpr,
+    K: tl.constexpr,
+    KP: tl.constexpr,
+    FOUND: tl.constexpr,
+):
+    i = tl.program_id(0).to(tl.int64)
+    hq = tl.program_id(1).to(tl.int64)
+    h = hq // G
+    d = tl.arange(0, BLOCK_D)
+    q = tl.load(q_ptr + (hq * T + i) * D + d, mask=d < D, other=0.0)
+    qnorm = tl.sqrt(tl.sum(q * q, 0))
+    pos = i.to(tl.float32)
+    sig = tl.load(sigma_ptr + hq)
+    lm = tl.load(lam_ptr + hq)
+    node0 = h * N
+    n_all = (i // QBLOCK) * QBLOCK // CELL  # cells available to the query's block
+    n_high = tl.load(hp_ptr + h * C1 + n_all)
+    found_all = _search_forest(n_all, base_ptr, q, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr, e_ptr, cell_ptr,
+                               scale, radius_weight, two_cell, D, BLOCK_D, W, WP)  # fmt: skip
+    found_high = _search_forest(n_high, base_ptr + HB, q, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr, e_ptr,
+                                cell_ptr, scale, radius_weight, two_cell, D, BLOCK_D, W, WP)  # fmt: skip
+    if FOUND:
+        slots = tl.arange(0, WP)
+        tl.store(found_ptr + (hq * T + i) * (2 * W) + slots, found_all, mask=slots < W)
+        tl.store(found_ptr + (hq * T + i) * (2 * W) + W + slots, found_high, mask=slots < W)
+    # rerank: the found cells of both forests, each cell once, by rho = logsumexp of its token logits
+    cand = tl.reshape(tl.join(found_all, found_high), [2 * WP])
+    lanes = tl.arange(0, 2 * WP)
+    dup = tl.sum(((cand[None, :] == cand[:, None]) & (lanes[None, :] < lanes[:, None])).to(tl.int32), 1) > 0
+    ok = (cand >= 0) & ~dup
+    tok = tl.arange(0, CELL)
+    logits = tl.zeros([2 * WP, CELL], dtype=tl.float32)
+    krow0 = h * T + tl.where(ok, cand, 0) * CELL  # first token row of each candidate cell
+    for t in range(CELL):
+        kt = tl.load(k_ptr + (krow0 + t)[:, None] * D + d[None, :], mask=ok[:, None] & (d[None, :] < D), other=0.0)
+        logits = tl.where(tok[None, :] == t, (tl.sum(kt * q[None, :], 1) * scale)[:, None], logits)
+    m = tl.max(logits, 1)
+    rho = m + tl.log(tl.sum(tl.exp(logits - m[:, None]), 1))
+    rho = tl.where(ok, rho, float("-inf"))
+    beat = ((rho[None, :] > rho[:, None]) | ((rho[None, :] == rho[:, None]) & (cand[None, :] > cand[:, None]))) & ok[None, :]
+    rank = tl.sum(beat.to(tl.int32), 1)
+    kk = tl.arange(0, KP)
+    take = (rank[None, :] == kk[:, None]) & ok[None, :]  # [KP, 2 WP]
+    picked = tl.sum(tl.where(take, cand[None, :], 0), 1)
+    picked = tl.where(tl.sum(take.to(tl.int32), 1) > 0, picked, -1)
+    tl.store(out_ptr + (hq * T + i) * K + kk, picked, mask=kk < K)
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig) -> None:
+    if cfg.variant != "fsb":
+        raise ValueError(f"fsb_select_cells runs variant 'fsb', got {cfg.variant!r}")
+    if q.dim() != 4 or k.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q [B, T, Hq, D] and k [B, T, Hkv, D] disagree: {tuple(q.shape)} vs {tuple(k.shape)}")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"Hq={q.shape[2]} is not a multiple of Hkv={k.shape[2]}")
+    if q.device != k.device:
+        raise ValueError(f"q is on {q.device}, k on {k.device}")
+    if not 1 <= cfg.beam <= MAX_BEAM:
+        raise ValueError(f"beam={cfg.beam}: the Triton FS-B search holds at most {MAX_BEAM} frontier nodes in registers")
+
+
+def fsb_select_cells(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig, return_found: bool = False):
+    """FS-B selection on the Triton search: int64 [B, T, Hq, K] by descending rho (ties larger c), -1 padded.
+
+    Args:
+        q: [B, T, Hq, D] unrotated queries; k: [B, T, Hkv, D] unrotated keys (same device; any
+            float dtype: the search runs in float32, as the torch backend's for 16-bit inputs).
+        cfg: variant "fsb" with tau set (`calibrate_tau`).
+        return_found: also return the beams, int64 [B, T, Hq, 2 * beam]: the all-cells forest's
+            found cells then the high-norm forest's, each in beam order (-1 = none): the layout
+            of the torch backend's `beam_search_forests`.
+    """
+    from ..torch.fsb import build_row_forests
+
+    _check(q, k, cfg)
+    B, T, Hq, D = q.shape
+    Hkv = k.shape[2]
+    G = Hq // Hkv
+    K = cfg.top_k
+    q4 = q.detach().to(torch.float32).permute(0, 2, 1, 3).contiguous()  # (B, Hq, T, D)
+    k4 = k.detach().to(torch.float32).permute(0, 2, 1, 3).contiguous()  # (B, Hkv, T, D)
+    sigma = torch.as_tensor(cfg.per_head("sigma", Hq), dtype=torch.float32, device=q.device)
+    lam = torch.as_tensor(cfg.per_head("lam", Hq), dtype=torch.float32, device=q.device)
+    out = torch.full((B, Hq, T, K), -1, dtype=torch.int64, device=q.device)
+    found = torch.full((B, Hq, T, 2 * cfg.beam) if return_found else (B, 1, 1, 1), -1, dtype=torch.int64, device=q.device)
+
+    def result():
+        idx = out.permute(0, 2, 1, 3).contiguous()
+        return (idx, found.permute(0, 2, 1, 3).contiguous()) if return_found else idx
+
+    if T // cfg.block * cfg.block // cfg.cell == 0:
+        return result()  # no query block has an available cell
+    WP = triton.next_power_of_2(cfg.beam)
+    for b in range(B):  # one row at a time: its tables are built from its own keys (L12)
+        tables, high_prefix = build_row_forests(k4[b : b + 1], cfg, outward=True)
+        N = tables.mu.shape[2]
+        _fsb_search_kernel[(T, Hq)](
+            q4[b], k4[b], tables.mu[0].contiguous(), tables.rad[0].contiguous(), tables.A[0].contiguous(),
+            tables.e[0].contiguous(), tables.cell[0].contiguous(), tables.base.contiguous(), high_prefix[0].contiguous(),
+            sigma, lam, out[b], found[b],
+            T, max(N, 1), high_prefix.shape[-1], tables.base.shape[1], G,
+            float(D**-0.5), float(cfg.radius_weight), float(2 * cfg.cell), D,
+            BLOCK_D=triton.next_power_of_2(D), CELL=cfg.cell, QBLOCK=cfg.block, W=cfg.beam, WP=WP,
+            K=K, KP=triton.next_power_of_2(K), FOUND=return_found,
+        )  # fmt: skip
+    return result()
