@@ -1,4 +1,4 @@
-"""Compile the Triton selection kernels for sm_90 (H100 / H200) on any machine, no GPU needed, and
+"""Compile the Triton selection kernels (FS / FS-L, and the FS-B search) for sm_90 (H100 / H200) on any machine, no GPU needed, and
 print registers and spill bytes (local stack) per thread of each kernel at the default sizes.
 
 The interpreter (TRITON_INTERPRET=1) checks what the kernels compute but not that they compile, nor
@@ -25,6 +25,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from freesolo import FreeSoloConfig  # noqa: E402
+from freesolo.backends.triton import fsb_search as FSB  # noqa: E402
 from freesolo.backends.triton import selection as S  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -91,6 +92,20 @@ def main() -> None:
                     tiles.num_warps,
                 )
                 print(f"ok  _score_topk_kernel {dtype} {'fsl' if fsl else 'fs'} D={D} {tiles}: {r}")
+    # FS-B search (default launch: 4 warps). 2026-12-01: beam 16, D 64: REG:243 STACK:0 (2 warps
+    # spill 400 B, 8 warps REG:204); beam 32 spills at 4 warps (944 B).
+    fsb_sig = {"q_ptr": "*fp32", "k_ptr": "*fp32", "mu_ptr": "*fp32", "rad_ptr": "*fp32", "a_ptr": "*fp32",
+               "e_ptr": "*i64", "cell_ptr": "*i64", "base_ptr": "*i64", "hp_ptr": "*i64", "sigma_ptr": "*fp32",
+               "lam_ptr": "*fp32", "out_ptr": "*i64", "found_ptr": "*i64", "T": "i32", "N": "i32", "C1": "i32",
+               "HB": "i32", "G": "i32", "scale": "fp32", "radius_weight": "fp32", "two_cell": "fp32", "D": "i32"}
+    for D in (64, 128):
+        r = usage(
+            FSB._fsb_search_kernel, fsb_sig,
+            {"BLOCK_D": D, "CELL": s, "QBLOCK": cfg.block, "W": cfg.beam, "WP": triton.next_power_of_2(cfg.beam),
+             "K": K, "KP": triton.next_power_of_2(K), "FOUND": False},
+            4,
+        )  # fmt: skip
+        print(f"ok  _fsb_search_kernel beam={cfg.beam} D={D}: {r}")
 
 
 if __name__ == "__main__":
