@@ -8,7 +8,9 @@
 #   TRAIN_LENGTH (1024), RECALL (0), SELECTION_CHUNK (16384: `freesolo eval --selection-chunk`, the
 #   torch selection's chunk = min(length, it): FS-B's search is launch-bound, long chunks cut its launches),
 #   CELLS ("task@length+first ...": instead of MULTIPLES, continue cells cut short at sample `first`;
-#   the report pools them with the earlier records: `extend_records`)
+#   the report pools them with the earlier records: `extend_records`). The environment passes through:
+#   FREESOLO_TRITON_FSB_SEARCH=triton runs the Triton FS-B search instead of the torch one (once
+#   proofs_tests/test_triton_fsb_search.py has passed on the GPU).
 # Measured 2026-12-01 (H200): FS-B's torch selection costs ~0.4 s per sample up to 8k and ~4 s at
 # 32k-64k, and the processes are GPU-bound (14 at once were ~6x slower each): the 32x and 64x cells
 # at n = 50 take a call of their own (MULTIPLES=32, then 64). Then (same day) the two forests were
