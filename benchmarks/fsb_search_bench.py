@@ -13,6 +13,7 @@ Writes a JSON (env, shapes, medians, differing fraction) and prints one line per
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -25,11 +26,12 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from gpu_attention import _tau, _versions, bench_ms  # noqa: E402 (benchmarks/ is this script's folder)
+
 from freesolo import FreeSoloConfig  # noqa: E402
 from freesolo.backends.torch import select_cells as torch_select  # noqa: E402
 from freesolo.backends.torch import selection_chunk_scope  # noqa: E402
 from freesolo.backends.triton.fsb_search import fsb_select_cells  # noqa: E402
-from gpu_attention import _tau, _versions, bench_ms  # noqa: E402 (benchmarks/ is this script's folder)
 
 __all__ = ["main"]
 
@@ -63,8 +65,9 @@ def main(argv=None) -> int:
         cfg = base.replace(tau=_tau(k, base))
         sel, line = {}, []
         for name in args.providers:
-            sel[name] = calls[name](q, k, cfg)  # warm-up (compiles the kernel)
-            ms = bench_ms(lambda: calls[name](q, k, cfg), device, args.rep)
+            call = functools.partial(calls[name], q, k, cfg)
+            sel[name] = call()  # warm-up (compiles the kernel)
+            ms = bench_ms(call, device, args.rep)
             results.append({"T": T, "provider": name, "ms": ms})
             line.append(f"{name} {ms:9.2f} ms")
         ref = sel.get("torch")

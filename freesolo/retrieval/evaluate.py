@@ -142,16 +142,16 @@ def extend_records(old: list, new: list, keys=("model", "variant", "task", "leng
         if not first:
             continue
         key = tuple(r.get(k) for k in keys)
-        if key not in index and r.get("depth") is not None:  # a depth the earlier samples did not reach
-            index[key] = len(out)
+        is_grid = r.get("depth") is not None
+        if key not in index:
+            if not is_grid:
+                raise ValueError(f"record {key} continues from sample {first}, but no record covers samples 0..{first - 1}")
+            index[key] = len(out)  # a depth the earlier samples did not reach
             out.append({**{k: v for k, v in r.items() if k != "first"}, "parts": [[first, first + r["n"]]]})
             continue
-        if key not in index:
-            raise ValueError(f"record {key} continues from sample {first}, but no record covers samples 0..{first - 1}")
         base = out[index[key]]
-        if "depth" not in keys or r.get("depth") is None:
-            if base.get("first") or base["n"] != first:
-                raise ValueError(f"record {key} starts at sample {first}, the old one covers {base.get('first', 0)}..{base.get('first', 0) + base['n'] - 1}")
+        if not is_grid and (base.get("first") or base["n"] != first):
+            raise ValueError(f"record {key} starts at sample {first}, the old one covers {base.get('first', 0)}..{base.get('first', 0) + base['n'] - 1}")
         n = base["n"] + r["n"]
         merged = {**base, "n": n, "accuracy": (base["accuracy"] * base["n"] + r["accuracy"] * r["n"]) / n}
         merged["parts"] = base.get("parts", [[0, base["n"]]]) + [[first, first + r["n"]]]

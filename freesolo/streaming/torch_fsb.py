@@ -12,7 +12,7 @@ buffer) plus, per batch row and kv head:
   backend's construction restricted to one height), and never again (high-norm forest: rows whose counts differ rebuild the segments past
   the slowest row once the row's elements arrive).
 
-Queries search the tables with the torch backend's level-wise beam (`_beam_search`), rerank the
+Queries search the tables with the torch backend's level-wise beam (`beam_search`), rerank the
 union by rho and read the top-K cells (`topk_cells`: ties to the larger cell). FS-B decode syncs
 the host at block boundaries (counts of high cells); it is not a CUDA-graph path.
 """
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ..backends.torch.fsb import TREE_FIELDS as _FIELDS
-from ..backends.torch.fsb import NodeTable, _beam_search, build_segments, content_codes
+from ..backends.torch.fsb import NodeTable, beam_search, build_segments, content_codes
 from ..backends.torch.fsb import tree_nodes as _nodes
 from ..backends.torch.selection import topk_cells
 from ..config import FreeSoloConfig
@@ -195,10 +195,10 @@ class TorchFsbDeviceState(TorchCacheState):
         qn = torch.linalg.vector_norm(qc, dim=-1)
         pos = positions.to(self.acc).view(1, n)
         n_all = torch.full((B, Hkv, 1), n_avail, dtype=torch.int64, device=self.device)
-        found = [_beam_search(self.forest_all.node_table(n_avail), n_all, qc, qn, pos, self.sigma, self.lam, cfg)]
+        found = [beam_search(self.forest_all.node_table(n_avail), n_all, qc, qn, pos, self.sigma, self.lam, cfg)]
         if self.n_high_range[1]:
             table = self.forest_high.node_table(self.n_high_range[1])
-            found.append(_beam_search(table, self.n_high.view(B, Hkv, 1), qc, qn, pos, self.sigma, self.lam, cfg))
+            found.append(beam_search(table, self.n_high.view(B, Hkv, 1), qc, qn, pos, self.sigma, self.lam, cfg))
         found = torch.sort(torch.cat(found, dim=-1), dim=-1, descending=True).values  # larger c first, -1 last
         found = found.view(B, Hkv, G, n, -1)
         dup = torch.zeros_like(found, dtype=torch.bool)

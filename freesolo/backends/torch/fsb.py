@@ -257,9 +257,6 @@ def beam_search(table: NodeTable, n, q, qnorm, pos, sigma, lam, cfg: FreeSoloCon
     return beam_search_forests(SearchTables([table]), n[..., None], q, qnorm, pos, sigma, lam, cfg)
 
 
-_beam_search = beam_search  # the name the streaming cache imports
-
-
 def build_row_forests(k, cfg: FreeSoloConfig, outward: bool) -> tuple:
     """Both FS-B forests of one row (spec §6.2-§6.3), built with torch ops on k's device.
 

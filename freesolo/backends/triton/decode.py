@@ -45,8 +45,6 @@ still one batched launch (`decode_step(..., pos=, active=)`); FS keeps one batch
 
 from __future__ import annotations
 
-import os
-
 import math
 
 import torch
