@@ -403,6 +403,7 @@ def main(argv=None):
     ap.add_argument("--budget-s", type=float, default=330.0, help="stop starting new cases after this")
     ap.add_argument("--rep-ms", type=int, default=60, help="do_bench rep (ms)")
     ap.add_argument("--out", default=RESULTS, help="folder for the JSON and PNG (default benchmarks/results)")
+    ap.add_argument("--modes", nargs="*", default=None, choices=MODES, help="default: every mode")
     ap.add_argument("--tag", default="", help="suffix of the output file names (e.g. _triton)")
     args = ap.parse_args(argv)
 
@@ -438,7 +439,7 @@ def main(argv=None):
     for provider in order:
         for shape_name, shape in shapes.items():
             for T in lengths:
-                for mode in MODES:
+                for mode in args.modes or MODES:
                     rec = {"shape": shape_name, **shape, "T": T, "provider": provider, "mode": mode}
                     left = args.budget_s - (time.time() - start)
                     prev = last_ms.get((shape_name, provider, mode))

@@ -16,6 +16,9 @@
 #   fsb_bench    issue 12: FS-B selection, torch search vs Triton search, same run (benchmarks/fsb_search_bench.py)
 #   bwd_64k      issue 11: fwd+bwd at 64k only (the 60 s bwd_split step could not reach it), API timing included
 #   torch_ab     issue 9: the torch readout formulations (benchmarks/torch_readout_ab.py)
+#   l12_ab       issue 9: the torch backend before the L12 fix (.ab/pre_l12, carried) against HEAD, same run
+#   fsb_long     issue 12: the Triton FS-B search alone at 256k and 1M
+#   fsb_prefill  issue 12: triton_fsb (Triton search) against triton_fs, forward, 64k ... 1M (gpu_attention.py)
 set -u
 OUT=${OUT:-/tmp/session_out}
 W=/tmp/session_work
@@ -39,7 +42,10 @@ step tests_decode 100 python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k "c
 step sanitize 240 bash -c "compute-sanitizer --tool memcheck python3 benchmarks/sanitize_triton.py && compute-sanitizer --tool racecheck python3 benchmarks/sanitize_triton.py"
 step tests_fsb 150 python3 -m pytest -q -n ${NPROC:-8} -p no:benchmark proofs_tests/test_triton_fsb_search.py
 step fsb_bench 180 python3 benchmarks/fsb_search_bench.py --lengths 4096 16384 65536 --out "$W/fsb_search.json"
+step l12_ab 170 python3 benchmarks/torch_l12_ab.py --pre .ab/pre_l12 --out "$W/torch_l12_ab.json"
 step bwd_64k 100 "${SPLIT[@]}" python3 benchmarks/triton_backward_bench.py --lengths 65536 --no-profile --rep 30 --out "$W/triton_backward_64k.json"
+step fsb_long 90 python3 benchmarks/fsb_search_bench.py --providers triton --lengths 262144 1048576 --out "$W/fsb_search_long.json"
+step fsb_prefill 150 env FREESOLO_TRITON_FSB_SEARCH=triton "${SPLIT[@]}" python3 benchmarks/gpu_attention.py --providers triton_fsb triton_fs --shapes H16-D64 --modes fwd --lengths 65536 131072 262144 524288 1048576 --budget-s 130 --out "$W" --tag _fsb_prefill
 step fsb_probe 45 python3 benchmarks/fsb_eval_probe.py --lengths 4096 32768
 step torch_ab 160 python3 benchmarks/torch_readout_ab.py --out "$W/torch_readout_ab.json"
 step bwd_split 60 "${SPLIT[@]}" python3 benchmarks/triton_backward_bench.py --lengths 4096 16384 65536 --no-api --no-profile --rep 30 --out "$W/triton_backward_split.json"

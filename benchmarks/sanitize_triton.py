@@ -1,6 +1,6 @@
 """Small run of every Triton kernel of the forward and backward (FS-L, FS, FS-B readout; the fused
 and the split long kernel; deterministic and atomic backward) and of the fused decode (single and
-split kernels, the FS-L block boundary in torch and in Triton) for compute-sanitizer
+split kernels, the FS-L block boundary in torch and in Triton) and of the FS-B search for compute-sanitizer
 (memcheck / racecheck):
 
     compute-sanitizer --tool memcheck python benchmarks/sanitize_triton.py
@@ -41,6 +41,21 @@ def main():
     for long_block in (None, 16):  # the fused long branch, then its own kernel over 16-query tiles
         forward_backward(long_block)
     decode()
+    fsb_search()
+
+
+def fsb_search():
+    """The Triton FS-B beam search + rerank (issue 12), MHA and GQA, T not a multiple of the block."""
+    from freesolo.backends.triton.fsb_search import fsb_select_cells
+
+    for Hq, Hkv in ((4, 4), (4, 2)):
+        cfg = freesolo.FreeSoloConfig(variant="fsb", window=64, cell=8, block=32, beam=4, top_k=2)
+        q = torch.randn(2, 301, Hq, 32, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(2, 301, Hkv, 32, device="cuda", dtype=torch.bfloat16)
+        cfg = cfg.replace(tau=freesolo.calibrate_tau(k.float(), cfg))
+        idx = fsb_select_cells(q, k, cfg)
+        torch.cuda.synchronize()
+        print("fsb_search", Hq, Hkv, "ok", tuple(idx.shape), int(idx.max()))
 
 
 def forward_backward(long_block):
