@@ -42,6 +42,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 65536])
     ap.add_argument("--providers", nargs="+", default=["torch", "torch_chunk", "triton"])
+    ap.add_argument("--warps", type=int, nargs="*", default=[], help="also time the Triton search at these num_warps (providers triton_w<n>)")
     ap.add_argument("--rep", type=int, default=100, help="do_bench rep (ms) for calls under 50 ms")
     ap.add_argument("--out", default=None)
     ap.add_argument("--dry-run", action="store_true")
@@ -56,6 +57,9 @@ def main(argv=None) -> int:
         "torch_chunk": lambda q, k, cfg: _in_one_chunk(q, k, cfg),
         "triton": lambda q, k, cfg: fsb_select_cells(q, k, cfg),
     }
+    for w in args.warps:
+        calls[f"triton_w{w}"] = functools.partial(lambda q, k, cfg, w: fsb_select_cells(q, k, cfg, num_warps=w), w=w)
+    providers = args.providers + [f"triton_w{w}" for w in args.warps]
     results = []
     t_start = time.perf_counter()
     for T in lengths:
@@ -64,7 +68,7 @@ def main(argv=None) -> int:
         k = torch.randn(1, T, shape["Hkv"], shape["D"], device=device, dtype=dtype, generator=gen)
         cfg = base.replace(tau=_tau(k, base))
         sel, line = {}, []
-        for name in args.providers:
+        for name in providers:
             call = functools.partial(calls[name], q, k, cfg)
             sel[name] = call()  # warm-up (compiles the kernel)
             ms = bench_ms(call, device, args.rep)

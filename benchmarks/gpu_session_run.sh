@@ -12,6 +12,7 @@
 #   tests_decode issue 12: the fused decode's CUDA tests, the paper-size Triton boundary cases included (fixed on
 #                the CPU in 2e35fb3: a strict xfail that XPASSes confirms the fix; then drop the xfail and the refusal)
 #   fsb_probe    issue 14: where FS-B evaluation time goes (benchmarks/fsb_eval_probe.py)
+#   sanitize_fsb memcheck + racecheck of the FS-B search and the decode kernels only (the FS-L boundary fix included)
 #   tests_fsb    issue 12: the Triton FS-B search's tests on CUDA (proofs_tests/test_triton_fsb_search.py)
 #   fsb_bench    issue 12: FS-B selection, torch search vs Triton search, same run (benchmarks/fsb_search_bench.py)
 #   bwd_64k      issue 11: fwd+bwd at 64k only (the 60 s bwd_split step could not reach it), API timing included
@@ -40,9 +41,10 @@ step tests_split 200 "${SPLIT[@]}" python3 -m pytest -q -n ${NPROC:-14} -p no:be
 step tests_torch 120 python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k "cuda or gpu" proofs_tests/test_row_independence.py proofs_tests/test_packed.py proofs_tests/test_torch_cuda.py proofs_tests/test_torch_backend.py
 step tests_decode 100 python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k "cuda or gpu" proofs_tests/test_triton_decode.py proofs_tests/test_cache_gpu.py proofs_tests/test_cache_ragged.py
 step sanitize 240 bash -c "compute-sanitizer --tool memcheck python3 benchmarks/sanitize_triton.py && compute-sanitizer --tool racecheck python3 benchmarks/sanitize_triton.py"
+step sanitize_fsb 200 bash -c "compute-sanitizer --tool memcheck python3 benchmarks/sanitize_triton.py fsb_search decode && compute-sanitizer --tool racecheck python3 benchmarks/sanitize_triton.py fsb_search decode"
 step tests_fsb 150 python3 -m pytest -q -n ${NPROC:-8} -p no:benchmark proofs_tests/test_triton_fsb_search.py
-step fsb_bench 180 python3 benchmarks/fsb_search_bench.py --lengths 4096 16384 65536 --out "$W/fsb_search.json"
-step l12_ab 170 python3 benchmarks/torch_l12_ab.py --pre .ab/pre_l12 --out "$W/torch_l12_ab.json"
+step fsb_bench 180 python3 benchmarks/fsb_search_bench.py --lengths 4096 16384 65536 ${FSB_BENCH_ARGS:-} --out "$W/fsb_search.json"
+step l12_ab 170 python3 benchmarks/torch_l12_ab.py --pre .ab/pre_l12 ${L12_AB_ARGS:-} --out "$W/torch_l12_ab.json"
 step bwd_64k 100 "${SPLIT[@]}" python3 benchmarks/triton_backward_bench.py --lengths 65536 --no-profile --rep 30 --out "$W/triton_backward_64k.json"
 step fsb_long 90 python3 benchmarks/fsb_search_bench.py --providers triton --lengths 262144 1048576 --out "$W/fsb_search_long.json"
 step fsb_prefill 150 env FREESOLO_TRITON_FSB_SEARCH=triton "${SPLIT[@]}" python3 benchmarks/gpu_attention.py --providers triton_fsb triton_fs --shapes H16-D64 --modes fwd --lengths 65536 131072 262144 524288 1048576 --budget-s 130 --out "$W" --tag _fsb_prefill

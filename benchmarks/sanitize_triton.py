@@ -4,7 +4,7 @@ split kernels, the FS-L block boundary in torch and in Triton) and of the FS-B s
 (memcheck / racecheck):
 
     compute-sanitizer --tool memcheck python benchmarks/sanitize_triton.py
-    compute-sanitizer --tool racecheck python benchmarks/sanitize_triton.py
+    compute-sanitizer --tool racecheck python benchmarks/sanitize_triton.py [forward_backward] [decode] [fsb_search]
 """
 
 from __future__ import annotations
@@ -36,12 +36,16 @@ def decode():
             print("decode", variant, name, "ok", bool(torch.isfinite(torch.cat(outs, 1)).all()))
 
 
-def main():
+def main(parts=("forward_backward", "decode", "fsb_search")):
+    """Runs the named parts (command-line arguments; default all)."""
     torch.manual_seed(0)
-    for long_block in (None, 16):  # the fused long branch, then its own kernel over 16-query tiles
-        forward_backward(long_block)
-    decode()
-    fsb_search()
+    if "forward_backward" in parts:
+        for long_block in (None, 16):  # the fused long branch, then its own kernel over 16-query tiles
+            forward_backward(long_block)
+    if "decode" in parts:
+        decode()
+    if "fsb_search" in parts:
+        fsb_search()
 
 
 def fsb_search():
@@ -79,4 +83,6 @@ def forward_backward(long_block):
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    main(tuple(sys.argv[1:]) or ("forward_backward", "decode", "fsb_search"))

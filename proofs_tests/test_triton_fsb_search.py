@@ -46,8 +46,8 @@ def torch_beams(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig) -> torch.
     G = Hq // Hkv
     Bq = cfg.block
     nb = -(-T // Bq)
-    sigma = torch.as_tensor(cfg.per_head("sigma", Hq), dtype=torch.float32).view(Hkv, G)
-    lam = torch.as_tensor(cfg.per_head("lam", Hq), dtype=torch.float32).view(Hkv, G)
+    sigma = torch.as_tensor(cfg.per_head("sigma", Hq), dtype=torch.float32, device=q.device).view(Hkv, G)
+    lam = torch.as_tensor(cfg.per_head("lam", Hq), dtype=torch.float32, device=q.device).view(Hkv, G)
     rows = []
     for b in range(B):
         k4 = k[b : b + 1].float().permute(0, 2, 1, 3).contiguous()  # (1, Hkv, T, D)
@@ -55,7 +55,7 @@ def torch_beams(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig) -> torch.
         q4 = torch.nn.functional.pad(q4, (0, 0, 0, nb * Bq - T)).reshape(1, Hkv, G, nb, Bq, D)
         tables, high_prefix = build_row_forests(k4, cfg, outward=True)
         n = block_element_counts(high_prefix, 0, nb, cfg)
-        pos = torch.arange(nb * Bq, dtype=torch.float32).view(nb, Bq)
+        pos = torch.arange(nb * Bq, dtype=torch.float32, device=q.device).view(nb, Bq)
         found = beam_search_forests(tables, n, q4, torch.linalg.vector_norm(q4, dim=-1), pos, sigma, lam, cfg)
         rows.append(found.reshape(Hq, nb * Bq, -1)[:, :T].permute(1, 0, 2))  # (T, Hq, 2 * beam)
     return torch.stack(rows)

@@ -54,7 +54,9 @@ _deterministic: Optional[bool] = None
 
 def interpreting() -> bool:
     """True when Triton runs its CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    from ._common import interpreted
+
+    return interpreted()
 
 
 def is_deterministic() -> bool:

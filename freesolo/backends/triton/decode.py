@@ -765,9 +765,9 @@ def decode_supported_reasons(state) -> list[str]:
 
 
 def _interpreting() -> bool:
-    import os
+    from ._common import interpreted
 
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return interpreted()
 
 
 def _fs_chunk(cap: int) -> int:

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from ...config import FreeSoloConfig
-from . import _common  # noqa: F401  (its import patches the interpreter's dynamic loop bounds for NumPy >= 2.4)
+from ._common import interpreted, one_copy  # (importing _common patches the interpreter for NumPy >= 2.4)
 
 __all__ = ["MAX_BEAM", "fsb_select_cells"]
 
@@ -45,8 +45,9 @@ def _level_offset(h, l):
 
 @triton.jit
 def _node_keys(flat, ok, q, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr, e_ptr, scale, radius_weight, two_cell,
-               D, BLOCK_D: tl.constexpr):  # fmt: skip
-    """Keys of the nodes `flat` (int64 [M], valid where `ok`): scale * (q . mu + rw * |q| * rad) + prior."""
+               D, N, BLOCK_D: tl.constexpr):  # fmt: skip
+    """Keys of the nodes `flat` (int64 [M], valid where `ok`, < N): scale * (q . mu + rw * |q| * rad) + prior."""
+    tl.device_assert(((flat >= 0) & (flat < N)) | ~ok, "FS-B search: node id out of its table")
     d = tl.arange(0, BLOCK_D)
     rows = node0 + flat
     mu = tl.load(mu_ptr + rows[:, None] * D + d[None, :], mask=ok[:, None] & (d[None, :] < D), other=0.0)
@@ -67,7 +68,8 @@ def _beats(key_a, idx_a, key_b, idx_b):
 
 @triton.jit
 def _search_forest(n, base_ptr, q, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr, e_ptr, cell_ptr,
-                   scale, radius_weight, two_cell, D, BLOCK_D: tl.constexpr, W: tl.constexpr, WP: tl.constexpr):  # fmt: skip
+                   scale, radius_weight, two_cell, D, N, BLOCK_D: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
+                   COMPILED: tl.constexpr):  # fmt: skip
     """Beam search of one forest over its first n elements: element cells int64 [WP] (-1 = none).
 
     base_ptr: int64 [max_height + 2] flat id of tree 0 of height h (this forest, this kv head's
@@ -92,7 +94,8 @@ def _search_forest(n, base_ptr, q, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, 
         c_ok = tl.reshape(tl.join(valid, valid), [2 * WP]) != 0
         c_flat = tl.where(c_ok, c_tb + _level_offset(c_th, lvl) + c_ix, 0)
         c_key = _node_keys(c_flat, c_ok, q, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr, e_ptr,
-                           scale, radius_weight, two_cell, D, BLOCK_D)  # fmt: skip
+                           scale, radius_weight, two_cell, D, N, BLOCK_D)  # fmt: skip
+        c_key = one_copy(c_key, COMPILED)  # compared with itself in two layouts below: one copy
         c_gidx = tl.where(c_ok, (c_ts >> lvl) + c_ix, _BIG)
         # the root of the tree of height lvl (bit lvl of n), as a one-lane tensor
         one = tl.arange(0, 1)
@@ -102,7 +105,8 @@ def _search_forest(n, base_ptr, q, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, 
         r_ok = (one == 0) & has_root
         r_flat = tl.where(r_ok, r_tb + _level_offset(lvl + one * 0, lvl), 0)
         r_key = _node_keys(r_flat, r_ok, q, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr, e_ptr,
-                           scale, radius_weight, two_cell, D, BLOCK_D)  # fmt: skip
+                           scale, radius_weight, two_cell, D, N, BLOCK_D)  # fmt: skip
+        r_key = one_copy(r_key, COMPILED)
         r_gidx = tl.where(r_ok, r_ts >> lvl, _BIG)
         # ranks in (key desc, index asc) among the candidates; the first W form the new frontier
         beat_cc = _beats(c_key[None, :], c_gidx[None, :], c_key[:, None], c_gidx[:, None]) & c_ok[None, :]
@@ -117,6 +121,8 @@ def _search_forest(n, base_ptr, q, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, 
         ts = tl.sum(tl.where(c_take, c_ts[None, :], 0), 1) + tl.sum(tl.where(r_take, r_ts[None, :], 0), 1)
         ix = tl.sum(tl.where(c_take, c_ix[None, :], 0), 1)  # a root's index in level is 0
         valid = tl.sum(c_take.to(tl.int32), 1) + tl.sum(r_take.to(tl.int32), 1)
+        tl.device_assert(valid <= 1, "FS-B search: two candidates share a beam slot (unordered keys)")
+    tl.device_assert(((tb + ix >= 0) & (tb + ix < N)) | (valid == 0), "FS-B search: leaf id out of its table")
     leaf = tl.where(valid != 0, tb + ix, 0)  # level 0: the tree's leaves come first
     return tl.load(cell_ptr + node0 + leaf, mask=valid != 0, other=-1)
 
@@ -153,6 +159,7 @@ def _fsb_search_kernel(
     K: tl.constexpr,
     KP: tl.constexpr,
     FOUND: tl.constexpr,
+    COMPILED: tl.constexpr,
 ):
     i = tl.program_id(0).to(tl.int64)
     hq = tl.program_id(1).to(tl.int64)
@@ -167,9 +174,9 @@ def _fsb_search_kernel(
     n_all = (i // QBLOCK) * QBLOCK // CELL  # cells available to the query's block
     n_high = tl.load(hp_ptr + h * C1 + n_all)
     found_all = _search_forest(n_all, base_ptr, q, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr, e_ptr, cell_ptr,
-                               scale, radius_weight, two_cell, D, BLOCK_D, W, WP)  # fmt: skip
+                               scale, radius_weight, two_cell, D, N, BLOCK_D, W, WP, COMPILED)  # fmt: skip
     found_high = _search_forest(n_high, base_ptr + HB, q, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr, e_ptr,
-                                cell_ptr, scale, radius_weight, two_cell, D, BLOCK_D, W, WP)  # fmt: skip
+                                cell_ptr, scale, radius_weight, two_cell, D, N, BLOCK_D, W, WP, COMPILED)  # fmt: skip
     if FOUND:
         slots = tl.arange(0, WP)
         tl.store(found_ptr + (hq * T + i) * (2 * W) + slots, found_all, mask=slots < W)
@@ -187,7 +194,7 @@ def _fsb_search_kernel(
         logits = tl.where(tok[None, :] == t, (tl.sum(kt * q[None, :], 1) * scale)[:, None], logits)
     m = tl.max(logits, 1)
     rho = m + tl.log(tl.sum(tl.exp(logits - m[:, None]), 1))
-    rho = tl.where(ok, rho, float("-inf"))
+    rho = one_copy(tl.where(ok, rho, float("-inf")), COMPILED)  # compared with itself in two layouts
     beat = ((rho[None, :] > rho[:, None]) | ((rho[None, :] == rho[:, None]) & (cand[None, :] > cand[:, None]))) & ok[None, :]
     rank = tl.sum(beat.to(tl.int32), 1)
     kk = tl.arange(0, KP)
@@ -210,7 +217,7 @@ def _check(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig) -> None:
         raise ValueError(f"beam={cfg.beam}: the Triton FS-B search holds at most {MAX_BEAM} frontier nodes in registers")
 
 
-def fsb_select_cells(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig, return_found: bool = False):
+def fsb_select_cells(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig, return_found: bool = False, num_warps: int = 4):
     """FS-B selection on the Triton search: int64 [B, T, Hq, K] by descending rho (ties larger c), -1 padded.
 
     Args:
@@ -220,6 +227,7 @@ def fsb_select_cells(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig, retu
         return_found: also return the beams, int64 [B, T, Hq, 2 * beam]: the all-cells forest's
             found cells then the high-norm forest's, each in beam order (-1 = none): the layout
             of the torch backend's `beam_search_forests`.
+        num_warps: warps per (query, head) program (a tuning knob: the result does not depend on it).
     """
     from ..torch.fsb import build_row_forests
 
@@ -253,5 +261,6 @@ def fsb_select_cells(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig, retu
             float(D**-0.5), float(cfg.radius_weight), float(2 * cfg.cell), D,
             BLOCK_D=triton.next_power_of_2(D), CELL=cfg.cell, QBLOCK=cfg.block, W=cfg.beam, WP=WP,
             K=K, KP=triton.next_power_of_2(K), FOUND=return_found,
+            COMPILED=not interpreted(), num_warps=num_warps,
         )  # fmt: skip
     return result()
