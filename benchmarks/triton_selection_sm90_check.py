@@ -93,8 +93,7 @@ def main() -> None:
                 )
                 print(f"ok  _score_topk_kernel {dtype} {'fsl' if fsl else 'fs'} D={D} {tiles}: {r}")
     # FS-B search (default launch: 4 warps). 2026-12-01: beam 16, D 64: REG:243 STACK:0 (2 warps
-    # spill 400 B, 8 warps REG:204); beam 32 spills at 4 warps (944 B). Session 19 (keys through
-    # `one_copy`): see the commit log.
+    # spill 400 B, 8 warps REG:204); beam 32 spills at 4 warps (944 B).
     fsb_sig = {"q_ptr": "*fp32", "k_ptr": "*fp32", "mu_ptr": "*fp32", "rad_ptr": "*fp32", "a_ptr": "*fp32",
                "e_ptr": "*i64", "cell_ptr": "*i64", "base_ptr": "*i64", "hp_ptr": "*i64", "sigma_ptr": "*fp32",
                "lam_ptr": "*fp32", "out_ptr": "*i64", "found_ptr": "*i64", "T": "i32", "N": "i32", "C1": "i32",
@@ -103,7 +102,7 @@ def main() -> None:
         r = usage(
             FSB._fsb_search_kernel, fsb_sig,
             {"BLOCK_D": D, "CELL": s, "QBLOCK": cfg.block, "W": cfg.beam, "WP": triton.next_power_of_2(cfg.beam),
-             "K": K, "KP": triton.next_power_of_2(K), "FOUND": False, "COMPILED": True},
+             "K": K, "KP": triton.next_power_of_2(K), "FOUND": False},
             4,
         )  # fmt: skip
         print(f"ok  _fsb_search_kernel beam={cfg.beam} D={D}: {r}")

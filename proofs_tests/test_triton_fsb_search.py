@@ -10,6 +10,8 @@
 - bad input raises.
 On a CPU machine the kernel runs under the interpreter (TRITON_INTERPRET=1) on tiny shapes (a
 program per query and head: slow); the CUDA test (paper sizes, bf16 inputs) skips without a GPU.
+On CUDA the compiled kernel is known wrong (`CUDA_UNVERIFIED`): the cases that failed on the H200
+are skipped there with that reason, and the refusal of CUDA inputs is tested instead.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ pytest.importorskip("triton", reason="triton is not installed: the Triton FS-B s
 from freesolo import FreeSoloConfig  # noqa: E402
 from freesolo.backends.torch import select_cells as torch_select  # noqa: E402
 from freesolo.backends.torch.fsb import beam_search_forests, block_element_counts, build_row_forests  # noqa: E402
-from freesolo.backends.triton.fsb_search import MAX_BEAM, fsb_select_cells  # noqa: E402
+from freesolo.backends.triton.fsb_search import CUDA_UNVERIFIED, MAX_BEAM  # noqa: E402
+from freesolo.backends.triton.fsb_search import fsb_select_cells as _fsb_select_cells  # noqa: E402
 from freesolo.reference.fsb import select_cells_fsb  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -37,6 +40,16 @@ pytestmark = pytest.mark.skipif(
     not (CUDA or INTERPRETED),
     reason="no CUDA device and TRITON_INTERPRET is not set: the Triton kernels cannot run here",
 )
+# On the H200 these cases gave wrong beams (a lost slot, a shared slot) and one read out of
+# bounds, which poisons the CUDA context of every later test in the process: on CUDA they are
+# skipped, and `test_cuda_refused_without_opt_in` checks that the kernel refuses CUDA inputs.
+KNOWN_WRONG_ON_CUDA = pytest.mark.skipif(CUDA, reason="known wrong on CUDA: " + CUDA_UNVERIFIED)
+
+
+def fsb_select_cells(*args, **kwargs):
+    """The kernel under test (on CUDA only with its explicit opt-in: the tests that run there are
+    those that passed on the H200)."""
+    return _fsb_select_cells(*args, allow_unverified=True, **kwargs)
 
 
 def torch_beams(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig) -> torch.Tensor:
@@ -77,9 +90,10 @@ def _tensors(*arrays):
 @pytest.mark.parametrize(
     "seed, T, Hq, Hkv, kw",
     [
-        (0, 47, 2, 1, dict(beam=3, leaf_order="content", radius_weight=1.0)),
-        (1, 40, 3, 1, dict(beam=2, leaf_order="position", radius_weight=0.5, top_k=4)),
-        (2, 41, 4, 2, dict(beam=5, leaf_order="content", radius_weight=0.0, sigma=2.0, lam=0.5)),
+        pytest.param(0, 47, 2, 1, dict(beam=3, leaf_order="content", radius_weight=1.0), marks=KNOWN_WRONG_ON_CUDA),
+        pytest.param(1, 40, 3, 1, dict(beam=2, leaf_order="position", radius_weight=0.5, top_k=4), marks=KNOWN_WRONG_ON_CUDA),
+        pytest.param(2, 41, 4, 2, dict(beam=5, leaf_order="content", radius_weight=0.0, sigma=2.0, lam=0.5),
+                     marks=KNOWN_WRONG_ON_CUDA),
         (3, 33, 2, 2, dict(beam=1, leaf_order="content", radius_weight=1.0, top_k=2)),
     ],
 )
@@ -111,6 +125,7 @@ def test_exact_ties_follow_the_spec_order(leaf_order):
     np.testing.assert_array_equal(idx.cpu().numpy(), select_cells_fsb(q, k, cfg))
 
 
+@KNOWN_WRONG_ON_CUDA
 def test_row_independence_bitwise():
     """L12: row 0 beside a row of 1e3x norms == row 0 alone; the first 30 queries == the prefix alone."""
     rng = np.random.default_rng(7)
@@ -157,6 +172,26 @@ def test_cuda_paper_size_equals_torch_search():
     assert (idx[:, cfg.block :] >= 0).all(), "every query past the first block selects top_k cells"
 
 
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU: the refusal is of CUDA inputs")
+def test_cuda_refused_without_opt_in():
+    """On CUDA the kernel (known wrong there) raises unless allow_unverified=True, and so does the
+    triton backend's fsb under FREESOLO_TRITON_FSB_SEARCH=triton."""
+    import freesolo
+    from freesolo.backends.triton.backend import FSB_SEARCH_ENV
+
+    q, k = torch.randn(1, 64, 2, 8, device="cuda"), torch.randn(1, 64, 1, 8, device="cuda")
+    cfg = FreeSoloConfig(variant="fsb", window=16, cell=4, block=8, beam=2, top_k=2, tau=1.0)
+    with pytest.raises(RuntimeError, match="wrong beams on CUDA"):
+        _fsb_select_cells(q, k, cfg)
+    os.environ[FSB_SEARCH_ENV] = "triton"
+    try:
+        with pytest.raises(RuntimeError, match="wrong beams on CUDA"):
+            freesolo.select_cells(q, k, cfg, backend="triton")
+    finally:
+        del os.environ[FSB_SEARCH_ENV]
+
+
+@KNOWN_WRONG_ON_CUDA
 def test_backend_switch(monkeypatch):
     """FREESOLO_TRITON_FSB_SEARCH=triton puts the Triton search under the triton backend's fsb: the
     same selection and output bits as the torch search here; a bad value raises."""

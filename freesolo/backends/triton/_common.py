@@ -20,7 +20,6 @@ __all__ = [
     "NEG_BIG",
     "check_head_dim",
     "interpreted",
-    "one_copy",
     "load_halves",
     "load_rope",
     "padded_dims",
@@ -66,23 +65,6 @@ def interpreted() -> bool:
     import os
 
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-@triton.jit
-def one_copy(x, COMPILED: tl.constexpr):
-    """x (float32) through an opaque identity that the compiler may not duplicate.
-
-    A float computed by a reduction and then compared with itself in two broadcast layouts
-    (x[None, :] against x[:, None], as a rank computation does) may otherwise be *recomputed* in the
-    second layout (Triton's layout pass rematerialises cheap slices, reductions included) with
-    another summation order, so that a != a' for one value: ranks then collide and selections
-    break (seen on the H200 in the FS-B search). A `mov` in inline PTX marked impure ends every
-    such slice: both layouts read the same registers. Under the interpreter (COMPILED False) this
-    is the identity."""
-    if COMPILED:
-        return tl.inline_asm_elementwise("mov.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=False, pack=1)
-    else:
-        return x
 
 
 def check_head_dim(D: int) -> None:

@@ -141,7 +141,8 @@ FSB_SEARCH_ENV = "FREESOLO_TRITON_FSB_SEARCH"
 def fsb_search_mode() -> str:
     """FS-B's search on this backend: "torch" (default: the torch backend's vectorized search) or
     "triton" (`fsb_search.fsb_select_cells`: one program per query and head; equal to the torch
-    search under the interpreter, not yet timed or checked on a GPU), from FREESOLO_TRITON_FSB_SEARCH."""
+    search under the interpreter; known wrong on CUDA, where it raises: `fsb_search.CUDA_UNVERIFIED`),
+    from FREESOLO_TRITON_FSB_SEARCH."""
     mode = os.environ.get(FSB_SEARCH_ENV, "").strip().lower() or "torch"
     if mode not in ("torch", "triton"):
         raise ValueError(f"{FSB_SEARCH_ENV}={mode!r} must be 'torch' or 'triton'")
