@@ -10,8 +10,9 @@
 - bad input raises.
 On a CPU machine the kernel runs under the interpreter (TRITON_INTERPRET=1) on tiny shapes (a
 program per query and head: slow); the CUDA test (paper sizes, bf16 inputs) skips without a GPU.
-On CUDA the compiled kernel is known wrong (`CUDA_UNVERIFIED`): the cases that failed on the H200
-are skipped there with that reason, and the refusal of CUDA inputs is tested instead.
+On CUDA the compiled kernel is unverified (`CUDA_UNVERIFIED`): the cases that failed on the H200
+are skipped there unless FREESOLO_TEST_UNVERIFIED_FSB=1 (the next GPU run sets it), and the
+refusal of CUDA inputs is tested.
 """
 
 from __future__ import annotations
@@ -41,9 +42,12 @@ pytestmark = pytest.mark.skipif(
     reason="no CUDA device and TRITON_INTERPRET is not set: the Triton kernels cannot run here",
 )
 # On the H200 these cases gave wrong beams (a lost slot, a shared slot) and one read out of
-# bounds, which poisons the CUDA context of every later test in the process: on CUDA they are
-# skipped, and `test_cuda_refused_without_opt_in` checks that the kernel refuses CUDA inputs.
-KNOWN_WRONG_ON_CUDA = pytest.mark.skipif(CUDA, reason="known wrong on CUDA: " + CUDA_UNVERIFIED)
+# bounds (which poisons the CUDA context of every later test in the process) before the rewrite:
+# on CUDA they run only when asked, and `test_cuda_refused_without_opt_in` checks the refusal.
+KNOWN_WRONG_ON_CUDA = pytest.mark.skipif(
+    CUDA and os.environ.get("FREESOLO_TEST_UNVERIFIED_FSB", "0") == "0",
+    reason="failed on the H200 before the rewrite (set FREESOLO_TEST_UNVERIFIED_FSB=1 to run them): " + CUDA_UNVERIFIED,
+)
 
 
 def fsb_select_cells(*args, **kwargs):
@@ -181,11 +185,11 @@ def test_cuda_refused_without_opt_in():
 
     q, k = torch.randn(1, 64, 2, 8, device="cuda"), torch.randn(1, 64, 1, 8, device="cuda")
     cfg = FreeSoloConfig(variant="fsb", window=16, cell=4, block=8, beam=2, top_k=2, tau=1.0)
-    with pytest.raises(RuntimeError, match="wrong beams on CUDA"):
+    with pytest.raises(RuntimeError, match="unverified on CUDA"):
         _fsb_select_cells(q, k, cfg)
     os.environ[FSB_SEARCH_ENV] = "triton"
     try:
-        with pytest.raises(RuntimeError, match="wrong beams on CUDA"):
+        with pytest.raises(RuntimeError, match="unverified on CUDA"):
             freesolo.select_cells(q, k, cfg, backend="triton")
     finally:
         del os.environ[FSB_SEARCH_ENV]

@@ -11,7 +11,7 @@ a time: statistics, content codes, stable sorts per dyadic segment). Then one la
    height l when bit l of n is set. Node key = scale * (q . mu + radius_weight * |q| * rad)
    + lam * A * erf(sigma * (i - e) / (2 s)); the new frontier is the `beam` candidates first by
    (key desc, index in level asc): the torch search's (sort by index, stable sort by key) order,
-   computed as ranks from a [candidates x candidates] comparison (no sort, no host work).
+   taken one slot at a time by reductions over the candidate tensor (no sort, no host work).
 2. Rerank: the <= 2 * beam found cells (duplicates dropped), rho = logsumexp over the cell's s
    tokens of scale * q . k, top-K by (rho desc, c desc), -1 padded.
 
@@ -61,12 +61,6 @@ def _node_keys(flat, ok, q, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr, 
 
 
 @triton.jit
-def _beats(key_a, idx_a, key_b, idx_b):
-    """a before b in the beam's order: key desc, then index in level asc."""
-    return (key_a > key_b) | ((key_a == key_b) & (idx_a < idx_b))
-
-
-@triton.jit
 def _search_forest(n, base_ptr, q, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr, e_ptr, cell_ptr,
                    scale, radius_weight, two_cell, D, N, BLOCK_D: tl.constexpr, W: tl.constexpr, WP: tl.constexpr):  # fmt: skip
     """Beam search of one forest over its first n elements: element cells int64 [WP] (-1 = none).
@@ -105,20 +99,29 @@ def _search_forest(n, base_ptr, q, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, 
         r_key = _node_keys(r_flat, r_ok, q, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr, e_ptr,
                            scale, radius_weight, two_cell, D, N, BLOCK_D)  # fmt: skip
         r_gidx = tl.where(r_ok, r_ts >> lvl, _BIG)
-        # ranks in (key desc, index asc) among the candidates; the first W form the new frontier
-        beat_cc = _beats(c_key[None, :], c_gidx[None, :], c_key[:, None], c_gidx[:, None]) & c_ok[None, :]
-        beat_rc = _beats(r_key[None, :], r_gidx[None, :], c_key[:, None], c_gidx[:, None]) & r_ok[None, :]
-        c_rank = tl.sum(beat_cc.to(tl.int32), 1) + tl.sum(beat_rc.to(tl.int32), 1)
-        beat_cr = _beats(c_key[:, None], c_gidx[:, None], r_key[None, :], r_gidx[None, :]) & c_ok[:, None]
-        r_rank = tl.sum(beat_cr.to(tl.int32), 0)  # [1]
-        c_take = (c_rank[None, :] == slots[:, None]) & c_ok[None, :] & (c_rank[None, :] < W)  # [WP, 2 WP]
-        r_take = (r_rank[None, :] == slots[:, None]) & r_ok[None, :] & (r_rank[None, :] < W)  # [WP, 1]
-        tb = tl.sum(tl.where(c_take, c_tb[None, :], 0), 1) + tl.sum(tl.where(r_take, r_tb[None, :], 0), 1)
-        th = tl.sum(tl.where(c_take, c_th[None, :], 0), 1) + tl.sum(tl.where(r_take, lvl, 0), 1)
-        ts = tl.sum(tl.where(c_take, c_ts[None, :], 0), 1) + tl.sum(tl.where(r_take, r_ts[None, :], 0), 1)
-        ix = tl.sum(tl.where(c_take, c_ix[None, :], 0), 1)  # a root's index in level is 0
-        valid = tl.sum(c_take.to(tl.int32), 1) + tl.sum(r_take.to(tl.int32), 1)
-        tl.device_assert(valid <= 1, "FS-B search: two candidates share a beam slot (unordered keys)")
+        # the new frontier: W times the best remaining candidate by (key desc, index in level asc),
+        # found by reductions over the one candidate tensor and compared as scalars (no
+        # [candidates x candidates] rank tiles: those gave colliding ranks on the H200)
+        r_key_s = tl.max(r_key, 0)
+        r_gidx_s = tl.min(r_gidx, 0)
+        r_tb_s = tl.max(r_tb, 0)
+        r_ts_s = tl.max(r_ts, 0)
+        r_left = has_root
+        avail = c_ok
+        for s in range(W):
+            best = tl.max(tl.where(avail, c_key, float("-inf")), 0)
+            best_g = tl.min(tl.where(avail & (c_key == best), c_gidx, _BIG), 0)
+            child_left = best_g < _BIG
+            root_wins = r_left & (~child_left | (r_key_s > best) | ((r_key_s == best) & (r_gidx_s < best_g)))
+            chosen = avail & (c_key == best) & (c_gidx == best_g) & ~root_wins  # one lane, or none
+            at = slots == s
+            tb = tl.where(at, tl.where(root_wins, r_tb_s, tl.sum(tl.where(chosen, c_tb, 0), 0)), tb)
+            th = tl.where(at, tl.where(root_wins, lvl, tl.sum(tl.where(chosen, c_th, 0), 0)).to(tl.int64), th)
+            ts = tl.where(at, tl.where(root_wins, r_ts_s, tl.sum(tl.where(chosen, c_ts, 0), 0)), ts)
+            ix = tl.where(at, tl.where(root_wins, 0, tl.sum(tl.where(chosen, c_ix, 0), 0)), ix)  # a root: index 0
+            valid = tl.where(at, (root_wins | child_left).to(tl.int32), valid)
+            avail = avail & ~chosen
+            r_left = r_left & ~root_wins
     tl.device_assert(((tb + ix >= 0) & (tb + ix < N)) | (valid == 0), "FS-B search: leaf id out of its table")
     leaf = tl.where(valid != 0, tb + ix, 0)  # level 0: the tree's leaves come first
     return tl.load(cell_ptr + node0 + leaf, mask=valid != 0, other=-1)
@@ -179,9 +182,7 @@ def _fsb_search_kernel(
         tl.store(found_ptr + (hq * T + i) * (2 * W) + W + slots, found_high, mask=slots < W)
     # rerank: the found cells of both forests, each cell once, by rho = logsumexp of its token logits
     cand = tl.reshape(tl.join(found_all, found_high), [2 * WP])
-    lanes = tl.arange(0, 2 * WP)
-    dup = tl.sum(((cand[None, :] == cand[:, None]) & (lanes[None, :] < lanes[:, None])).to(tl.int32), 1) > 0
-    ok = (cand >= 0) & ~dup
+    ok = cand >= 0  # a cell found by both forests sits in two lanes: the selection below takes it once
     tok = tl.arange(0, CELL)
     logits = tl.zeros([2 * WP, CELL], dtype=tl.float32)
     krow0 = h * T + tl.where(ok, cand, 0) * CELL  # first token row of each candidate cell
@@ -191,12 +192,15 @@ def _fsb_search_kernel(
     m = tl.max(logits, 1)
     rho = m + tl.log(tl.sum(tl.exp(logits - m[:, None]), 1))
     rho = tl.where(ok, rho, float("-inf"))
-    beat = ((rho[None, :] > rho[:, None]) | ((rho[None, :] == rho[:, None]) & (cand[None, :] > cand[:, None]))) & ok[None, :]
-    rank = tl.sum(beat.to(tl.int32), 1)
+    # top-K by (rho desc, c desc): K times the best remaining lane, by reductions and scalar
+    # comparisons (no rank tile); taking a cell drops every lane holding it
     kk = tl.arange(0, KP)
-    take = (rank[None, :] == kk[:, None]) & ok[None, :]  # [KP, 2 WP]
-    picked = tl.sum(tl.where(take, cand[None, :], 0), 1)
-    picked = tl.where(tl.sum(take.to(tl.int32), 1) > 0, picked, -1)
+    picked = tl.full([KP], -1, dtype=tl.int64)
+    for r in range(K):
+        best = tl.max(tl.where(ok, rho, float("-inf")), 0)
+        best_c = tl.max(tl.where(ok & (rho == best), cand, -1), 0)
+        picked = tl.where(kk == r, best_c, picked)  # -1 once no cell is left
+        ok = ok & (cand != best_c)
     tl.store(out_ptr + (hq * T + i) * K + kk, picked, mask=kk < K)
 
 
@@ -213,18 +217,22 @@ def _check(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig) -> None:
         raise ValueError(f"beam={cfg.beam}: the Triton FS-B search holds at most {MAX_BEAM} frontier nodes in registers")
 
 
-# The compiled kernel is known to be wrong on the H200 (session 19, 2026-12-01: logs in
-# benchmarks/results/session_2026-12-01_s19/): on small configs (D 8, beam 2-5) some beams lose a
-# slot (-1 where the torch search finds a cell), the TRITON_DEBUG assertion "two candidates share
-# a beam slot" fires, and one case reads out of bounds; at paper sizes 0.0003-0.0004 % of 64k
-# selections differ from the torch search. The interpreter agrees with the torch search bit for bit.
-# Not the cause (tried on the H200): rematerialised keys (an opaque PTX identity on them), the
-# join / reshape lane order (one-hot gathers instead), num_warps 1 / 2 / 4 / 8. Until it is found,
-# CUDA tensors need `allow_unverified=True` (benchmarks; the failing CUDA tests are strict xfails).
+# The compiled kernel was wrong on the H200 (session 19, 2026-12-01: logs in
+# benchmarks/results/session_2026-12-01_s19/): on small configs (D 8, beam 2-5) beams lost a slot
+# (-1 where the torch search finds a cell) or two candidates shared one (TRITON_DEBUG assertion),
+# and one case read out of bounds; at paper sizes 0.0003-0.0004 % of 64k selections differed from
+# the torch search. The interpreter agreed with the torch search bit for bit. That kernel ranked
+# the candidates with [candidates x candidates] comparison tiles; an opaque PTX identity on the
+# keys, one-hot child gathers and num_warps 1 / 2 / 4 / 8 did not change the failures. The kernel
+# now takes the beam slot by slot by reductions over one candidate tensor and scalar comparisons
+# (and the rerank likewise): equal to the torch search under the interpreter, compiled for sm_90,
+# **not yet run on a GPU** (the session's device time was spent). Until the H200 tests pass,
+# CUDA tensors need `allow_unverified=True` (benchmarks; the cases that failed are skipped there).
 CUDA_UNVERIFIED = (
-    "the Triton FS-B search gives wrong beams on CUDA (H200, session 19: lost beam slots, an "
-    "out-of-bounds read; see freesolo/backends/triton/fsb_search.py): use the torch search "
-    "(FREESOLO_TRITON_FSB_SEARCH=torch, the default), or pass allow_unverified=True to time it"
+    "the Triton FS-B search is unverified on CUDA (its earlier form gave wrong beams on the H200: "
+    "lost beam slots, an out-of-bounds read; the rewrite has not run on a GPU yet; see "
+    "freesolo/backends/triton/fsb_search.py): use the torch search (FREESOLO_TRITON_FSB_SEARCH=torch, "
+    "the default), or pass allow_unverified=True to time or test it"
 )
 
 
@@ -246,7 +254,7 @@ def fsb_select_cells(
             found cells then the high-norm forest's, each in beam order (-1 = none): the layout
             of the torch backend's `beam_search_forests`.
         num_warps: warps per (query, head) program (a tuning knob: the result does not depend on it).
-        allow_unverified: run on CUDA although the compiled kernel is known to be wrong there
+        allow_unverified: run on CUDA although the compiled kernel is not verified there
             (`CUDA_UNVERIFIED`); without it, CUDA inputs raise RuntimeError.
     """
     from ..torch.fsb import build_row_forests
