@@ -5,7 +5,8 @@ Runs the small cases of proofs_tests/test_triton_fsb_search.py (c0-c3 and the L1
 each in its own subprocess (a CUDA fault poisons its process) at num_warps 4, 2, 1, with
 TRITON_DEBUG=1 (the kernel's device assertions on) and CUDA_LAUNCH_BLOCKING=1, and prints for each
 how many (query, head) beams differ from the torch search (CPU and CUDA), the first differing
-beams, and the assertion lines; then c0 and "row" again without the assertions.
+beams, the first level where one program's beam (`trace_search`) leaves a float64 emulation of
+the search, and the assertion lines; then c0 and "row" again without the assertions.
 
     python benchmarks/fsb_search_debug.py > debug.txt 2>&1      # repository root, ~1 min on an H200
     python benchmarks/fsb_search_debug.py c0 4                   # one case, one num_warps
@@ -60,6 +61,13 @@ def one(name, nw):
     )
     for b, t, h in bad.nonzero().tolist()[:4]:
         print("   ", (b, t, h), "triton", f[b, t, h].tolist(), "torch", ref_cpu[b, t, h].tolist())
+    # the first differing program (else c0's query 37, head 1), level by level against float64
+    b, t, h = (bad.nonzero().tolist() or [[0, min(37, qt.shape[1] - 1), min(1, qt.shape[2] - 1)]])[0]
+    try:
+        levels = tt.assert_trace_matches(qt, kt, cfg, b, t, h, num_warps=nw, allow_unverified=True)
+        print(f"    trace of {(b, t, h)}: {levels} levels equal to the float64 emulation")
+    except AssertionError as error:
+        print(f"    trace of {(b, t, h)} diverges: {str(error).splitlines()[0][:400]}")
 
 
 if __name__ == "__main__":

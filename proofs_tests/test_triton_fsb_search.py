@@ -30,7 +30,7 @@ pytest.importorskip("triton", reason="triton is not installed: the Triton FS-B s
 from freesolo import FreeSoloConfig  # noqa: E402
 from freesolo.backends.torch import select_cells as torch_select  # noqa: E402
 from freesolo.backends.torch.fsb import beam_search_forests, block_element_counts, build_row_forests  # noqa: E402
-from freesolo.backends.triton.fsb_search import CUDA_UNVERIFIED, MAX_BEAM  # noqa: E402
+from freesolo.backends.triton.fsb_search import CUDA_UNVERIFIED, MAX_BEAM, trace_search  # noqa: E402
 from freesolo.backends.triton.fsb_search import fsb_select_cells as _fsb_select_cells  # noqa: E402
 from freesolo.reference.fsb import select_cells_fsb  # noqa: E402
 
@@ -76,6 +76,62 @@ def torch_beams(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig) -> torch.
         found = beam_search_forests(tables, n, q4, torch.linalg.vector_norm(q4, dim=-1), pos, sigma, lam, cfg)
         rows.append(found.reshape(Hq, nb * Bq, -1)[:, :T].permute(1, 0, 2))  # (T, Hq, 2 * beam)
     return torch.stack(rows)
+
+
+def emulate_trace(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig, row: int, i: int, hq: int):
+    """Spec §6.4's level-wise beam search of query i, head hq, row `row`, in float64 on the torch
+    backend's tables: per forest, a list over levels (top first) of the beam as [(index in level,
+    key)], in beam order (key desc, index asc). The reference of `trace_search`."""
+    import math
+
+    T, Hq, D = q.shape[1], q.shape[2], q.shape[3]
+    h = hq // (Hq // k.shape[2])
+    k4 = k[row : row + 1].float().permute(0, 2, 1, 3).contiguous()
+    tables, high_prefix = build_row_forests(k4, cfg, outward=True)
+    mu, rad, A, e = (getattr(tables, n)[0, h].double().cpu().numpy() for n in ("mu", "rad", "A", "e"))
+    base = tables.base.cpu().numpy()
+    qv = q[row, i, hq].double().cpu().numpy()
+    qn = float(np.linalg.norm(qv))
+    sig, lam = cfg.per_head("sigma", Hq)[hq], cfg.per_head("lam", Hq)[hq]
+    n_all = (i // cfg.block) * cfg.block // cfg.cell
+    counts = [n_all, int(high_prefix[0, h, n_all])]
+
+    def key(f):
+        prior = lam * A[f] * math.erf(sig * (i - e[f]) / (2 * cfg.cell))
+        return D**-0.5 * (float(mu[f] @ qv) + cfg.radius_weight * qn * rad[f]) + prior
+
+    def offset(th, lvl):
+        return (1 << (th + 1)) - (1 << (th - lvl + 1))
+
+    traces = []
+    for forest, n in enumerate(counts):
+        levels, frontier = [], []  # frontier: (tree base, tree height, tree start, index in level)
+        for lvl in range(n.bit_length() - 1, -1, -1):
+            cands = [(tb, th, ts, 2 * ix + c) for tb, th, ts, ix in frontier for c in (0, 1)]
+            if (n >> lvl) & 1:
+                ts = (n >> (lvl + 1)) << (lvl + 1)
+                cands.append((int(base[forest, lvl]) + (ts >> lvl) * ((2 << lvl) - 1), lvl, ts, 0))
+            scored = [(key(tb + offset(th, lvl) + ix), (ts >> lvl) + ix, (tb, th, ts, ix)) for tb, th, ts, ix in cands]
+            scored.sort(key=lambda x: (-x[0], x[1]))
+            frontier = [node for _, _, node in scored[: cfg.beam]]
+            levels.append([(g, kv) for kv, g, _ in scored[: cfg.beam]])
+        traces.append(levels)
+    return traces
+
+
+def assert_trace_matches(q, k, cfg, row, i, hq, **kw):
+    """The kernel's level-by-level beams (`trace_search`) == the float64 emulation's: indices
+    equal, keys within float32 rounding. Returns the number of levels compared."""
+    idx, keys = (x.cpu().numpy() for x in trace_search(q, k, cfg, row, i, hq, **kw))
+    compared = 0
+    for forest, levels in enumerate(emulate_trace(q, k, cfg, row, i, hq)):
+        for t, beam in enumerate(levels):
+            got = [(int(g), float(v)) for g, v in zip(idx[forest, t], keys[forest, t]) if g >= 0]
+            assert [g for g, _ in got] == [g for g, _ in beam], f"forest {forest} level {t}: {got} vs {beam}"
+            np.testing.assert_allclose([v for _, v in got], [v for _, v in beam], rtol=1e-4, atol=1e-4)
+            compared += 1
+        assert (idx[forest, len(levels) :] == -1).all()
+    return compared
 
 
 def _cfg(k: np.ndarray, **kw) -> FreeSoloConfig:
@@ -127,6 +183,18 @@ def test_exact_ties_follow_the_spec_order(leaf_order):
     idx, found = fsb_select_cells(qt, kt, cfg, return_found=True)
     torch.testing.assert_close(found.cpu(), torch_beams(qt.cpu(), kt.cpu(), cfg), rtol=0, atol=0)
     np.testing.assert_array_equal(idx.cpu().numpy(), select_cells_fsb(q, k, cfg))
+
+
+@pytest.mark.parametrize("seed, T, i, hq, kw", [(0, 47, 37, 1, dict(beam=3, radius_weight=1.0)), (2, 41, 40, 3, dict(beam=5, lam=0.5))])
+def test_trace_follows_the_float64_search(seed, T, i, hq, kw):
+    """`trace_search` (the debugging aid): each level's beam of one program equals a float64
+    emulation of spec §6.4 on the same tables (the cases that failed on the H200: c0's query 37,
+    head 1, and a beam-5 GQA case)."""
+    rng = np.random.default_rng(seed)
+    Hq, Hkv = (2, 1) if hq < 2 else (4, 2)
+    q, k = rng.standard_normal((1, T, Hq, 8)), rng.standard_normal((1, T, Hkv, 8))
+    qt, kt = _tensors(q, k)
+    assert assert_trace_matches(qt, kt, _cfg(k, **kw), 0, i, hq, allow_unverified=True) >= 4
 
 
 @KNOWN_WRONG_ON_CUDA

@@ -31,7 +31,7 @@ import triton.language as tl
 from ...config import FreeSoloConfig
 from . import _common  # noqa: F401  (its import patches the interpreter's dynamic loop bounds for NumPy >= 2.4)
 
-__all__ = ["CUDA_UNVERIFIED", "MAX_BEAM", "fsb_select_cells"]
+__all__ = ["CUDA_UNVERIFIED", "MAX_BEAM", "TRACE_LEVELS", "fsb_select_cells", "trace_search"]
 
 MAX_BEAM = 64  # the frontier lives in registers: [2 * beam, D] node tiles, [2 * beam]^2 rank tiles
 _BIG = tl.constexpr(2**62)  # the index in level of an invalid candidate (after every real one)
@@ -62,11 +62,14 @@ def _node_keys(flat, ok, q, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr, 
 
 @triton.jit
 def _search_forest(n, base_ptr, q, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr, e_ptr, cell_ptr,
-                   scale, radius_weight, two_cell, D, N, BLOCK_D: tl.constexpr, W: tl.constexpr, WP: tl.constexpr):  # fmt: skip
+                   scale, radius_weight, two_cell, D, N, trace_idx_ptr, trace_key_ptr, tracing,
+                   BLOCK_D: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, TRACE: tl.constexpr):  # fmt: skip
     """Beam search of one forest over its first n elements: element cells int64 [WP] (-1 = none).
 
     base_ptr: int64 [max_height + 2] flat id of tree 0 of height h (this forest, this kv head's
     table starting at node0). Slots >= W stay empty (WP: W rounded up to a power of two).
+    TRACE (a debugging aid, `trace_search`): where `tracing`, each level's beam is written as
+    (index in level, key) to trace_idx_ptr / trace_key_ptr [levels, W], level t = top - lvl.
     """
     slots = tl.arange(0, WP)
     tb = tl.zeros([WP], dtype=tl.int64)  # tree base (flat id of the tree's first node)
@@ -120,6 +123,10 @@ def _search_forest(n, base_ptr, q, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, 
             ts = tl.where(at, tl.where(root_wins, r_ts_s, tl.sum(tl.where(chosen, c_ts, 0), 0)), ts)
             ix = tl.where(at, tl.where(root_wins, 0, tl.sum(tl.where(chosen, c_ix, 0), 0)), ix)  # a root: index 0
             valid = tl.where(at, (root_wins | child_left).to(tl.int32), valid)
+            if TRACE:
+                took = root_wins | child_left
+                tl.store(trace_idx_ptr + t * W + s, tl.where(took, tl.where(root_wins, r_gidx_s, best_g), -1), mask=tracing)
+                tl.store(trace_key_ptr + t * W + s, tl.where(root_wins, r_key_s, best), mask=tracing & took)
             avail = avail & ~chosen
             r_left = r_left & ~root_wins
     tl.device_assert(((tb + ix >= 0) & (tb + ix < N)) | (valid == 0), "FS-B search: leaf id out of its table")
@@ -142,6 +149,10 @@ def _fsb_search_kernel(
     lam_ptr,  # fp32 [Hq]
     out_ptr,  # int64 [Hq, T, K]
     found_ptr,  # int64 [Hq, T, 2 W] (written when FOUND): each forest's beam, slot = rank
+    trace_idx_ptr,  # int64 [2, TRACE_LEVELS, W] (written when TRACE, by program (trace_i, trace_h))
+    trace_key_ptr,  # fp32 [2, TRACE_LEVELS, W]
+    trace_i,
+    trace_h,
     T,
     N,
     C1,
@@ -159,9 +170,12 @@ def _fsb_search_kernel(
     K: tl.constexpr,
     KP: tl.constexpr,
     FOUND: tl.constexpr,
+    TRACE: tl.constexpr,
+    TRACE_LEVELS: tl.constexpr,
 ):
     i = tl.program_id(0).to(tl.int64)
     hq = tl.program_id(1).to(tl.int64)
+    tracing = (i == trace_i) & (hq == trace_h)
     h = hq // G
     d = tl.arange(0, BLOCK_D)
     q = tl.load(q_ptr + (hq * T + i) * D + d, mask=d < D, other=0.0)
@@ -173,9 +187,11 @@ def _fsb_search_kernel(
     n_all = (i // QBLOCK) * QBLOCK // CELL  # cells available to the query's block
     n_high = tl.load(hp_ptr + h * C1 + n_all)
     found_all = _search_forest(n_all, base_ptr, q, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr, e_ptr, cell_ptr,
-                               scale, radius_weight, two_cell, D, N, BLOCK_D, W, WP)  # fmt: skip
+                               scale, radius_weight, two_cell, D, N, trace_idx_ptr, trace_key_ptr, tracing,
+                               BLOCK_D, W, WP, TRACE)  # fmt: skip
     found_high = _search_forest(n_high, base_ptr + HB, q, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr, e_ptr,
-                                cell_ptr, scale, radius_weight, two_cell, D, N, BLOCK_D, W, WP)  # fmt: skip
+                                cell_ptr, scale, radius_weight, two_cell, D, N, trace_idx_ptr + TRACE_LEVELS * W,
+                                trace_key_ptr + TRACE_LEVELS * W, tracing, BLOCK_D, W, WP, TRACE)  # fmt: skip
     if FOUND:
         slots = tl.arange(0, WP)
         tl.store(found_ptr + (hq * T + i) * (2 * W) + slots, found_all, mask=slots < W)
@@ -236,6 +252,9 @@ CUDA_UNVERIFIED = (
 )
 
 
+TRACE_LEVELS = 64  # levels a trace holds (a forest over < 2^63 cells)
+
+
 def fsb_select_cells(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -257,6 +276,21 @@ def fsb_select_cells(
         allow_unverified: run on CUDA although the compiled kernel is not verified there
             (`CUDA_UNVERIFIED`); without it, CUDA inputs raise RuntimeError.
     """
+    return _run(q, k, cfg, return_found, num_warps, allow_unverified, trace=None)
+
+
+def trace_search(q, k, cfg: FreeSoloConfig, row: int, i: int, hq: int, num_warps: int = 4, allow_unverified: bool = False):
+    """A debugging aid: the beams of query i, query head hq of batch row `row`, level by level.
+
+    Returns (index, key): int64 [2, L, beam] and float32 [2, L, beam] for the two forests (all
+    cells, high-norm cells) and the levels from the top (L = TRACE_LEVELS; rows past a forest's
+    levels stay -1 / nan): each level's beam in order as (index in level, node key), -1 where a
+    slot is empty. Compare with a float64 emulation of spec §6.4 (benchmarks/fsb_search_debug.py).
+    """
+    return _run(q, k, cfg, False, num_warps, allow_unverified, trace=(row, i, hq))
+
+
+def _run(q, k, cfg: FreeSoloConfig, return_found: bool, num_warps: int, allow_unverified: bool, trace):
     from ..torch.fsb import build_row_forests
 
     _check(q, k, cfg)
@@ -272,24 +306,31 @@ def fsb_select_cells(
     lam = torch.as_tensor(cfg.per_head("lam", Hq), dtype=torch.float32, device=q.device)
     out = torch.full((B, Hq, T, K), -1, dtype=torch.int64, device=q.device)
     found = torch.full((B, Hq, T, 2 * cfg.beam) if return_found else (B, 1, 1, 1), -1, dtype=torch.int64, device=q.device)
+    trace_idx = torch.full((2, TRACE_LEVELS, cfg.beam), -1, dtype=torch.int64, device=q.device)
+    trace_key = torch.full((2, TRACE_LEVELS, cfg.beam), float("nan"), dtype=torch.float32, device=q.device)
 
     def result():
+        if trace is not None:
+            return trace_idx, trace_key
         idx = out.permute(0, 2, 1, 3).contiguous()
         return (idx, found.permute(0, 2, 1, 3).contiguous()) if return_found else idx
 
     if T // cfg.block * cfg.block // cfg.cell == 0:
         return result()  # no query block has an available cell
     WP = triton.next_power_of_2(cfg.beam)
-    for b in range(B):  # one row at a time: its tables are built from its own keys (L12)
+    rows = range(B) if trace is None else [trace[0]]
+    for b in rows:  # one row at a time: its tables are built from its own keys (L12)
         tables, high_prefix = build_row_forests(k4[b : b + 1], cfg, outward=True)
         N = tables.mu.shape[2]
         _fsb_search_kernel[(T, Hq)](
             q4[b], k4[b], tables.mu[0].contiguous(), tables.rad[0].contiguous(), tables.A[0].contiguous(),
             tables.e[0].contiguous(), tables.cell[0].contiguous(), tables.base.contiguous(), high_prefix[0].contiguous(),
-            sigma, lam, out[b], found[b],
+            sigma, lam, out[b], found[b], trace_idx, trace_key,
+            -1 if trace is None else trace[1], -1 if trace is None else trace[2],
             T, max(N, 1), high_prefix.shape[-1], tables.base.shape[1], G,
             float(D**-0.5), float(cfg.radius_weight), float(2 * cfg.cell), D,
             BLOCK_D=triton.next_power_of_2(D), CELL=cfg.cell, QBLOCK=cfg.block, W=cfg.beam, WP=WP,
-            K=K, KP=triton.next_power_of_2(K), FOUND=return_found, num_warps=num_warps,
+            K=K, KP=triton.next_power_of_2(K), FOUND=return_found, TRACE=trace is not None,
+            TRACE_LEVELS=TRACE_LEVELS, num_warps=num_warps,
         )  # fmt: skip
     return result()
