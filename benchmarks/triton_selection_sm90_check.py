@@ -96,13 +96,15 @@ def main() -> None:
     # spill 400 B, 8 warps REG:204); beam 32 spills at 4 warps (944 B).
     fsb_sig = {"q_ptr": "*fp32", "k_ptr": "*fp32", "mu_ptr": "*fp32", "rad_ptr": "*fp32", "a_ptr": "*fp32",
                "e_ptr": "*i64", "cell_ptr": "*i64", "base_ptr": "*i64", "hp_ptr": "*i64", "sigma_ptr": "*fp32",
-               "lam_ptr": "*fp32", "out_ptr": "*i64", "found_ptr": "*i64", "T": "i32", "N": "i32", "C1": "i32",
+               "lam_ptr": "*fp32", "out_ptr": "*i64", "found_ptr": "*i64", "trace_idx_ptr": "*i64", "trace_key_ptr": "*fp32",
+               "trace_i": "i32", "trace_h": "i32", "T": "i32", "N": "i32", "C1": "i32",
                "HB": "i32", "G": "i32", "scale": "fp32", "radius_weight": "fp32", "two_cell": "fp32", "D": "i32"}
     for D in (64, 128):
         r = usage(
             FSB._fsb_search_kernel, fsb_sig,
             {"BLOCK_D": D, "CELL": s, "QBLOCK": cfg.block, "W": cfg.beam, "WP": triton.next_power_of_2(cfg.beam),
-             "K": K, "KP": triton.next_power_of_2(K), "FOUND": False},
+             "K": K, "KP": triton.next_power_of_2(K), "FOUND": False, "TRACE": False,
+             "TRACE_LEVELS": FSB.TRACE_LEVELS},
             4,
         )  # fmt: skip
         print(f"ok  _fsb_search_kernel beam={cfg.beam} D={D}: {r}")
