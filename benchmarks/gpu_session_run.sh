@@ -2,7 +2,8 @@
 # One H200 call that measures and checks what a session changed (run from the repository root with
 # $OUT set). Every step has its own timeout so that a slow step cannot starve the rest; everything
 # lands in $OUT/session.tar (the device returns at most 8 files) plus $OUT/summary.txt.
-# STEPS picks the steps (default: all of this session's; the default steps' timeouts sum to < 600 s, one call):
+# STEPS picks the steps (default: the next session's first call, issue 12's FS-B search check and issue 9's A/B: about 250 s
+# of work measured in session 19; their timeouts sum to 710 s, so pass timeout_s 600 and read summary.txt):
 #   tests_split  CUDA tests of the Triton forward / backward / API / L11-L12 with the split long kernel
 #                (FREESOLO_TRITON_LONG_BLOCK=64 FREESOLO_TRITON_MAXNREG=128: the proposed 16-bit default)
 #   sanitize     compute-sanitizer memcheck and racecheck of every Triton kernel (benchmarks/sanitize_triton.py)
@@ -12,6 +13,7 @@
 #   tests_decode issue 12: the fused decode's CUDA tests, the paper-size Triton boundary cases included (fixed on
 #                the CPU in 2e35fb3: a strict xfail that XPASSes confirms the fix; then drop the xfail and the refusal)
 #   fsb_probe    issue 14: where FS-B evaluation time goes (benchmarks/fsb_eval_probe.py)
+#   fsb_debug    issue 12: benchmarks/fsb_search_debug.py (small cases at 4 / 2 / 1 warps, TRITON_DEBUG, per-level trace)
 #   sanitize_fsb memcheck + racecheck of the FS-B search and the decode kernels only (the FS-L boundary fix included)
 #   tests_fsb    issue 12: the Triton FS-B search's tests on CUDA (proofs_tests/test_triton_fsb_search.py)
 #   fsb_bench    issue 12: FS-B selection, torch search vs Triton search, same run (benchmarks/fsb_search_bench.py)
@@ -25,7 +27,7 @@ OUT=${OUT:-/tmp/session_out}
 W=/tmp/session_work
 mkdir -p "$OUT" "$W"
 export PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=ci PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-STEPS=${STEPS:-"tests_fsb fsb_bench bwd_64k tests_decode"}
+STEPS=${STEPS:-"tests_fsb fsb_debug fsb_bench fsb_long l12_ab"}
 SPLIT=(env FREESOLO_TRITON_LONG_BLOCK=64 FREESOLO_TRITON_MAXNREG=128)
 step() {  # step NAME SECONDS COMMAND...: run with a timeout, log to $W/NAME.log, one summary line
   local name=$1 secs=$2; shift 2
@@ -42,6 +44,7 @@ step tests_torch 120 python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k "cu
 step tests_decode 100 python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k "cuda or gpu" proofs_tests/test_triton_decode.py proofs_tests/test_cache_gpu.py proofs_tests/test_cache_ragged.py
 step sanitize 240 bash -c "compute-sanitizer --tool memcheck python3 benchmarks/sanitize_triton.py && compute-sanitizer --tool racecheck python3 benchmarks/sanitize_triton.py"
 step sanitize_fsb 200 bash -c "compute-sanitizer --tool memcheck python3 benchmarks/sanitize_triton.py fsb_search decode && compute-sanitizer --tool racecheck python3 benchmarks/sanitize_triton.py fsb_search decode"
+step fsb_debug 120 python3 benchmarks/fsb_search_debug.py
 step tests_fsb 150 env FREESOLO_TEST_UNVERIFIED_FSB=1 TRITON_DEBUG=1 python3 -m pytest -q -n ${NPROC:-8} -p no:benchmark proofs_tests/test_triton_fsb_search.py
 step fsb_bench 180 python3 benchmarks/fsb_search_bench.py --lengths 4096 16384 65536 ${FSB_BENCH_ARGS:-} --out "$W/fsb_search.json"
 step l12_ab 170 python3 benchmarks/torch_l12_ab.py --pre .ab/pre_l12 ${L12_AB_ARGS:-} --out "$W/torch_l12_ab.json"
