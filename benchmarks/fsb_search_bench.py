@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import sys
 import time
@@ -27,7 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from gpu_attention import _tau, _versions, bench_ms  # noqa: E402 (benchmarks/ is this script's folder)
+from gpu_attention import _tau, _versions, bench_ms, write_json  # noqa: E402 (benchmarks/ is this script's folder)
 
 from freesolo import FreeSoloConfig  # noqa: E402
 from freesolo.backends.torch import select_cells as torch_select  # noqa: E402
@@ -91,10 +90,7 @@ def main(argv=None) -> int:
         "results": results,
     }
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(payload, f, indent=1)
-        print(f"wrote {args.out}")
+        write_json(args.out, payload)
     return 0
 
 

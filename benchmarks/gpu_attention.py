@@ -265,6 +265,14 @@ def run_case(provider, mode, T, shape, device, dtype, compiled, rep_ms):
 
 
 # ---- main --------------------------------------------------------------------------------------
+def write_json(path, payload: dict) -> None:
+    """Write a results payload to `path` (its folder created), and say so."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1)
+    print(f"wrote {path}")
+
+
 def _versions(device) -> dict:
     try:
         import triton

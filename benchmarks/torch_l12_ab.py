@@ -22,7 +22,6 @@ call's wall time (where the time goes at 4k: launches or work).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -37,7 +36,9 @@ REPO = os.path.dirname(HERE)
 
 
 def worker(root: str, lengths: list[int], fsb_max: int, rep: int) -> dict:
-    """Times the cases with the `freesolo` package under `root`; returns {case: ms} and a profile."""
+    """Times the cases with the `freesolo` package under `root`; returns {case: ms} and a profile.
+    It times with its own loop, not gpu_attention's `bench_ms`: that module imports this
+    repository's `freesolo`, which the "pre" worker must not load."""
     sys.path.insert(0, root)
     import torch
     import triton
@@ -76,13 +77,13 @@ def worker(root: str, lengths: list[int], fsb_max: int, rep: int) -> dict:
             if variant == "fsb":
                 cfg = cfg.replace(tau=freesolo.calibrate_tau(k.float(), cfg))
 
-            def fwd(cfg=cfg):
+            def fwd(cfg=cfg, q=q, k=k, v=v):
                 with torch.no_grad():
                     return freesolo.freesolo_attention(q, k, v, cfg, backend="torch")
 
             qg, kg, vg = (t.detach().requires_grad_(True) for t in (q, k, v))
 
-            def fwd_bwd(cfg=cfg, qg=qg, kg=kg, vg=vg):
+            def fwd_bwd(cfg=cfg, qg=qg, kg=kg, vg=vg, dout=dout):
                 o = freesolo.freesolo_attention(qg, kg, vg, cfg, backend="torch")
                 torch.autograd.backward(o, dout)
                 qg.grad = kg.grad = vg.grad = None
@@ -156,18 +157,12 @@ def main(argv=None) -> int:
     for name, p in profiles.items():
         print(name, "profile", p[-1])
     import torch
-    import triton
 
-    head = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    sys.path.insert(0, HERE)  # the parent times nothing: the shared env record and writer are safe to import
+    from gpu_attention import _versions, write_json
+
     payload = {
-        "env": {
-            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (smoke test)",
-            "torch": torch.__version__,
-            "triton": triton.__version__,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "git_commit": head,
-            "pre_commit": args.pre_commit,
-        },
+        "env": {**_versions(torch.device("cuda" if torch.cuda.is_available() else "cpu")), "pre_commit": args.pre_commit},
         "shape": {"B": 1, "Hq": 16, "Hkv": 16, "D": 64, "dtype": "bfloat16"},
         "timing": "per case: median over rounds (subprocesses, trees interleaved) of triton.testing.do_bench medians "
         "(median of 3 calls above 50 ms)",
@@ -177,10 +172,7 @@ def main(argv=None) -> int:
         "profile_fsl_fwd": profiles,
     }
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(payload, f, indent=1)
-        print(f"wrote {args.out}")
+        write_json(args.out, payload)
     return 0
 
 

@@ -245,7 +245,7 @@ def test_cuda_paper_size_equals_torch_search():
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU: the refusal is of CUDA inputs")
-def test_cuda_refused_without_opt_in():
+def test_cuda_refused_without_opt_in(monkeypatch):
     """On CUDA the kernel (known wrong there) raises unless allow_unverified=True, and so does the
     triton backend's fsb under FREESOLO_TRITON_FSB_SEARCH=triton."""
     import freesolo
@@ -255,12 +255,9 @@ def test_cuda_refused_without_opt_in():
     cfg = FreeSoloConfig(variant="fsb", window=16, cell=4, block=8, beam=2, top_k=2, tau=1.0)
     with pytest.raises(RuntimeError, match="unverified on CUDA"):
         _fsb_select_cells(q, k, cfg)
-    os.environ[FSB_SEARCH_ENV] = "triton"
-    try:
-        with pytest.raises(RuntimeError, match="unverified on CUDA"):
-            freesolo.select_cells(q, k, cfg, backend="triton")
-    finally:
-        del os.environ[FSB_SEARCH_ENV]
+    monkeypatch.setenv(FSB_SEARCH_ENV, "triton")
+    with pytest.raises(RuntimeError, match="unverified on CUDA"):
+        freesolo.select_cells(q, k, cfg, backend="triton")
 
 
 @KNOWN_WRONG_ON_CUDA

@@ -19,7 +19,6 @@ __all__ = [
     "MAX_HEAD_DIM",
     "NEG_BIG",
     "check_head_dim",
-    "interpreted",
     "load_halves",
     "load_rope",
     "padded_dims",
@@ -58,13 +57,6 @@ def _interpreter_numpy2_compat() -> None:
 
 
 _interpreter_numpy2_compat()
-
-
-def interpreted() -> bool:
-    """True when Triton runs its CPU interpreter (TRITON_INTERPRET=1)."""
-    import os
-
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def check_head_dim(D: int) -> None:

@@ -53,10 +53,9 @@ _deterministic: Optional[bool] = None
 
 
 def interpreting() -> bool:
-    """True when Triton runs its CPU interpreter (TRITON_INTERPRET=1)."""
-    from ._common import interpreted
-
-    return interpreted()
+    """True when Triton runs its CPU interpreter (TRITON_INTERPRET=1); imports no triton (the
+    one place this is decided: the decode kernels ask here too)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def is_deterministic() -> bool:
@@ -141,7 +140,7 @@ FSB_SEARCH_ENV = "FREESOLO_TRITON_FSB_SEARCH"
 def fsb_search_mode() -> str:
     """FS-B's search on this backend: "torch" (default: the torch backend's vectorized search) or
     "triton" (`fsb_search.fsb_select_cells`: one program per query and head; equal to the torch
-    search under the interpreter; known wrong on CUDA, where it raises: `fsb_search.CUDA_UNVERIFIED`),
+    search under the interpreter; unverified on CUDA, where it raises: `fsb_search.CUDA_UNVERIFIED`),
     from FREESOLO_TRITON_FSB_SEARCH."""
     mode = os.environ.get(FSB_SEARCH_ENV, "").strip().lower() or "torch"
     if mode not in ("torch", "triton"):

@@ -765,9 +765,9 @@ def decode_supported_reasons(state) -> list[str]:
 
 
 def _interpreting() -> bool:
-    from ._common import interpreted
+    from .backend import interpreting
 
-    return interpreted()
+    return interpreting()
 
 
 def _fs_chunk(cap: int) -> int:

@@ -33,7 +33,7 @@ from . import _common  # noqa: F401  (its import patches the interpreter's dynam
 
 __all__ = ["CUDA_UNVERIFIED", "MAX_BEAM", "TRACE_LEVELS", "fsb_select_cells", "trace_search"]
 
-MAX_BEAM = 64  # the frontier lives in registers: [2 * beam, D] node tiles, [2 * beam]^2 rank tiles
+MAX_BEAM = 64  # the frontier lives in registers: [2 * beam, D] node tiles, beam slots filled one at a time
 _BIG = tl.constexpr(2**62)  # the index in level of an invalid candidate (after every real one)
 
 
