@@ -37,7 +37,11 @@ __all__ = [
 
 # Memory budget of one query chunk (the transient tensors of one chunk, backward included).
 # The chunk is a whole number of query blocks, at least one block; see `chunk_blocks`.
-DEFAULT_CHUNK_BYTES = {"cuda": 2 << 30, "cpu": 64 << 20}
+# CUDA: 4 GiB, so that the FS / FS-B readout (budgeted for its widest layout, about 1.2 MB per
+# query position at H 16, D 64, bf16) takes 4096-position chunks like the FS-L stages: at
+# T = 4096 one launch-bound chunk instead of two (2 GiB cost FS's forward ~20 % at 4k against the
+# pre-L12 code, issue 9; benchmarks/torch_l12_ab.py).
+DEFAULT_CHUNK_BYTES = {"cuda": 4 << 30, "cpu": 64 << 20}
 # Most query positions per budget-derived chunk: the last chunk of a row is padded to a whole
 # chunk (row independence), so a short sequence computes at most this many padded positions.
 # On CUDA the cheap stages (FS-L selection) reach it: a few launch-bound chunks cost less than

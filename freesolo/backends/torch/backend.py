@@ -11,7 +11,7 @@ and the selection of query i in row b are the same bits whatever the other rows 
 included) and the later tokens are.
 
 Memory. Work proceeds per row in chunks of whole query blocks whose size follows a memory budget
-(`DEFAULT_CHUNK_BYTES`: 2 GiB on CUDA, 64 MiB on CPU; a power of two of blocks, at most
+(`DEFAULT_CHUNK_BYTES`: 4 GiB on CUDA, 64 MiB on CPU; a power of two of blocks, at most
 `MAX_CHUNK_TOKENS` positions) or `chunk_tokens`; nothing of size T x T is ever built. FS sizes
 its chunks for 2048 available cells (T = 64k at s = 32): its scores grow with T beyond that
 (linear in T per chunk, as the chunk size may not depend on T). Beyond one chunk, the op keeps
