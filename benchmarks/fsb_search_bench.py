@@ -4,9 +4,12 @@ same run, same inputs, and how often their selections differ (near-ties only).
 Providers per length (B 1, H 16 MHA, D 64, bf16, the default config, tau = median a_c per head):
   torch         `freesolo.backends.torch.select_cells` (budget chunks, 4096 tokens on CUDA)
   torch_chunk   the same in one selection chunk per row (`selection_chunk_scope(T)`)
-  triton        `freesolo.backends.triton.fsb_search.fsb_select_cells` (allow_unverified=True: the
-                compiled kernel is known wrong on CUDA, see that module; timings only)
-Writes a JSON (env, shapes, medians, differing fraction) and prints one line per length:
+  triton        `freesolo.backends.triton.fsb_search.fsb_select_cells` (the triton backend's default
+                FS-B search on CUDA)
+Where triton and torch differ, the float64 margins of the search (`fsb_audit.near_tie_audit`) at up
+to --audit differing (query, head) entries and as many random agreeing ones: a difference is a
+near-tie when its margin is within float32 rounding of the keys (~1e-5), a defect when it is wide.
+Writes a JSON (env, shapes, medians, differing fraction, margins) and prints one line per length:
     python benchmarks/fsb_search_bench.py --lengths 4096 16384 65536 --out results/fsb_search.json
 `--dry-run`: CPU, Triton interpreter, T = 64: plumbing only.
 """
@@ -31,6 +34,7 @@ from gpu_attention import _tau, _versions, bench_ms, write_json  # noqa: E402 (b
 from freesolo import FreeSoloConfig  # noqa: E402
 from freesolo.backends.torch import select_cells as torch_select  # noqa: E402
 from freesolo.backends.torch import selection_chunk_scope  # noqa: E402
+from freesolo.backends.triton.fsb_audit import near_tie_audit  # noqa: E402
 from freesolo.backends.triton.fsb_search import fsb_select_cells  # noqa: E402
 
 __all__ = ["main"]
@@ -44,6 +48,7 @@ def main(argv=None) -> int:
     ap.add_argument("--providers", nargs="+", default=["torch", "torch_chunk", "triton"])
     ap.add_argument("--warps", type=int, nargs="*", default=[], help="also time the Triton search at these num_warps (providers triton_w<n>)")
     ap.add_argument("--rep", type=int, default=100, help="do_bench rep (ms) for calls under 50 ms")
+    ap.add_argument("--audit", type=int, default=16, help="differing entries audited per length (0: none)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--dry-run", action="store_true")
     args = ap.parse_args(argv)
@@ -55,10 +60,10 @@ def main(argv=None) -> int:
     calls = {
         "torch": lambda q, k, cfg: torch_select(q, k, cfg),
         "torch_chunk": lambda q, k, cfg: _in_one_chunk(q, k, cfg),
-        "triton": lambda q, k, cfg: fsb_select_cells(q, k, cfg, allow_unverified=True),
+        "triton": lambda q, k, cfg: fsb_select_cells(q, k, cfg),
     }
     for w in args.warps:
-        calls[f"triton_w{w}"] = functools.partial(lambda q, k, cfg, w: fsb_select_cells(q, k, cfg, num_warps=w, allow_unverified=True), w=w)
+        calls[f"triton_w{w}"] = functools.partial(lambda q, k, cfg, w: fsb_select_cells(q, k, cfg, num_warps=w), w=w)
     providers = args.providers + [f"triton_w{w}" for w in args.warps]
     results = []
     t_start = time.perf_counter()
@@ -81,6 +86,15 @@ def main(argv=None) -> int:
                 results.append({"T": T, "provider": name, "differs_from_torch": frac})
                 line.append(f"{name} differs {frac:.4%}")
         print(f"T={T:>8}: " + " | ".join(line) + f"  ({time.perf_counter() - t_start:.0f} s)", flush=True)
+        if args.audit and ref is not None and "triton" in sel:
+            record = _audit(q, k, cfg, sel["triton"], ref, args.audit)
+            results.append({"T": T, "provider": "triton", "audit": record})
+            print(
+                f"    audit: {record['differing']} differing entries, largest margin among {len(record['differ'])} audited "
+                f"{record['max_margin_differ']:.3g}; smallest margin among {len(record['agree'])} random agreeing ones "
+                f"{record['min_margin_agree']:.3g}",
+                flush=True,
+            )
     payload = {
         "env": _versions(device),
         "dtype": str(dtype).replace("torch.", ""),
@@ -91,7 +105,53 @@ def main(argv=None) -> int:
     }
     if args.out:
         write_json(args.out, payload)
+        _plot(payload, os.path.splitext(args.out)[0] + ".png")
     return 0
+
+
+def _plot(payload, path):
+    """Selection time vs T per provider (log-log), written to `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    providers = list(dict.fromkeys(r["provider"] for r in payload["results"] if "ms" in r))
+    for n, name in enumerate(providers):
+        pts = sorted((r["T"], r["ms"]) for r in payload["results"] if r["provider"] == name and "ms" in r)
+        ax.plot(*zip(*pts), marker="o", label=name, color=f"C{n}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("T")
+    ax.set_ylabel("FS-B selection, ms (median)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    shape = payload["shape"]
+    ax.set_title(f"{payload['env'].get('gpu')}: B {shape['B']}, H {shape['Hq']}, D {shape['D']}, {payload['dtype']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def _audit(q, k, cfg, idx, ref, limit):
+    """near_tie_audit at up to `limit` (row, query, head) entries where idx and ref differ and at as
+    many random entries (past the first block) where they agree."""
+    differ = (idx != ref).any(-1)  # (B, T, Hq)
+    gen = torch.Generator().manual_seed(1)
+    agree_all = (~differ).nonzero()
+    agree_all = agree_all[agree_all[:, 1] >= cfg.block].cpu()
+    pick = torch.randperm(agree_all.shape[0], generator=gen)[:limit]
+    records = {}
+    for name, entries in (("differ", differ.nonzero()[:limit].cpu()), ("agree", agree_all[pick])):
+        records[name] = near_tie_audit(q, k, cfg, [tuple(int(x) for x in e) for e in entries.tolist()])
+    margins = {name: [r["margin"] for r in rec] for name, rec in records.items()}
+    return {
+        "differing": int(differ.sum()),
+        "max_margin_differ": max(margins["differ"], default=0.0),
+        "min_margin_agree": min(margins["agree"], default=float("inf")),
+        **records,
+    }
 
 
 def _in_one_chunk(q, k, cfg):

@@ -266,11 +266,23 @@ def run_case(provider, mode, T, shape, device, dtype, compiled, rep_ms):
 
 # ---- main --------------------------------------------------------------------------------------
 def write_json(path, payload: dict) -> None:
-    """Write a results payload to `path` (its folder created), and say so."""
+    """Write a results payload to `path` (its folder created), and say so. Non-finite floats
+    (an infinite margin, a NaN) are written as null: strict JSON."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
-        json.dump(payload, f, indent=1)
+        json.dump(_finite(payload), f, indent=1, allow_nan=False)
     print(f"wrote {path}")
+
+
+def _finite(x):
+    """x with every non-finite float replaced by None (dicts, lists and tuples walked)."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
 
 
 def _versions(device) -> dict:

@@ -45,7 +45,7 @@ step tests_decode 100 python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k "c
 step sanitize 240 bash -c "compute-sanitizer --tool memcheck python3 benchmarks/sanitize_triton.py && compute-sanitizer --tool racecheck python3 benchmarks/sanitize_triton.py"
 step sanitize_fsb 200 bash -c "compute-sanitizer --tool memcheck python3 benchmarks/sanitize_triton.py fsb_search decode && compute-sanitizer --tool racecheck python3 benchmarks/sanitize_triton.py fsb_search decode"
 step fsb_debug 120 python3 benchmarks/fsb_search_debug.py
-step tests_fsb 150 env FREESOLO_TEST_UNVERIFIED_FSB=1 TRITON_DEBUG=1 python3 -m pytest -q -n ${NPROC:-8} -p no:benchmark proofs_tests/test_triton_fsb_search.py
+step tests_fsb 150 env TRITON_DEBUG=1 python3 -m pytest -q -n ${NPROC:-8} -p no:benchmark proofs_tests/test_triton_fsb_search.py
 step fsb_bench 180 python3 benchmarks/fsb_search_bench.py --lengths 4096 16384 65536 ${FSB_BENCH_ARGS:-} --out "$W/fsb_search.json"
 step l12_ab 170 python3 benchmarks/torch_l12_ab.py --pre .ab/pre_l12 ${L12_AB_ARGS:-} --out "$W/torch_l12_ab.json"
 step bwd_64k 100 "${SPLIT[@]}" python3 benchmarks/triton_backward_bench.py --lengths 65536 --no-profile --rep 30 --out "$W/triton_backward_64k.json"

@@ -137,12 +137,16 @@ def rope_cos_sin(T: int, D: int, theta: float, device: torch.device) -> tuple[to
 FSB_SEARCH_ENV = "FREESOLO_TRITON_FSB_SEARCH"
 
 
-def fsb_search_mode() -> str:
-    """FS-B's search on this backend: "torch" (default: the torch backend's vectorized search) or
-    "triton" (`fsb_search.fsb_select_cells`: one program per query and head; equal to the torch
-    search under the interpreter; unverified on CUDA, where it raises: `fsb_search.CUDA_UNVERIFIED`),
-    from FREESOLO_TRITON_FSB_SEARCH."""
-    mode = os.environ.get(FSB_SEARCH_ENV, "").strip().lower() or "torch"
+def fsb_search_mode(device: torch.device) -> str:
+    """FS-B's search on this backend for inputs on `device`, from FREESOLO_TRITON_FSB_SEARCH:
+    "triton" (`fsb_search.fsb_select_cells`, one program per query and head: the default on CUDA)
+    or "torch" (the torch backend's vectorized search: the default elsewhere, i.e. on the CPU under
+    the Triton interpreter, where the Triton search is a per-program Python loop). The two equal
+    each other bit for bit under the interpreter and on CUDA except at float32 near-ties
+    (`fsb_audit.near_tie_audit`)."""
+    mode = os.environ.get(FSB_SEARCH_ENV, "").strip().lower()
+    if mode == "":
+        return "triton" if device.type == "cuda" else "torch"
     if mode not in ("torch", "triton"):
         raise ValueError(f"{FSB_SEARCH_ENV}={mode!r} must be 'torch' or 'triton'")
     return mode
@@ -151,7 +155,7 @@ def fsb_search_mode() -> str:
 def _select(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig) -> torch.Tensor:
     """int64 [B, T, Hq, K]: FS / FS-L by the Triton kernels, FS-B by the search `fsb_search_mode` names."""
     if cfg.variant == "fsb":
-        if fsb_search_mode() == "triton":
+        if fsb_search_mode(q.device) == "triton":
             from .fsb_search import fsb_select_cells
 
             return fsb_select_cells(q, k, cfg)
@@ -284,8 +288,9 @@ def triton_select_cells(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig) -
 
 
 class TritonBackend(Backend):
-    """Fused Triton kernels: FS and FS-L entirely in Triton, FS-B with the torch search (or the
-    Triton search: FREESOLO_TRITON_FSB_SEARCH=triton, `fsb_search_mode`) + Triton readout."""
+    """Fused Triton kernels: FS and FS-L entirely in Triton, FS-B with the Triton search on CUDA
+    (the torch search on the CPU; FREESOLO_TRITON_FSB_SEARCH overrides: `fsb_search_mode`) +
+    Triton readout."""
 
     name = "triton"
     array_kind = "torch"

@@ -31,7 +31,7 @@ import triton.language as tl
 from ...config import FreeSoloConfig
 from . import _common  # noqa: F401  (its import patches the interpreter's dynamic loop bounds for NumPy >= 2.4)
 
-__all__ = ["CUDA_UNVERIFIED", "MAX_BEAM", "TRACE_LEVELS", "fsb_select_cells", "trace_search"]
+__all__ = ["MAX_BEAM", "TRACE_LEVELS", "fsb_select_cells", "trace_search"]
 
 MAX_BEAM = 64  # the frontier lives in registers: [2 * beam, D] node tiles, beam slots filled one at a time
 _BIG = tl.constexpr(2**62)  # the index in level of an invalid candidate (after every real one)
@@ -233,25 +233,14 @@ def _check(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig) -> None:
         raise ValueError(f"beam={cfg.beam}: the Triton FS-B search holds at most {MAX_BEAM} frontier nodes in registers")
 
 
-# The compiled kernel was wrong on the H200 (session 19, 2026-12-01: logs in
-# benchmarks/results/session_2026-12-01_s19/): on small configs (D 8, beam 2-5) beams lost a slot
-# (-1 where the torch search finds a cell) or two candidates shared one (TRITON_DEBUG assertion),
-# and one case read out of bounds; at paper sizes 0.0003-0.0004 % of 64k selections differed from
-# the torch search. The interpreter agreed with the torch search bit for bit. That kernel ranked
-# the candidates with [candidates x candidates] comparison tiles; an opaque PTX identity on the
-# keys, one-hot child gathers and num_warps 1 / 2 / 4 / 8 did not change the failures. The kernel
-# now takes the beam slot by slot by reductions over one candidate tensor and scalar comparisons
-# (and the rerank likewise): equal to the torch search under the interpreter, compiled for sm_90,
-# **not yet run on a GPU** (the session's device time was spent). Until the H200 tests pass,
-# CUDA tensors need `allow_unverified=True` (benchmarks; the cases that failed are skipped there).
-CUDA_UNVERIFIED = (
-    "the Triton FS-B search is unverified on CUDA (its earlier form gave wrong beams on the H200: "
-    "lost beam slots, an out-of-bounds read; the rewrite has not run on a GPU yet; see "
-    "freesolo/backends/triton/fsb_search.py): use the torch search (FREESOLO_TRITON_FSB_SEARCH=torch, "
-    "the default), or pass allow_unverified=True to time or test it"
-)
-
-
+# History: the first compiled form (session 19) was wrong on the H200 although the interpreter
+# agreed with the torch search bit for bit: on small configs beams lost a slot or two candidates
+# shared one, and one case read out of bounds. It ranked the candidates with [candidates x
+# candidates] comparison tiles. The kernel now takes the beam slot by slot by reductions over one
+# candidate tensor and scalar comparisons (the rerank likewise); on the H200 (session 20) it
+# equals the torch search on every small case at num_warps 1 / 2 / 4 and passes memcheck, and at
+# paper sizes it differs from the torch search only at float32 near-ties (`fsb_audit`,
+# benchmarks/fsb_search_bench.py; logs in benchmarks/results/session_2026-12-01_s20/).
 TRACE_LEVELS = 64  # levels a trace holds (a forest over < 2^63 cells)
 
 
@@ -261,7 +250,6 @@ def fsb_select_cells(
     cfg: FreeSoloConfig,
     return_found: bool = False,
     num_warps: int = 4,
-    allow_unverified: bool = False,
 ):
     """FS-B selection on the Triton search: int64 [B, T, Hq, K] by descending rho (ties larger c), -1 padded.
 
@@ -273,29 +261,25 @@ def fsb_select_cells(
             found cells then the high-norm forest's, each in beam order (-1 = none): the layout
             of the torch backend's `beam_search_forests`.
         num_warps: warps per (query, head) program (a tuning knob: the result does not depend on it).
-        allow_unverified: run on CUDA although the compiled kernel is not verified there
-            (`CUDA_UNVERIFIED`); without it, CUDA inputs raise RuntimeError.
     """
-    return _run(q, k, cfg, return_found, num_warps, allow_unverified, trace=None)
+    return _run(q, k, cfg, return_found, num_warps, trace=None)
 
 
-def trace_search(q, k, cfg: FreeSoloConfig, row: int, i: int, hq: int, num_warps: int = 4, allow_unverified: bool = False):
+def trace_search(q, k, cfg: FreeSoloConfig, row: int, i: int, hq: int, num_warps: int = 4):
     """A debugging aid: the beams of query i, query head hq of batch row `row`, level by level.
 
     Returns (index, key): int64 [2, L, beam] and float32 [2, L, beam] for the two forests (all
     cells, high-norm cells) and the levels from the top (L = TRACE_LEVELS; rows past a forest's
     levels stay -1 / nan): each level's beam in order as (index in level, node key), -1 where a
-    slot is empty. Compare with a float64 emulation of spec §6.4 (benchmarks/fsb_search_debug.py).
+    slot is empty. Compare with a float64 emulation of spec §6.4 (`fsb_audit.emulate_search`).
     """
-    return _run(q, k, cfg, False, num_warps, allow_unverified, trace=(row, i, hq))
+    return _run(q, k, cfg, False, num_warps, trace=(row, i, hq))
 
 
-def _run(q, k, cfg: FreeSoloConfig, return_found: bool, num_warps: int, allow_unverified: bool, trace):
+def _run(q, k, cfg: FreeSoloConfig, return_found: bool, num_warps: int, trace):
     from ..torch.fsb import build_row_forests
 
     _check(q, k, cfg)
-    if q.is_cuda and not allow_unverified:
-        raise RuntimeError(CUDA_UNVERIFIED)
     B, T, Hq, D = q.shape
     Hkv = k.shape[2]
     G = Hq // Hkv
