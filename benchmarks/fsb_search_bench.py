@@ -90,7 +90,7 @@ def main(argv=None) -> int:
             record = _audit(q, k, cfg, sel["triton"], ref, args.audit)
             results.append({"T": T, "provider": "triton", "audit": record})
             print(
-                f"    audit: {record['differing']} differing entries, largest margin among {len(record['differ'])} audited "
+                f"    audit: {record['differing']} differing entries ({record['differing_sets']} as sets), largest margin among {len(record['differ'])} audited "
                 f"{record['max_margin_differ']:.3g}; smallest margin among {len(record['agree'])} random agreeing ones "
                 f"{record['min_margin_agree']:.3g}",
                 flush=True,
@@ -145,9 +145,13 @@ def _audit(q, k, cfg, idx, ref, limit):
     records = {}
     for name, entries in (("differ", differ.nonzero()[:limit].cpu()), ("agree", agree_all[pick])):
         records[name] = near_tie_audit(q, k, cfg, [tuple(int(x) for x in e) for e in entries.tolist()])
+    for r in records["differ"]:  # the two selections at the entry: the same cells in another order, or not
+        a, b = (x[r["row"], r["i"], r["hq"]].tolist() for x in (idx, ref))
+        r.update(triton=a, torch=b, same_set=sorted(a) == sorted(b))
     margins = {name: [r["margin"] for r in rec] for name, rec in records.items()}
     return {
         "differing": int(differ.sum()),
+        "differing_sets": int((torch.sort(idx, -1).values != torch.sort(ref, -1).values).any(-1).sum()),
         "max_margin_differ": max(margins["differ"], default=0.0),
         "min_margin_agree": min(margins["agree"], default=float("inf")),
         **records,

@@ -178,7 +178,8 @@ def test_refuses_bad_input():
 
 def test_audit_margins_zero_at_ties_wide_elsewhere():
     """`near_tie_audit`: integer keys tie exactly (margin 0 at some level); random keys leave wide
-    margins at random entries (so a difference there would be flagged as a defect, not a tie)."""
+    margins at random entries (so a difference there would be flagged as a defect, not a tie), and
+    its float64 selection there is the oracle's."""
     rng = np.random.default_rng(5)
     q = rng.integers(0, 2, (1, 48, 2, 4)).astype(np.float64)
     k = rng.integers(-1, 2, (1, 48, 1, 4)).astype(np.float64)
@@ -189,10 +190,13 @@ def test_audit_margins_zero_at_ties_wide_elsewhere():
     q, k = rng.standard_normal((1, 300, 2, 8)), rng.standard_normal((1, 300, 1, 8))
     cfg = _cfg(k, beam=2, top_k=2)
     qt, kt = (torch.tensor(x, dtype=torch.float32) for x in (q, k))
-    wide = near_tie_audit(qt, kt, cfg, [(0, i, h) for i in (250, 271, 299) for h in range(2)])
+    entries = [(0, i, h) for i in (250, 271, 299) for h in range(2)]
+    wide = near_tie_audit(qt, kt, cfg, entries)
     margins = [r["margin"] for r in wide]
     assert all(np.isfinite(m) for m in margins), "every audited entry must pass a real beam boundary"
     assert np.median(margins) > 1e-3, margins
+    oracle = select_cells_fsb(q, k, cfg)  # the emulation's float64 selection is the oracle's
+    assert [r["selection"] for r in wide] == [oracle[0, i, h].tolist() for _, i, h in entries]
 
 
 CUDA_ONLY = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (paper sizes, bf16 inputs: run on the H200)")

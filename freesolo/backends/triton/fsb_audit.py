@@ -6,7 +6,8 @@ their selections may differ where two candidates' scores are closer than float32
 §13: selections differ only at near-ties). `near_tie_audit` checks that claim entry by entry: for
 a (row, query, head) it replays the search in float64 on the same tables and reports the smallest
 margin the search passed: at each level, the key of the last node kept in the beam minus the key of
-the first node dropped; in the rerank, rho of the K-th found cell minus rho of the (K+1)-th. A
+the first node dropped; in the rerank, the smallest rho gap between consecutive cells among the
+best K + 1 found (the selection's set and its order by rho). A
 selection difference at an entry whose margins are all wide would be a defect, not a tie.
 
 Both functions run on the CPU in float64 from tables built on any device; they are for tests and
@@ -85,29 +86,33 @@ def emulate_search(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig, row: i
     return traces
 
 
-def _rerank_margin(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig, row: int, i: int, hq: int, cells) -> float:
-    """rho (logsumexp over the cell's tokens of q . k / sqrt(D), float64) of the K-th best distinct
-    found cell minus the (K+1)-th's; inf when at most K cells were found."""
+def _rerank(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig, row: int, i: int, hq: int, cells):
+    """Spec §6.5 / §7 in float64 over the found cells: (selection, margin). selection: the top-K
+    distinct cells by (rho desc, c desc), -1 padded, rho = logsumexp over the cell's tokens of
+    q . k / sqrt(D); margin: the smallest rho gap between consecutive cells among the best
+    min(K + 1, found), the gaps that decide the selection's set (K-th vs (K+1)-th) and its order
+    (inf when fewer than two cells were found)."""
     found = sorted(set(c for c in cells if c >= 0))
-    if len(found) <= cfg.top_k:
-        return math.inf
     D = q.shape[3]
     h = hq // (q.shape[2] // k.shape[2])
     qv = q[row, i, hq].float().double().cpu()
-    rho = []
+    scored = []
     for c in found:
         keys = k[row, c * cfg.cell : (c + 1) * cfg.cell, h].float().double().cpu()
-        rho.append(float(torch.logsumexp(keys @ qv * D**-0.5, 0)))
-    rho.sort(reverse=True)
-    return rho[cfg.top_k - 1] - rho[cfg.top_k]
+        scored.append((float(torch.logsumexp(keys @ qv * D**-0.5, 0)), c))
+    scored.sort(key=lambda x: (-x[0], -x[1]))
+    selection = [c for _, c in scored[: cfg.top_k]] + [-1] * max(0, cfg.top_k - len(scored))
+    rho = [r for r, _ in scored[: cfg.top_k + 1]]
+    margin = min((a - b for a, b in zip(rho, rho[1:])), default=math.inf)
+    return selection, margin
 
 
 def near_tie_audit(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig, entries) -> list[dict]:
     """The float64 margins of the FS-B search at each entry (row, i, hq) of `entries`.
 
     Returns one dict per entry: row, i, hq, "beam_margin" (the smallest level margin over both
-    forests), "rerank_margin" (`_rerank_margin` over the float64 beams' cells) and "margin" (the
-    smaller). A float32 search can only disagree with another at an entry whose margin is within
+    forests), "rerank_margin" (`_rerank` over the float64 beams' cells: set and order), "margin"
+    (the smaller) and "selection" (the float64 search's selection, K cells, -1 padded). A float32 search can only disagree with another at an entry whose margin is within
     float32 rounding of the keys (~1e-5 for keys of order 1-10).
     """
     from ..torch.fsb import build_row_forests
@@ -120,7 +125,7 @@ def near_tie_audit(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig, entrie
         margins = [lvl["margin"] for levels in traces for lvl in levels]
         cells = [c for levels in traces if levels for c in levels[-1]["cells"]]
         beam_margin = min(margins, default=math.inf)
-        rerank_margin = _rerank_margin(q, k, cfg, row, i, hq, cells)
+        selection, rerank_margin = _rerank(q, k, cfg, row, i, hq, cells)
         out.append(
             {
                 "row": int(row),
@@ -129,6 +134,7 @@ def near_tie_audit(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig, entrie
                 "beam_margin": beam_margin,
                 "rerank_margin": rerank_margin,
                 "margin": min(beam_margin, rerank_margin),
+                "selection": selection,
             }
         )
     return out
