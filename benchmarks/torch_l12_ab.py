@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 
-__all__ = ["main"]
+__all__ = ["main", "plot"]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -112,6 +112,29 @@ def worker(root: str, lengths: list[int], fsb_max: int, rep: int) -> dict:
     return {"ms": out, "profile_fsl_fwd": prof}
 
 
+def plot(payload: dict, path: str) -> None:
+    """Bars per case: head time / pre time (1 = unchanged; the issue's bar at 1.10), to `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = payload["results"]
+    fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(rows)), 4.2))
+    ratios = [r["head_ms"] / r["pre_ms"] for r in rows]
+    ax.bar(range(len(rows)), ratios, color=["C2" if x <= 1.1 else "C3" for x in ratios])
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.axhline(1.1, color="C3", ls="--", lw=0.8, label="bar: at most +10 %")
+    ax.set_xticks(range(len(rows)), [r["case"] for r in rows], rotation=45, ha="right", fontsize=8)
+    ax.set_ylabel("head / pre-L12 time (median over rounds)")
+    env = payload["env"]
+    ax.set_title(f"torch backend, L12 fix A/B: {env.get('gpu')}, pre {env.get('pre_commit')} vs {payload.get('ran_commit', str(env.get('git_commit'))[:8])}", fontsize=8)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pre", required=False, help="folder holding the pre-fix `freesolo` package")
@@ -122,7 +145,12 @@ def main(argv=None) -> int:
     ap.add_argument("--rep", type=int, default=100, help="do_bench rep (ms)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--plot", default=None, metavar="JSON", help="only draw the PNG of a results JSON (next to it)")
     args = ap.parse_args(argv)
+    if args.plot:
+        with open(args.plot) as f:
+            plot(json.load(f), os.path.splitext(args.plot)[0] + ".png")
+        return 0
     if args.worker:
         print("RESULT " + json.dumps(worker(args.worker, args.lengths, args.fsb_max, args.rep)), flush=True)
         return 0
@@ -173,6 +201,7 @@ def main(argv=None) -> int:
     }
     if args.out:
         write_json(args.out, payload)
+        plot(payload, os.path.splitext(args.out)[0] + ".png")
     return 0
 
 

@@ -54,6 +54,8 @@ from freesolo.backends.torch.attention import READOUT_ENV, READOUT_MODES
 from freesolo.backends.torch.backend import attention as torch_attention
 from gpu_attention import _once_ms, _sync, _versions  # noqa: E402 (benchmarks/ is this script's folder)
 
+__all__ = ["main", "plot"]
+
 LENGTHS = [4096, 16384, 65536]
 MODES = ["auto", "wide", "gather"]
 SHAPE = {"B": 1, "Hq": 16, "Hkv": 16, "D": 64}
@@ -170,7 +172,12 @@ def main(argv=None):
     ap.add_argument("--rep-ms", type=int, default=40, help="do_bench rep (ms)")
     ap.add_argument("--slow-reps", type=int, default=3, help="calls per mode when a call takes 50 ms or more")
     ap.add_argument("--commit", default=None, help="git commit to record (the device copy may have no .git)")
+    ap.add_argument("--plot-only", action="store_true", help="only draw the PNG of the --out JSON (next to it)")
     args = ap.parse_args(argv)
+    if args.plot_only:
+        with open(args.out) as f:
+            plot(json.load(f), os.path.splitext(args.out)[0] + ".png")
+        return
 
     device = torch.device("cpu" if args.dry_run else "cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -252,6 +259,37 @@ def main(argv=None):
     with open(args.out, "w") as f:
         json.dump(payload, f, indent=2)
     print(f"wrote {args.out} ({payload['elapsed_s']:.0f} s)")
+    plot(payload, os.path.splitext(args.out)[0] + ".png")
+
+
+def plot(payload: dict, path: str) -> None:
+    """One panel per (variant, case, what): ms vs T per readout mode (log-log), to `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = list(dict.fromkeys((r["variant"], r["case"], r["what"]) for r in payload["results"] if r["status"] == "ok"))
+    cols = 4
+    rows = -(-len(keys) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3.2 * rows), squeeze=False)
+    for ax, key in zip(axes.flat, keys):
+        recs = sorted((r for r in payload["results"] if (r["variant"], r["case"], r["what"]) == key and r["status"] == "ok"), key=lambda r: r["T"])
+        for n, mode in enumerate(payload["modes"]):
+            pts = [(r["T"], r["ms"][mode]) for r in recs if r["ms"].get(mode)]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=mode, color=f"C{n}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(" ".join(key), fontsize=9)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(keys) :]:
+        ax.axis("off")
+    fig.suptitle(f"torch readout modes: {payload['env'].get('gpu')}, ms (median)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
