@@ -46,7 +46,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 65536])
     ap.add_argument("--providers", nargs="+", default=["torch", "torch_chunk", "triton"])
-    ap.add_argument("--warps", type=int, nargs="*", default=[], help="also time the Triton search at these num_warps (providers triton_w<n>)")
+    ap.add_argument(
+        "--warps",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also time the Triton search at these num_warps (providers triton_w<n>)",
+    )
     ap.add_argument("--rep", type=int, default=100, help="do_bench rep (ms) for calls under 50 ms")
     ap.add_argument("--audit", type=int, default=16, help="differing entries audited per length (0: none)")
     ap.add_argument("--out", default=None)
@@ -56,7 +62,11 @@ def main(argv=None) -> int:
     dtype = torch.float32 if args.dry_run else torch.bfloat16
     lengths = [64] if args.dry_run else args.lengths
     shape = {"B": 1, "Hq": 2, "Hkv": 1, "D": 16} if args.dry_run else SHAPE
-    base = FreeSoloConfig(variant="fsb", window=16, cell=4, block=8, beam=4) if args.dry_run else FreeSoloConfig(variant="fsb")
+    base = (
+        FreeSoloConfig(variant="fsb", window=16, cell=4, block=8, beam=4)
+        if args.dry_run
+        else FreeSoloConfig(variant="fsb")
+    )
     calls = {
         "torch": lambda q, k, cfg: torch_select(q, k, cfg),
         "torch_chunk": lambda q, k, cfg: _in_one_chunk(q, k, cfg),
@@ -99,7 +109,9 @@ def main(argv=None) -> int:
         "env": _versions(device),
         "dtype": str(dtype).replace("torch.", ""),
         "shape": shape,
-        "freesolo_config": {k: getattr(base, k) for k in ("window", "cell", "block", "beam", "top_k", "leaf_order", "radius_weight")},
+        "freesolo_config": {
+            k: getattr(base, k) for k in ("window", "cell", "block", "beam", "top_k", "leaf_order", "radius_weight")
+        },
         "timing": "median ms: triton.testing.do_bench under 50 ms per call, else the median of 3 calls",
         "results": results,
     }
@@ -128,7 +140,9 @@ def _plot(payload, path):
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     shape = payload["shape"]
-    ax.set_title(f"{payload['env'].get('gpu')}: B {shape['B']}, H {shape['Hq']}, D {shape['D']}, {payload['dtype']}", fontsize=9)
+    ax.set_title(
+        f"{payload['env'].get('gpu')}: B {shape['B']}, H {shape['Hq']}, D {shape['D']}, {payload['dtype']}", fontsize=9
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")

@@ -15,8 +15,6 @@ import freesolo
 
 
 def decode():
-    import os
-
     from freesolo import FreeSoloCache
     from freesolo.streaming.torch_state import DecodeTiles
 

@@ -36,11 +36,9 @@ Usage (repository root):
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -48,11 +46,12 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from gpu_attention import _once_ms, _sync, _versions  # noqa: E402 (benchmarks/ is this script's folder)
+
 import freesolo
 from freesolo.backends.torch._ops import cell_stats
 from freesolo.backends.torch.attention import READOUT_ENV, READOUT_MODES
 from freesolo.backends.torch.backend import attention as torch_attention
-from gpu_attention import _once_ms, _sync, _versions  # noqa: E402 (benchmarks/ is this script's folder)
 
 __all__ = ["main", "plot"]
 

@@ -45,7 +45,7 @@ def emulate_search(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig, row: i
     """
     from ..torch.fsb import build_row_forests
 
-    T, Hq, D = q.shape[1], q.shape[2], q.shape[3]
+    Hq, D = q.shape[2], q.shape[3]
     h = hq // (Hq // k.shape[2])
     if forests is None:
         forests = build_row_forests(k[row : row + 1].float().permute(0, 2, 1, 3).contiguous(), cfg, outward=True)
@@ -120,7 +120,9 @@ def near_tie_audit(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig, entrie
     out, forests = [], {}
     for row, i, hq in entries:
         if row not in forests:
-            forests[row] = build_row_forests(k[row : row + 1].float().permute(0, 2, 1, 3).contiguous(), cfg, outward=True)
+            forests[row] = build_row_forests(
+                k[row : row + 1].float().permute(0, 2, 1, 3).contiguous(), cfg, outward=True
+            )
         traces = emulate_search(q, k, cfg, row, i, hq, forests=forests[row])
         margins = [lvl["margin"] for levels in traces for lvl in levels]
         cells = [c for levels in traces if levels for c in levels[-1]["cells"]]
