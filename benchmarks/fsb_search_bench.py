@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from gpu_attention import _tau, _versions, bench_ms, write_json  # noqa: E402 (benchmarks/ is this script's folder)
+from gpu_attention import _tau, _versions, bench_ms, plot_lines, write_json  # noqa: E402 (benchmarks/ is this script's folder)
 
 from freesolo import FreeSoloConfig  # noqa: E402
 from freesolo.backends.torch import select_cells as torch_select  # noqa: E402
@@ -123,29 +123,11 @@ def main(argv=None) -> int:
 
 def _plot(payload, path):
     """Selection time vs T per provider (log-log), written to `path`."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4.2))
-    providers = list(dict.fromkeys(r["provider"] for r in payload["results"] if "ms" in r))
-    for n, name in enumerate(providers):
-        pts = sorted((r["T"], r["ms"]) for r in payload["results"] if r["provider"] == name and "ms" in r)
-        ax.plot(*zip(*pts), marker="o", label=name, color=f"C{n}")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("T")
-    ax.set_ylabel("FS-B selection, ms (median)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    rows = [r for r in payload["results"] if "ms" in r]
+    series = {name: [(r["T"], r["ms"]) for r in rows if r["provider"] == name] for name in dict.fromkeys(r["provider"] for r in rows)}
     shape = payload["shape"]
-    ax.set_title(
-        f"{payload['env'].get('gpu')}: B {shape['B']}, H {shape['Hq']}, D {shape['D']}, {payload['dtype']}", fontsize=9
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
+    title = f"{payload['env'].get('gpu')}: B {shape['B']}, H {shape['Hq']}, D {shape['D']}, {payload['dtype']}"
+    plot_lines(series, path, "T", "FS-B selection, ms (median)", title)
 
 
 def _audit(q, k, cfg, idx, ref, limit):

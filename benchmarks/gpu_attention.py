@@ -274,6 +274,31 @@ def write_json(path, payload: dict) -> None:
     print(f"wrote {path}")
 
 
+def plot_lines(series: dict, path: str, xlabel: str, ylabel: str, title: str) -> None:
+    """A log-log line plot (x in powers of two) of {label: [(x, y), ...]} to `path`, and say so."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    for n, (label, pts) in enumerate(series.items()):
+        pts = sorted(p for p in pts if p[1] is not None)
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=label, color=f"C{n}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
 def _finite(x):
     """x with every non-finite float replaced by None (dicts, lists and tuples walked)."""
     if isinstance(x, float):

@@ -2,8 +2,8 @@
 # One H200 call that measures and checks what a session changed (run from the repository root with
 # $OUT set). Every step has its own timeout so that a slow step cannot starve the rest; everything
 # lands in $OUT/session.tar (the device returns at most 8 files) plus $OUT/summary.txt.
-# STEPS picks the steps (default: the next session's first call, issue 12's FS-B search check and issue 9's A/B: about 250 s
-# of work measured in session 19; their timeouts sum to 710 s, so pass timeout_s 600 and read summary.txt):
+# STEPS picks the steps (default: session 20's last call, the Triton FS-B decode search's CUDA tests and timing; pass
+# timeout_s 600 and read summary.txt):
 #   tests_split  CUDA tests of the Triton forward / backward / API / L11-L12 with the split long kernel
 #                (FREESOLO_TRITON_LONG_BLOCK=64 FREESOLO_TRITON_MAXNREG=128: the proposed 16-bit default)
 #   sanitize     compute-sanitizer memcheck and racecheck of every Triton kernel (benchmarks/sanitize_triton.py)
@@ -22,12 +22,14 @@
 #   l12_ab       issue 9: the torch backend before the L12 fix (.ab/pre_l12, carried) against HEAD, same run
 #   fsb_long     issue 12: the Triton FS-B search alone at 256k and 1M
 #   fsb_prefill  issue 12: triton_fsb (Triton search) against triton_fs, forward, 64k ... 1M (gpu_attention.py)
+#   tests_fsbd   issue 12: CUDA tests touched by the Triton FS-B decode search (FS-B search, models, caches, decode)
+#   fsb_decode   issue 12: FS-B decode step, torch search vs Triton search vs SDPA, 4k ... 1M (fsb_decode_bench.py)
 set -u
 OUT=${OUT:-/tmp/session_out}
 W=/tmp/session_work
 mkdir -p "$OUT" "$W"
 export PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=ci PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-STEPS=${STEPS:-"tests_fsb fsb_debug fsb_bench fsb_long l12_ab"}
+STEPS=${STEPS:-"tests_fsbd fsb_decode"}
 SPLIT=(env FREESOLO_TRITON_LONG_BLOCK=64 FREESOLO_TRITON_MAXNREG=128)
 step() {  # step NAME SECONDS COMMAND...: run with a timeout, log to $W/NAME.log, one summary line
   local name=$1 secs=$2; shift 2
@@ -51,6 +53,8 @@ step l12_ab 170 python3 benchmarks/torch_l12_ab.py --pre .ab/pre_l12 ${L12_AB_AR
 step bwd_64k 100 "${SPLIT[@]}" python3 benchmarks/triton_backward_bench.py --lengths 65536 --no-profile --rep 30 --out "$W/triton_backward_64k.json"
 step fsb_long 90 python3 benchmarks/fsb_search_bench.py --providers triton --lengths 262144 1048576 --out "$W/fsb_search_long.json"
 step fsb_prefill 150 env FREESOLO_TRITON_FSB_SEARCH=triton "${SPLIT[@]}" python3 benchmarks/gpu_attention.py --providers triton_fsb triton_fs --shapes H16-D64 --modes fwd --lengths 65536 131072 262144 524288 1048576 --budget-s 130 --out "$W" --tag _fsb_prefill
+step tests_fsbd 150 bash -c "python3 -m pytest -q -n ${NPROC:-8} -p no:benchmark proofs_tests/test_triton_fsb_search.py; python3 -m pytest -q -n ${NPROC:-8} -p no:benchmark -k 'cuda or gpu' proofs_tests/test_models.py proofs_tests/test_cache_gpu.py proofs_tests/test_triton_decode.py"
+step fsb_decode 200 python3 benchmarks/fsb_decode_bench.py --out "$W/fsb_decode.json"
 step fsb_probe 45 python3 benchmarks/fsb_eval_probe.py --lengths 4096 32768
 step torch_ab 160 python3 benchmarks/torch_readout_ab.py --out "$W/torch_readout_ab.json"
 step bwd_split 60 "${SPLIT[@]}" python3 benchmarks/triton_backward_bench.py --lengths 4096 16384 65536 --no-api --no-profile --rep 30 --out "$W/triton_backward_split.json"

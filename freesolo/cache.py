@@ -66,6 +66,9 @@ class FreeSoloCache:
             default), "triton" (one fused Triton kernel per step, two for FS:
             `freesolo.backends.triton.decode`; CUDA, or CPU under TRITON_INTERPRET=1), or "auto"
             (triton on CUDA when triton imports and the dtype is float32 / bfloat16 / float16).
+            FS-B: "triton" runs the step's beam search and rerank as one Triton launch
+            (`freesolo.backends.triton.fsb_search.decode_select_cells`), the window and the readout
+            as torch ops; its block boundaries still sync the host (not a CUDA-graph path).
             Chunks of n > 1 tokens and block boundaries always run torch ops.
         decode_tiles: torch backend, fused step: a `freesolo.streaming.torch_state.DecodeTiles`
             (how the step's work is split across programs; default `DecodeTiles()`; its
@@ -130,9 +133,9 @@ class FreeSoloCache:
             if dtype is not None and not getattr(dtype, "is_floating_point", False):
                 raise TypeError(f"dtype={dtype!r} must be a torch floating dtype")
             if cfg.variant == "fsb":
-                if decode_kernel == "triton":
-                    raise ValueError("decode_kernel='triton' implements variants 'fs' and 'fsl', not 'fsb'")
-                self._state = TorchFsbDeviceState(cfg, B, Hq, Hkv, D, dtype=dtype, device=device)
+                if decode_tiles is not None:
+                    raise ValueError("decode_tiles configures the fused FS / FS-L step; FS-B has none (leave it None)")
+                self._state = TorchFsbDeviceState(cfg, B, Hq, Hkv, D, dtype=dtype, device=device, decode_kernel=decode_kernel)
             else:
                 self._state = TorchCacheState(
                     cfg, B, Hq, Hkv, D, dtype=dtype, device=device, decode_kernel=decode_kernel,

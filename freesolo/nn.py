@@ -323,7 +323,7 @@ class FreeSoloAttention(_Projections):
             dtype = self.q_proj.weight.dtype if dtype is None else dtype
             device = self.q_proj.weight.device if device is None else device
             if decode_kernel is None:
-                decode_kernel = "auto" if self.backend == "triton" and self.cfg.variant != "fsb" else "torch"
+                decode_kernel = "auto" if self.backend == "triton" else "torch"
             if decode_kernel != "torch":
                 kwargs["decode_kernel"] = decode_kernel
         elif decode_kernel not in (None, "torch"):

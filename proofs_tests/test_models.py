@@ -458,10 +458,11 @@ def test_torch_compile_cuda(backend, attention):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the triton backend and its fused decode step run on CUDA")
-@pytest.mark.parametrize("attention", ["fsl", "fs"])
+@pytest.mark.parametrize("attention", ["fsl", "fs", "fsb"])
 def test_generate_triton_cuda(attention):
-    """On the GPU, backend='triton' (prefill: the parallel op; decode: the cache's fused Triton step):
-    greedy tokens equal the uncached forward's argmax, logits within float32 tolerance."""
+    """On the GPU, backend='triton' (prefill: the parallel op; decode: the cache's fused Triton step,
+    FS-B: the Triton decode search): greedy tokens equal the uncached forward's argmax, logits
+    within float32 tolerance."""
     if "triton" not in freesolo.available_backends():
         pytest.fail("the triton backend is not available on this CUDA machine")
     model = make_lm(attention, backend="triton").cuda()

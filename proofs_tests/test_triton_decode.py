@@ -395,8 +395,13 @@ def test_decode_kernel_errors():
         FreeSoloCache(cfg, 1, 2, 1, 8, backend="torch", decode_kernel="fast")
     with pytest.raises(ValueError, match="needs backend='torch'"):
         FreeSoloCache(cfg, 1, 2, 1, 8, backend="numpy", decode_kernel="triton")
-    with pytest.raises(ValueError, match="not 'fsb'"):
-        FreeSoloCache(cfg.replace(variant="fsb", tau=1.0), 1, 2, 1, 8, backend="torch", decode_kernel="triton")
+    fsb = cfg.replace(variant="fsb", tau=1.0)
+    with pytest.raises(ValueError, match="FS-B has none"):
+        FreeSoloCache(fsb, 1, 2, 1, 8, backend="torch", decode_kernel="triton", decode_tiles=DecodeTiles())
+    with pytest.raises(ValueError, match="decode_kernel='fast'"):
+        FreeSoloCache(fsb, 1, 2, 1, 8, backend="torch", decode_kernel="fast")
+    fsb_auto = FreeSoloCache(fsb, 1, 2, 1, 8, backend="torch", decode_kernel="auto", dtype=torch.float32, device="cpu")
+    assert fsb_auto.state._triton_search is False, "auto must pick the torch search off CUDA"
     with pytest.raises(ValueError, match="dtype=torch.float64"):
         FreeSoloCache(cfg, 1, 2, 1, 8, backend="torch", decode_kernel="triton", dtype=torch.float64, device="cpu")
     auto = FreeSoloCache(cfg, 1, 2, 1, 8, backend="torch", decode_kernel="auto", dtype=torch.float32, device="cpu")

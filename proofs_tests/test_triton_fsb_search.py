@@ -254,3 +254,30 @@ def test_backend_switch(monkeypatch):
     monkeypatch.setenv(FSB_SEARCH_ENV, "cuda")
     with pytest.raises(ValueError, match="must be 'torch' or 'triton'"):
         freesolo.select_cells(qt, kt, cfg, backend="triton")
+
+
+@pytest.mark.parametrize("Hq, Hkv", [(2, 2), (4, 2)])
+def test_decode_search_equals_torch_search(Hq, Hkv):
+    """FS-B decode (spec §9) with the Triton search (`decode_select_cells`, decode_kernel="triton")
+    == the torch search's decode, step by step (outputs bitwise: same selection, same readout ops),
+    from a chunked prefill through several block boundaries (forests growing, high-norm counts
+    differing between rows); a float64 state refuses the Triton search."""
+    from freesolo import FreeSoloCache
+
+    rng = np.random.default_rng(11)
+    B, T, D, T0 = 2, 72, 8, 30
+    q, k, v = (rng.standard_normal((B, T, h, D)) for h in (Hq, Hkv, Hkv))
+    k[1] *= 1.5  # the rows' high-norm forests grow at different rates
+    cfg = _cfg(k, beam=3, top_k=2, window=8)
+    qt, kt, vt = _tensors(q, k, v)
+    outs = {}
+    for kernel in ("torch", "triton"):
+        cache = FreeSoloCache(cfg, B, Hq, Hkv, D, backend="torch", dtype=torch.float32, device=DEVICE, decode_kernel=kernel)
+        assert cache._state._triton_search == (kernel == "triton")
+        steps = [cache.extend(qt[:, :T0], kt[:, :T0], vt[:, :T0])]
+        steps += [cache.extend(qt[:, i : i + 1], kt[:, i : i + 1], vt[:, i : i + 1]) for i in range(T0, T)]
+        outs[kernel] = torch.cat(steps, dim=1)
+    assert torch.isfinite(outs["torch"]).all()
+    torch.testing.assert_close(outs["triton"], outs["torch"], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="accumulates in float32"):
+        FreeSoloCache(cfg, B, Hq, Hkv, D, backend="torch", dtype=torch.float64, device=DEVICE, decode_kernel="triton")

@@ -87,8 +87,9 @@ def run_decode(args) -> int:
 
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         dtype = getattr(torch, args.dtype)
-        kernel = args.decode_kernel if cfg.variant != "fsb" else "torch"
-        cache = FreeSoloCache(cfg, B, Hq, Hkv, D, backend="torch", dtype=dtype, device=device, decode_kernel=kernel)
+        cache = FreeSoloCache(
+            cfg, B, Hq, Hkv, D, backend="torch", dtype=dtype, device=device, decode_kernel=args.decode_kernel
+        )
         gen = torch.Generator(device=device).manual_seed(args.seed)
 
         def make(n, h):

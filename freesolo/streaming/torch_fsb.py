@@ -31,9 +31,11 @@ from ..backends.torch.fsb import tree_nodes as _nodes
 from ..backends.torch.selection import topk_cells
 from ..config import FreeSoloConfig
 from ..reference.forest import hyperplanes
-from .torch_state import TorchCacheState, _gather_cells
+from .torch_state import DECODE_KERNELS, TorchCacheState, _gather_cells
 
 __all__ = ["ForestTable", "TorchFsbDeviceState"]
+
+_BASE_TABLES: dict = {}  # (capacity, device) -> ForestTable.base_tensor's int64 table
 
 
 class ForestTable:
@@ -97,10 +99,20 @@ class ForestTable:
                     getattr(self, name)[:, :, dst : dst + built[name].shape[2]] = built[name]
             self.valid[h] = n_min >> h
 
+    def base_tensor(self) -> torch.Tensor:
+        """int64 [log2(cap) + 2] on the device: flat id of tree 0 of height h. A constant of the
+        capacity, made once per (capacity, device) and shared (`_BASE_TABLES`: not state)."""
+        key = (self.cap, str(self.device))
+        table = _BASE_TABLES.get(key)
+        if table is None:
+            heights = range(self.cap.bit_length() + 1)
+            table = torch.tensor([self.base(h) for h in heights], dtype=torch.int64, device=self.device)
+            _BASE_TABLES[key] = table
+        return table
+
     def node_table(self, n_max: int) -> NodeTable:
         """The backend's NodeTable view (trees up to the height of n_max elements)."""
-        base = torch.tensor([self.base(h) for h in range(self.cap.bit_length() + 1)], device=self.device)
-        return NodeTable(self.mu, self.rad, self.A, self.e, self.cell, base, n_max.bit_length() - 1)
+        return NodeTable(self.mu, self.rad, self.A, self.e, self.cell, self.base_tensor(), n_max.bit_length() - 1)
 
     def tensors(self, prefix: str) -> dict:
         return {f"{prefix}.{name}": getattr(self, name) for name in _FIELDS}
@@ -111,8 +123,21 @@ class TorchFsbDeviceState(TorchCacheState):
 
     variants = ("fsb",)
 
+    def __init__(self, cfg: FreeSoloConfig, batch: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 dtype: Optional[torch.dtype] = None, device=None, decode_kernel: str = "torch"):  # fmt: skip
+        """decode_kernel: the search of one-token steps: "torch" (`beam_search`, torch ops),
+        "triton" (`backends.triton.fsb_search.decode_select_cells`: one launch for the search and
+        the rerank of every (row, query head); CUDA, or CPU under TRITON_INTERPRET=1; float32
+        accumulation, i.e. storage float32 / bfloat16 / float16) or "auto" (triton on CUDA with
+        float32 accumulation, torch otherwise). Chunks of n > 1 tokens search with torch ops."""
+        if decode_kernel not in DECODE_KERNELS:
+            raise ValueError(f"decode_kernel={decode_kernel!r} must be one of {DECODE_KERNELS}")
+        self.search_kernel = decode_kernel  # before the base class allocates (dtype and device given)
+        super().__init__(cfg, batch, num_heads, num_kv_heads, head_dim, dtype=dtype, device=device)
+
     def allocate(self, dtype: torch.dtype, device) -> None:
         super().allocate(dtype, device)
+        self._triton_search = self._resolve_search_kernel()
         cfg, B, Hkv, D = self.cfg, self.B, self.Hkv, self.D
         self.tau = torch.as_tensor(cfg.tau_array(Hkv), dtype=torch.float64, device=self.device)  # [Hkv]
         self.planes = torch.as_tensor(hyperplanes(cfg.hash_seed, Hkv, cfg.hash_bits, D), device=self.device)
@@ -123,6 +148,27 @@ class TorchFsbDeviceState(TorchCacheState):
         self.n_high_range = (0, 0)  # host copy of (min, max) of n_high
         self.forest_all = ForestTable(B, Hkv, D, self.acc, self.device)
         self.forest_high = ForestTable(B, Hkv, D, self.acc, self.device)
+
+    def _resolve_search_kernel(self) -> bool:
+        """True when one-token steps search with the Triton kernel (after allocation: device known)."""
+        from ..backends.triton.backend import interpreting
+
+        if self.search_kernel == "torch":
+            return False
+        reasons = []
+        if self.acc != torch.float32:
+            reasons.append(f"dtype={self.dtype}: the Triton FS-B search accumulates in float32")
+        if self.device.type != "cuda" and not interpreting():
+            reasons.append(f"device={self.device}: Triton needs CUDA (or TRITON_INTERPRET=1 on CPU tensors)")
+        try:
+            import triton  # noqa: F401
+        except ImportError as error:
+            reasons.append(f"triton does not import: {error}")
+        if self.search_kernel == "auto":
+            return not reasons and self.device.type == "cuda"
+        if reasons:
+            raise ValueError("decode_kernel='triton' (FS-B search): " + "; ".join(reasons))
+        return True
 
     def buffers(self) -> dict:
         out = super().buffers()
@@ -191,6 +237,29 @@ class TorchFsbDeviceState(TorchCacheState):
         cfg, B, Hkv, G, D, s, K = self.cfg, self.B, self.Hkv, self.group, self.D, self.cfg.cell, self.cfg.top_k
         n = positions.shape[0]
         scale = 1.0 / math.sqrt(D)
+        if n == 1 and self._triton_search:
+            from ..backends.triton.fsb_search import decode_select_cells
+
+            chosen = decode_select_cells(self, qg.view(B, Hkv, G, D), n_avail).view(B, Hkv, G, 1, K)
+        else:
+            chosen = self._search(qg, positions, n_avail)  # (B, Hkv, G, n, K) cell ids (= slots), -1 padded
+        flat = chosen.clamp(min=0).reshape(B, Hkv, G * n * K)
+        N = B * Hkv * G * n
+        sel_k = _gather_cells(self.cell_k, flat).reshape(N, 1, K * s, D)
+        sel_v = _gather_cells(self.cell_v, flat).reshape(N, 1, K * s, D)
+        valid = (chosen >= 0).reshape(N, K, 1).expand(N, K, s).reshape(N, 1, 1, K * s)
+        has = valid.any(dim=-1, keepdim=True)  # (N, 1, 1, 1)
+        mask = valid | ~has  # rows without a cell attend to anything, then are zeroed
+        o_long = F.scaled_dot_product_attention(qg.reshape(N, 1, 1, D), sel_k, sel_v, attn_mask=mask, scale=scale)
+        o_long = torch.where(has, o_long, torch.zeros_like(o_long))
+        return o_long.to(self.acc).view(B, Hkv, G, n, D)
+
+    def _search(self, qg: torch.Tensor, positions: torch.Tensor, n_avail: int) -> torch.Tensor:
+        """The torch search: both forests' beams (`beam_search`), reranked by rho, top-K by (rho
+        desc, c desc). qg [B, Hkv, G*n, D] -> chosen cells int64 [B, Hkv, G, n, K], -1 padded."""
+        cfg, B, Hkv, G, D, s, K = self.cfg, self.B, self.Hkv, self.group, self.D, self.cfg.cell, self.cfg.top_k
+        n = positions.shape[0]
+        scale = 1.0 / math.sqrt(D)
         qc = qg.to(self.acc).view(B, Hkv, G, 1, n, D)  # (B, Hkv, G, nb=1, n, D)
         qn = torch.linalg.vector_norm(qc, dim=-1)
         pos = positions.to(self.acc).view(1, n)
@@ -210,17 +279,7 @@ class TorchFsbDeviceState(TorchCacheState):
         keys = keys.view(B, Hkv, G, n, U, s, D).to(self.acc)
         logits = torch.einsum("bhgnd,bhgnusd->bhgnus", qc.view(B, Hkv, G, n, D), keys) * scale
         rho = torch.logsumexp(logits, dim=-1).masked_fill(~ok, float("-inf"))
-        chosen = topk_cells(rho, cells, K)  # (B, Hkv, G, n, K) cell ids (= slots), -1 padded
-        flat = chosen.clamp(min=0).reshape(B, Hkv, G * n * K)
-        N = B * Hkv * G * n
-        sel_k = _gather_cells(self.cell_k, flat).reshape(N, 1, K * s, D)
-        sel_v = _gather_cells(self.cell_v, flat).reshape(N, 1, K * s, D)
-        valid = (chosen >= 0).reshape(N, K, 1).expand(N, K, s).reshape(N, 1, 1, K * s)
-        has = valid.any(dim=-1, keepdim=True)  # (N, 1, 1, 1)
-        mask = valid | ~has  # rows without a cell attend to anything, then are zeroed
-        o_long = F.scaled_dot_product_attention(qg.reshape(N, 1, 1, D), sel_k, sel_v, attn_mask=mask, scale=scale)
-        o_long = torch.where(has, o_long, torch.zeros_like(o_long))
-        return o_long.to(self.acc).view(B, Hkv, G, n, D)
+        return topk_cells(rho, cells, K)  # (B, Hkv, G, n, K) cell ids (= slots), -1 padded
 
     def state_dict(self) -> dict:
         out = super().state_dict()

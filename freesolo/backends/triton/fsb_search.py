@@ -31,7 +31,7 @@ import triton.language as tl
 from ...config import FreeSoloConfig
 from . import _common  # noqa: F401  (its import patches the interpreter's dynamic loop bounds for NumPy >= 2.4)
 
-__all__ = ["MAX_BEAM", "TRACE_LEVELS", "fsb_select_cells", "trace_search"]
+__all__ = ["MAX_BEAM", "TRACE_LEVELS", "decode_select_cells", "fsb_select_cells", "trace_search"]
 
 MAX_BEAM = 64  # the frontier lives in registers: [2 * beam, D] node tiles, beam slots filled one at a time
 _BIG = tl.constexpr(2**62)  # the index in level of an invalid candidate (after every real one)
@@ -135,6 +135,37 @@ def _search_forest(n, base_ptr, q, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, 
 
 
 @triton.jit
+def _rerank(found_all, found_high, q, k_ptr, row0, scale, D, BLOCK_D: tl.constexpr, CELL: tl.constexpr,
+            WP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr):  # fmt: skip
+    """Spec §6.5 / §7: the found cells of both forests (int64 [WP] each, -1 = none), each cell once,
+    by rho = logsumexp over its CELL tokens of scale * q . k; top-K by (rho desc, c desc), -1
+    padded: int64 [KP]. Cell c's token t is row row0 + c * CELL + t of k_ptr (rows of D; any
+    float dtype, read as float32)."""
+    d = tl.arange(0, BLOCK_D)
+    cand = tl.reshape(tl.join(found_all, found_high), [2 * WP])
+    ok = cand >= 0  # a cell found by both forests sits in two lanes: the selection below takes it once
+    tok = tl.arange(0, CELL)
+    logits = tl.zeros([2 * WP, CELL], dtype=tl.float32)
+    krow0 = row0 + tl.where(ok, cand, 0) * CELL  # first token row of each candidate cell
+    for t in range(CELL):
+        kt = tl.load(k_ptr + (krow0 + t)[:, None] * D + d[None, :], mask=ok[:, None] & (d[None, :] < D), other=0.0)
+        logits = tl.where(tok[None, :] == t, (tl.sum(kt.to(tl.float32) * q[None, :], 1) * scale)[:, None], logits)
+    m = tl.max(logits, 1)
+    rho = m + tl.log(tl.sum(tl.exp(logits - m[:, None]), 1))
+    rho = tl.where(ok, rho, float("-inf"))
+    # top-K by (rho desc, c desc): K times the best remaining lane, by reductions and scalar
+    # comparisons (no rank tile); taking a cell drops every lane holding it
+    kk = tl.arange(0, KP)
+    picked = tl.full([KP], -1, dtype=tl.int64)
+    for r in range(K):
+        best = tl.max(tl.where(ok, rho, float("-inf")), 0)
+        best_c = tl.max(tl.where(ok & (rho == best), cand, -1), 0)
+        picked = tl.where(kk == r, best_c, picked)  # -1 once no cell is left
+        ok = ok & (cand != best_c)
+    return picked
+
+
+@triton.jit
 def _fsb_search_kernel(
     q_ptr,  # fp32 [Hq, T, D]: one row, heads first (query head hq = h * G + g)
     k_ptr,  # fp32 [Hkv, T, D]
@@ -196,28 +227,51 @@ def _fsb_search_kernel(
         slots = tl.arange(0, WP)
         tl.store(found_ptr + (hq * T + i) * (2 * W) + slots, found_all, mask=slots < W)
         tl.store(found_ptr + (hq * T + i) * (2 * W) + W + slots, found_high, mask=slots < W)
-    # rerank: the found cells of both forests, each cell once, by rho = logsumexp of its token logits
-    cand = tl.reshape(tl.join(found_all, found_high), [2 * WP])
-    ok = cand >= 0  # a cell found by both forests sits in two lanes: the selection below takes it once
-    tok = tl.arange(0, CELL)
-    logits = tl.zeros([2 * WP, CELL], dtype=tl.float32)
-    krow0 = h * T + tl.where(ok, cand, 0) * CELL  # first token row of each candidate cell
-    for t in range(CELL):
-        kt = tl.load(k_ptr + (krow0 + t)[:, None] * D + d[None, :], mask=ok[:, None] & (d[None, :] < D), other=0.0)
-        logits = tl.where(tok[None, :] == t, (tl.sum(kt * q[None, :], 1) * scale)[:, None], logits)
-    m = tl.max(logits, 1)
-    rho = m + tl.log(tl.sum(tl.exp(logits - m[:, None]), 1))
-    rho = tl.where(ok, rho, float("-inf"))
-    # top-K by (rho desc, c desc): K times the best remaining lane, by reductions and scalar
-    # comparisons (no rank tile); taking a cell drops every lane holding it
+    picked = _rerank(found_all, found_high, q, k_ptr, h * T, scale, D, BLOCK_D, CELL, WP, K, KP)
     kk = tl.arange(0, KP)
-    picked = tl.full([KP], -1, dtype=tl.int64)
-    for r in range(K):
-        best = tl.max(tl.where(ok, rho, float("-inf")), 0)
-        best_c = tl.max(tl.where(ok & (rho == best), cand, -1), 0)
-        picked = tl.where(kk == r, best_c, picked)  # -1 once no cell is left
-        ok = ok & (cand != best_c)
     tl.store(out_ptr + (hq * T + i) * K + kk, picked, mask=kk < K)
+
+
+@triton.jit
+def _fsb_decode_search_kernel(
+    q_ptr,  # fp32 [B, Hq, D]: the step's unrotated queries (query head hq = h * G + g)
+    pos_ptr,  # int64 []: the step's position (read on the device: no host sync)
+    k_ptr,  # [B, Hkv, S, CELL, D] (storage dtype): the archive's raw keys, slot = cell id
+    mu_a_ptr, rad_a_ptr, a_a_ptr, e_a_ptr, cell_a_ptr, base_a_ptr,  # the all-cells forest (ForestTable)
+    mu_h_ptr, rad_h_ptr, a_h_ptr, e_h_ptr, cell_h_ptr, base_h_ptr,  # the high-norm forest
+    n_high_ptr,  # int64 [B, Hkv]: elements of each row's high-norm forest
+    sigma_ptr, lam_ptr,  # fp32 [Hq]
+    out_ptr,  # int64 [B, Hq, K]
+    n_all, S, Na, Nh, Hkv, G, scale, radius_weight, two_cell, D,
+    BLOCK_D: tl.constexpr, CELL: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, K: tl.constexpr,
+    KP: tl.constexpr,
+):  # fmt: skip
+    """One decode step's FS-B search + rerank, one program per (row, query head): both forests of
+    the streaming state (`streaming.torch_fsb`) searched by `_search_forest`, the found cells
+    reranked by `_rerank`; the same code as the prefill kernel's, on the state's tables."""
+    bh = tl.program_id(0).to(tl.int64)  # b * Hq + hq
+    b = bh // (Hkv * G)
+    hq = bh % (Hkv * G)
+    h = hq // G
+    d = tl.arange(0, BLOCK_D)
+    q = tl.load(q_ptr + bh * D + d, mask=d < D, other=0.0)
+    qnorm = tl.sqrt(tl.sum(q * q, 0))
+    pos = tl.load(pos_ptr).to(tl.float32)
+    sig = tl.load(sigma_ptr + hq)
+    lm = tl.load(lam_ptr + hq)
+    plane = b * Hkv + h
+    n_high = tl.load(n_high_ptr + plane)
+    n_all = n_all.to(tl.int64)  # as the prefill's (a host int arrives as int32)
+    no_trace = bh < 0  # TRACE is off: nothing is stored
+    found_all = _search_forest(n_all, base_a_ptr, q, qnorm, pos, sig, lm, plane * Na, mu_a_ptr, rad_a_ptr, a_a_ptr,
+                               e_a_ptr, cell_a_ptr, scale, radius_weight, two_cell, D, Na, out_ptr, out_ptr, no_trace,
+                               BLOCK_D, W, WP, False)  # fmt: skip
+    found_high = _search_forest(n_high, base_h_ptr, q, qnorm, pos, sig, lm, plane * Nh, mu_h_ptr, rad_h_ptr, a_h_ptr,
+                                e_h_ptr, cell_h_ptr, scale, radius_weight, two_cell, D, Nh, out_ptr, out_ptr,
+                                no_trace, BLOCK_D, W, WP, False)  # fmt: skip
+    picked = _rerank(found_all, found_high, q, k_ptr, plane * S * CELL, scale, D, BLOCK_D, CELL, WP, K, KP)
+    kk = tl.arange(0, KP)
+    tl.store(out_ptr + bh * K + kk, picked, mask=kk < K)
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig) -> None:
@@ -320,3 +374,33 @@ def _run(q, k, cfg: FreeSoloConfig, return_found: bool, num_warps: int, trace):
             TRACE_LEVELS=TRACE_LEVELS, num_warps=num_warps,
         )  # fmt: skip
     return result()
+
+
+def decode_select_cells(state, qg: torch.Tensor, n_avail: int, num_warps: int = 1) -> torch.Tensor:
+    """FS-B selection of one decode step on the streaming state's forests (one launch, no host sync).
+
+    Args:
+        state: a `freesolo.streaming.torch_fsb.TorchFsbDeviceState` (float32 accumulation) whose
+            position `state.pos` is the step's token.
+        qg: [B, Hkv, G, D] the step's unrotated queries (any float dtype; searched in float32).
+        n_avail: cells available to the step's block (`(pos // block) * block // cell`, host-known).
+    Returns chosen cells int64 [B, Hkv, G, K] by (rho desc, c desc), -1 padded: the torch
+    search's (`TorchFsbDeviceState._long_range`) except at float32 near-ties.
+    """
+    cfg, B, Hkv, G, D = state.cfg, state.B, state.Hkv, state.group, state.D
+    if state.acc != torch.float32:
+        raise ValueError(f"the Triton FS-B decode search accumulates in float32, the state in {state.acc}")
+    K = cfg.top_k
+    out = torch.full((B, Hkv, G, K), -1, dtype=torch.int64, device=state.device)
+    fa, fh = state.forest_all, state.forest_high
+    base_a, base_h = fa.base_tensor(), fh.base_tensor()
+    _fsb_decode_search_kernel[(B * Hkv * G,)](
+        qg.to(torch.float32).contiguous(), state.pos, state.cell_k,
+        fa.mu, fa.rad, fa.A, fa.e, fa.cell, base_a, fh.mu, fh.rad, fh.A, fh.e, fh.cell, base_h,
+        state.n_high, state.sigma.reshape(-1), state.lam.reshape(-1), out,
+        n_avail, state.cell_k.shape[2], fa.mu.shape[2], fh.mu.shape[2], Hkv, G,
+        float(D**-0.5), float(cfg.radius_weight), float(2 * cfg.cell), D,
+        BLOCK_D=triton.next_power_of_2(D), CELL=cfg.cell, W=cfg.beam, WP=triton.next_power_of_2(cfg.beam),
+        K=K, KP=triton.next_power_of_2(K), num_warps=num_warps,
+    )  # fmt: skip
+    return out
