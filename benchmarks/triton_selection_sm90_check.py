@@ -7,6 +7,7 @@ their register pressure: this does, with triton's bundled ptxas / cuobjdump. A f
 
 Usage (repository root; TRITON_INTERPRET must be unset):
     python benchmarks/triton_selection_sm90_check.py
+    python benchmarks/triton_selection_sm90_check.py fsb    # the FS-B prefill and decode searches only
 Look for: every line "ok", STACK:0 (no spills).
 """
 
@@ -108,7 +109,34 @@ def main() -> None:
             4,
         )  # fmt: skip
         print(f"ok  _fsb_search_kernel beam={cfg.beam} D={D}: {r}")
+    fsb_check(cfg)
+
+
+def fsb_check(cfg) -> None:
+    """The FS-B prefill search at its default one warp, and the decode search (bf16 archive keys)."""
+    s, K = cfg.cell, cfg.top_k
+    fsb_sig = {"q_ptr": "*fp32", "k_ptr": "*fp32", "mu_ptr": "*fp32", "rad_ptr": "*fp32", "a_ptr": "*fp32",
+               "e_ptr": "*i64", "cell_ptr": "*i64", "base_ptr": "*i64", "hp_ptr": "*i64", "sigma_ptr": "*fp32",
+               "lam_ptr": "*fp32", "out_ptr": "*i64", "found_ptr": "*i64", "trace_idx_ptr": "*i64", "trace_key_ptr": "*fp32",
+               "trace_i": "i32", "trace_h": "i32", "T": "i32", "N": "i32", "C1": "i32",
+               "HB": "i32", "G": "i32", "scale": "fp32", "radius_weight": "fp32", "two_cell": "fp32", "D": "i32"}  # fmt: skip
+    forest = {f"{name}_{f}_ptr": kind for f in "ah" for name, kind in
+              (("mu", "*fp32"), ("rad", "*fp32"), ("a", "*fp32"), ("e", "*i64"), ("cell", "*i64"), ("base", "*i64"))}  # fmt: skip
+    decode_sig = {"q_ptr": "*fp32", "pos_ptr": "*i64", "k_ptr": "*bf16", **forest, "n_high_ptr": "*i64",
+                  "sigma_ptr": "*fp32", "lam_ptr": "*fp32", "out_ptr": "*i64", "n_all": "i64", "S": "i32", "Na": "i32",
+                  "Nh": "i32", "Hkv": "i32", "G": "i32", "scale": "fp32", "radius_weight": "fp32", "two_cell": "fp32",
+                  "D": "i32"}  # fmt: skip
+    common = {"CELL": s, "W": cfg.beam, "WP": triton.next_power_of_2(cfg.beam), "K": K, "KP": triton.next_power_of_2(K)}
+    for D in (64, 128):
+        r = usage(FSB._fsb_search_kernel, fsb_sig, {"BLOCK_D": D, "QBLOCK": cfg.block, "FOUND": False, "TRACE": False,
+                                                      "TRACE_LEVELS": FSB.TRACE_LEVELS, **common}, 1)  # fmt: skip
+        print(f"ok  _fsb_search_kernel 1 warp beam={cfg.beam} D={D}: {r}")
+        r = usage(FSB._fsb_decode_search_kernel, decode_sig, {"BLOCK_D": D, **common}, 1)
+        print(f"ok  _fsb_decode_search_kernel 1 warp beam={cfg.beam} D={D}: {r}")
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:] == ["fsb"]:
+        fsb_check(FreeSoloConfig(variant="fsb"))
+    else:
+        main()

@@ -29,18 +29,19 @@ NEW = 10
 
 
 
-def make_lm(attention: str, seed: int = 0, **fields) -> FreeSoloLM:
-    """A tiny FreeSoloLM; FS-B is calibrated on random sequences (so it can run)."""
+def make_lm(attention: str, seed: int = 0, device: str = "cpu", **fields) -> FreeSoloLM:
+    """A tiny FreeSoloLM on `device`; FS-B is calibrated on random sequences (so it can run)."""
     torch.manual_seed(seed)
     sizes = dict(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2)
     cfg = LMConfig(**sizes, attention=attention, freesolo=FS, **fields)
-    model = FreeSoloLM(cfg).eval()
+    model = FreeSoloLM(cfg).to(device).eval()
     with torch.no_grad():  # a random model whose beta is not 1 everywhere and whose norms are not all ones
         for name, p in model.named_parameters():
             if name.endswith("beta") or name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
     if attention == "fsb":
-        model.calibrate_tau(torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(seed + 1)))
+        ids = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(seed + 1))
+        model.calibrate_tau(ids.to(device))
     return model
 
 
@@ -465,7 +466,7 @@ def test_generate_triton_cuda(attention):
     within float32 tolerance."""
     if "triton" not in freesolo.available_backends():
         pytest.fail("the triton backend is not available on this CUDA machine")
-    model = make_lm(attention, backend="triton").cuda()
+    model = make_lm(attention, backend="triton", device="cuda")  # FS-B calibrates on the GPU (triton)
     rows = [r.cuda() for r in prompts()]
     seqs, logits = model.generate([r.tolist() for r in rows], max_new_tokens=NEW, return_logits=True)
     for b, r in enumerate(rows):

@@ -232,7 +232,7 @@ def _fsb_search_kernel(
     tl.store(out_ptr + (hq * T + i) * K + kk, picked, mask=kk < K)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_all"])  # n_all changes at every block boundary: no recompile for its value
 def _fsb_decode_search_kernel(
     q_ptr,  # fp32 [B, Hq, D]: the step's unrotated queries (query head hq = h * G + g)
     pos_ptr,  # int64 []: the step's position (read on the device: no host sync)
