@@ -8,6 +8,9 @@
 - L12 bitwise: a row alone == the row beside a row of 1e3x norms; a prefix == the same queries of
   the full sequence;
 - bad input raises.
+- L9: the kernel's beams hold min(beam, n >> l) nodes per level, so the keys it scores are the
+  reference's data-independent count;
+- decode: the Triton decode search (`decode_select_cells`) == the torch search's decode, bitwise;
 - the float64 emulation (`fsb_audit`): the kernel's per-level trace follows it; its margins are 0
   at exact ties and wide on random keys; on CUDA at paper sizes, every selection that differs
   from the torch search sits at a float32 near-tie (a margin within float32 rounding).
@@ -281,3 +284,29 @@ def test_decode_search_equals_torch_search(Hq, Hkv):
     torch.testing.assert_close(outs["triton"], outs["torch"], rtol=0, atol=0)
     with pytest.raises(ValueError, match="accumulates in float32"):
         FreeSoloCache(cfg, B, Hq, Hkv, D, backend="torch", dtype=torch.float64, device=DEVICE, decode_kernel="triton")
+
+
+@pytest.mark.parametrize("seed, i, hq", [(0, 46, 1), (4, 39, 0)])
+def test_L9_node_keys_of_the_kernel(seed, i, hq):
+    """L9 for the Triton search: its trace holds min(beam, n >> l) nodes at level l of a forest over
+    n elements, so the keys it scores below the top level, sum_l (2 |beam at l + 1| + bit_l(n)),
+    are the data-independent fsb_node_keys_count(n, beam) (the reference's counted cost)."""
+    from freesolo.reference.fsb import fsb_node_keys_count
+
+    rng = np.random.default_rng(seed)
+    T, Hq, Hkv, D = 47, 2, 1, 8
+    q, k = rng.standard_normal((1, T, Hq, D)), rng.standard_normal((1, T, Hkv, D))
+    cfg = _cfg(k, beam=2)
+    qt, kt = _tensors(q, k)
+    idx, keys = (x.cpu().numpy() for x in trace_search(qt, kt, cfg, 0, i, hq))
+    n_all = (i // cfg.block) * cfg.block // cfg.cell
+    _, high_prefix = build_row_forests(kt.cpu().permute(0, 2, 1, 3).contiguous(), cfg, outward=True)
+    counts = [n_all, int(high_prefix[0, hq // (Hq // Hkv), n_all])]
+    assert counts[0] > 2 * cfg.beam and counts[1] > cfg.beam, counts  # the beam prunes: the test bites
+    for forest, n in enumerate(counts):
+        top = n.bit_length() - 1
+        sizes = [int((idx[forest, t] >= 0).sum()) for t in range(top + 1)]  # level top - t
+        assert sizes == [min(cfg.beam, n >> (top - t)) for t in range(top + 1)]
+        assert (idx[forest, top + 1 :] == -1).all()
+        scored = sum(2 * sizes[t - 1] + (n >> (top - t) & 1) for t in range(1, top + 1))
+        assert scored == fsb_node_keys_count(n, cfg.beam)

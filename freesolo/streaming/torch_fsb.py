@@ -234,7 +234,7 @@ class TorchFsbDeviceState(TorchCacheState):
 
     def _long_range(self, qg: torch.Tensor, positions: torch.Tensor, n_avail: int, k_eff: int) -> torch.Tensor:
         """Beam search in both forests, rerank by rho, NoPE readout. qg [B, Hkv, G*n, D] -> [B, Hkv, G, n, D]."""
-        cfg, B, Hkv, G, D, s, K = self.cfg, self.B, self.Hkv, self.group, self.D, self.cfg.cell, self.cfg.top_k
+        B, Hkv, G, D, s, K = self.B, self.Hkv, self.group, self.D, self.cfg.cell, self.cfg.top_k
         n = positions.shape[0]
         scale = 1.0 / math.sqrt(D)
         if n == 1 and self._triton_search:
