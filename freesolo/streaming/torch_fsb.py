@@ -13,7 +13,9 @@ buffer) plus, per batch row and kv head:
   the slowest row once the row's elements arrive).
 
 Queries search the tables with the torch backend's level-wise beam (`beam_search`), rerank the
-union by rho and read the top-K cells (`topk_cells`: ties to the larger cell). FS-B decode syncs
+union by rho and read the top-K cells (`topk_cells`: ties to the larger cell); with
+`decode_kernel="triton"` a one-token step does the search and the rerank in one Triton launch
+(`backends.triton.fsb_search.decode_select_cells`, same tables, same tie rules). FS-B decode syncs
 the host at block boundaries (counts of high cells); it is not a CUDA-graph path.
 """
 
