@@ -178,10 +178,21 @@ def test_prefill_then_extend_equals_parallel(variant, backend, T, cut, pre_sizes
     np.testing.assert_allclose(got, expected[:, cut:], rtol=0, atol=1e-10)
 
 
+def live_trees(table, n: int):
+    """(height, nodes, flat id in a batch NodeTable) of the trees a forest over n elements uses:
+    one per set bit h of n, over the segment starting at (n >> (h + 1)) << (h + 1)."""
+    out = []
+    for h in range(n.bit_length()):
+        if (n >> h) & 1:
+            segment = ((n >> (h + 1)) << (h + 1)) >> h
+            out.append((h, (2 << h) - 1, int(table.base[h]) + segment * ((2 << h) - 1)))
+    return out
+
+
 @pytest.mark.parametrize("leaf_order", ["content", "position"])
 def test_torch_fsb_forests_equal_batch_construction(leaf_order):
-    """L10 for the torch state: the node tables grown at carries hold exactly the trees that the
-    torch backend's batch construction builds over all cells (every height, every segment)."""
+    """L10 for the torch state: the node tables grown at carries hold exactly the live trees (one
+    per set bit of the element count) of the torch backend's batch construction over all cells."""
     from freesolo.backends.torch.fsb import build_node_table, content_codes
     from freesolo.reference.forest import hyperplanes
 
@@ -199,9 +210,8 @@ def test_torch_fsb_forests_equal_batch_construction(leaf_order):
     codes = content_codes(kbar, planes) if leaf_order == "content" else torch.zeros(B, Hkv, C, dtype=torch.int64)
     batch = build_node_table(kbar, a, torch.arange(C).expand(B, Hkv, C), codes, C, cfg, outward=False)
     table = state.forest_all
-    for h in range(C.bit_length()):
-        size = (C >> h) * ((2 << h) - 1)
-        src = int(batch.base[h])
+    assert C.bit_count() > 1, "the forest should hold several trees"
+    for h, size, src in live_trees(batch, C):
         dst = table.base(h)
         for name in ("cell", "e", "A", "rad", "mu"):
             got, want = getattr(table, name)[:, :, dst : dst + size], getattr(batch, name)[:, :, src : src + size]
@@ -224,9 +234,8 @@ def test_torch_fsb_forests_equal_batch_construction(leaf_order):
                 cfg,
                 outward=False,
             )
-            for h in range(M.bit_length()):
-                size = (M >> h) * ((2 << h) - 1)
-                src, dst = int(row.base[h]), state.forest_high.base(h)
+            for h, size, src in live_trees(row, M):
+                dst = state.forest_high.base(h)
                 for name in ("cell", "e", "A", "rad", "mu"):
                     got = getattr(state.forest_high, name)[b, g, dst : dst + size]
                     torch.testing.assert_close(got, getattr(row, name)[0, 0, src : src + size], rtol=1e-12, atol=1e-12)

@@ -5,12 +5,12 @@ buffer) plus, per batch row and kv head:
 
 - the element sequences of the two forests: all cells, and the high-norm cells (a_c > tau_h,
   tested in float64 like the torch backend) compacted per row (`high_cells`, `n_high`);
-- one flat node table per forest (`ForestTable`): every tree of every height, laid out as the
-  torch backend's `NodeTable` (trees of height h consecutive by segment index, levels inside),
-  with fixed per-height capacity (doubling). A tree is built when its segment completes, i.e. at
-  the carry of the binary counter, from its own elements only (`build_segments`: the torch
-  backend's construction restricted to one height), and never again (high-norm forest: rows whose counts differ rebuild the segments past
-  the slowest row once the row's elements arrive).
+- one flat node table per forest (`ForestTable`) holding the forest's live trees only: one tree
+  per set bit of the row's element count, in one slot per height (the torch backend's
+  `NodeTable` layout with `one_tree_per_height`: O(n) nodes, not the O(n log n) of every segment
+  of every height). A slot is rebuilt at a carry of the binary counter, from its tree's own
+  elements (`build_segments`: the torch backend's construction restricted to one segment), for
+  the rows whose tree changed (the high-norm forest: rows' counts differ).
 
 Queries search the tables with the torch backend's level-wise beam (`beam_search`), rerank the
 union by rho and read the top-K cells (`topk_cells`: ties to the larger cell); with
@@ -37,31 +37,40 @@ from .torch_state import DECODE_KERNELS, TorchCacheState, _gather_cells
 
 __all__ = ["ForestTable", "TorchFsbDeviceState"]
 
-_BASE_TABLES: dict = {}  # (capacity, device) -> ForestTable.base_tensor's int64 table
+_BASE_TABLES: dict = {}  # (heights, device) -> ForestTable.base_tensor's int64 table
 
 
 class ForestTable:
-    """All trees of one forest kind for every (b, kv head), in a flat table of fixed layout.
+    """The live trees of one forest kind for every (b, kv head): one tree slot per height.
 
-    Capacity `cap` (a power of two) elements: height h has cap >> h segment slots starting at
-    base[h] = sum_{h' < h} (cap >> h') * nodes(h'). mu [B, Hkv, N, D]; rad, A [B, Hkv, N]
-    (accumulation dtype); e, cell [B, Hkv, N] int64. `valid[h]`: segments of height h built from
-    final elements for every row.
+    A forest over n elements is, by the binary counter, one perfect tree per set bit h of n, over
+    elements [start_h, start_h + 2^h) with start_h = (n >> (h + 1)) << (h + 1); a query over n
+    elements searches exactly these trees (spec §6.4), so the table keeps one slot per height:
+    height h's tree at base(h) = nodes(0) + ... + nodes(h - 1), levels 0..h inside (the NodeTable
+    layout with `one_tree_per_height`). That is O(n) nodes per row and kv head (every segment of
+    every height would be O(n log n): 21.6 GiB at 1M tokens, H 16, D 64). A slot is rebuilt from
+    its own elements (`build_segments`) when its row's tree changes (a carry), so each element
+    enters one build per height: O(n log n) work in total.
+
+    mu [B, Hkv, N, D]; rad, A [B, Hkv, N] (accumulation dtype); e, cell [B, Hkv, N] int64, with
+    N = base(heights). `starts[h]`: per (b, kv head) the first element of the tree held at height
+    h, -1 for none (host tuples, row-major over (b, kv head)).
     """
 
-    def __init__(self, B: int, Hkv: int, D: int, dtype: torch.dtype, device, cap: int = 16):
+    def __init__(self, B: int, Hkv: int, D: int, dtype: torch.dtype, device, heights: int = 4):
         self.B, self.Hkv, self.D, self.dtype, self.device = B, Hkv, D, dtype, device
-        self.cap = 0
-        self.valid: list[int] = []
-        self._allocate(cap)
+        self.heights = 0
+        self.starts: list[tuple] = []
+        self._allocate(heights)
 
-    def base(self, h: int, cap: Optional[int] = None) -> int:
-        cap = self.cap if cap is None else cap
-        return sum((cap >> g) * _nodes(g) for g in range(h))
+    @staticmethod
+    def base(h: int) -> int:
+        """Flat id of the slot of height h: nodes(0) + ... + nodes(h - 1) = 2^(h+1) - 2 - h."""
+        return (2 << h) - 2 - h
 
-    def _allocate(self, cap: int) -> None:
-        heights = cap.bit_length()  # heights 0 .. log2(cap)
-        N = self.base(heights, cap)
+    def _allocate(self, heights: int) -> None:
+        """Slots for trees of heights 0 .. heights - 1 (the built ones keep their place)."""
+        N = self.base(heights)
         B, Hkv, dev = self.B, self.Hkv, self.device
         new = {
             "mu": torch.zeros(B, Hkv, N, self.D, dtype=self.dtype, device=dev),
@@ -70,51 +79,59 @@ class ForestTable:
             "e": torch.zeros(B, Hkv, N, dtype=torch.int64, device=dev),
             "cell": torch.full((B, Hkv, N), -1, dtype=torch.int64, device=dev),
         }
-        if self.cap:  # re-lay the built trees of every height
-            for h in range(self.cap.bit_length()):
-                size = (self.cap >> h) * _nodes(h)
-                lo_old, lo_new = self.base(h), self.base(h, cap)
-                for name in _FIELDS:
-                    new[name][:, :, lo_new : lo_new + size] = getattr(self, name)[:, :, lo_old : lo_old + size]
+        if self.heights:
+            old = self.base(self.heights)
+            for name in _FIELDS:
+                new[name][:, :, :old] = getattr(self, name)
         for name in _FIELDS:
             setattr(self, name, new[name])
-        self.valid = self.valid + [0] * (heights - len(self.valid))
-        self.cap = cap
+        self.starts = self.starts + [(-1,) * (B * Hkv)] * (heights - self.heights)
+        self.heights = heights
 
-    def update(self, elems: dict, n_min: int, n_max: int, cfg: FreeSoloConfig, outward: bool) -> None:
-        """Build the segments completed by the rows' element counts (n_min <= counts <= n_max).
+    def update(self, elems: dict, counts: list, cfg: FreeSoloConfig, outward: bool) -> None:
+        """Hold the live trees of element counts `counts` (host ints, one per (b, kv head),
+        row-major): every slot whose tree changed is rebuilt for the rows where it changed.
 
-        elems: kbar [B, Hkv, >= n_max, D], a, cells, codes [B, Hkv, >= n_max] in position order.
+        elems: kbar [B, Hkv, >= max(counts), D], a, cells, codes [B, Hkv, >= max(counts)] in
+        position order (a row's elements past its own count are never read).
         """
-        if n_max > self.cap:
-            cap = self.cap
-            while cap < n_max:
-                cap *= 2
-            self._allocate(cap)
+        n_max = max(counts)
+        if n_max.bit_length() > self.heights:
+            self._allocate(n_max.bit_length())
+        B, Hkv, dev = self.B, self.Hkv, self.device
         for h in range(n_max.bit_length()):
-            m0, m1 = self.valid[h], n_max >> h
-            if m1 > m0:
-                part = {key: x[:, :, m0 << h : m1 << h] for key, x in elems.items()}
-                built = build_segments(part, h, cfg, outward)  # (B, Hkv, (m1-m0) * nodes(h)[, D])
-                dst = self.base(h) + m0 * _nodes(h)
-                for name in _FIELDS:
-                    getattr(self, name)[:, :, dst : dst + built[name].shape[2]] = built[name]
-            self.valid[h] = n_min >> h
+            start = tuple(((n >> (h + 1)) << (h + 1)) if (n >> h) & 1 else -1 for n in counts)
+            if start == self.starts[h]:
+                continue
+            changed = torch.tensor([x != y for x, y in zip(start, self.starts[h])], device=dev).view(B, Hkv, 1)
+            first = torch.tensor([max(x, 0) for x in start], dtype=torch.int64, device=dev).view(B, Hkv, 1)
+            idx = first + torch.arange(1 << h, device=dev)  # (B, Hkv, 2^h); rows without a tree: never read
+            part = {
+                key: torch.gather(x, 2, idx[..., None].expand(-1, -1, -1, x.shape[-1]) if x.dim() == 4 else idx)
+                for key, x in elems.items()
+            }
+            built = build_segments(part, h, cfg, outward)  # one segment per row: (B, Hkv, nodes(h)[, D])
+            lo, hi = self.base(h), self.base(h + 1)
+            for name in _FIELDS:
+                dst = getattr(self, name)
+                mask = changed if dst.dim() == 3 else changed[..., None]
+                dst[:, :, lo:hi] = torch.where(mask, built[name], dst[:, :, lo:hi])
+            self.starts[h] = start
 
     def base_tensor(self) -> torch.Tensor:
-        """int64 [log2(cap) + 2] on the device: flat id of tree 0 of height h. A constant of the
-        capacity, made once per (capacity, device) and shared (`_BASE_TABLES`: not state)."""
-        key = (self.cap, str(self.device))
+        """int64 [heights + 1] on the device: base(h) (made once per (heights, device), shared)."""
+        key = (self.heights, str(self.device))
         table = _BASE_TABLES.get(key)
         if table is None:
-            heights = range(self.cap.bit_length() + 1)
-            table = torch.tensor([self.base(h) for h in heights], dtype=torch.int64, device=self.device)
+            table = torch.tensor([self.base(h) for h in range(self.heights + 1)], dtype=torch.int64, device=self.device)
             _BASE_TABLES[key] = table
         return table
 
     def node_table(self, n_max: int) -> NodeTable:
-        """The backend's NodeTable view (trees up to the height of n_max elements)."""
-        return NodeTable(self.mu, self.rad, self.A, self.e, self.cell, self.base_tensor(), n_max.bit_length() - 1)
+        """The backend's NodeTable view (trees up to the height of n_max elements, one per height)."""
+        return NodeTable(
+            self.mu, self.rad, self.A, self.e, self.cell, self.base_tensor(), n_max.bit_length() - 1, one_tree_per_height=True
+        )
 
     def tensors(self, prefix: str) -> dict:
         return {f"{prefix}.{name}": getattr(self, name) for name in _FIELDS}
@@ -211,8 +228,8 @@ class TorchFsbDeviceState(TorchCacheState):
         self.high_cells.scatter_(2, dest, torch.arange(lo, n_avail, device=self.device).expand(B, Hkv, m).contiguous())
         self.high_cells[:, :, scratch] = -1
         self.n_high += high.sum(dim=-1)
-        n_min, n_max = int(self.n_high.min()), int(self.n_high.max())  # host sync (FS-B only)
-        self.n_high_range = (n_min, n_max)
+        counts = self.n_high.flatten().tolist()  # host sync (FS-B only): the high forests' element counts
+        self.n_high_range = (min(counts), max(counts))
         outward = self.acc != torch.float64
         all_elems = {
             "kbar": self.cell_kbar[:, :, :n_avail],
@@ -220,7 +237,8 @@ class TorchFsbDeviceState(TorchCacheState):
             "cells": self.cell_ids[:, :, :n_avail],
             "codes": self.codes[:, :, :n_avail],
         }
-        self.forest_all.update(all_elems, n_avail, n_avail, cfg, outward)
+        self.forest_all.update(all_elems, [n_avail] * (B * Hkv), cfg, outward)
+        n_max = self.n_high_range[1]
         if n_max:
             hc = self.high_cells[:, :, :n_max].clamp(min=0)  # (B, Hkv, n_max); rows with fewer: padding
             high_elems = {
@@ -229,7 +247,7 @@ class TorchFsbDeviceState(TorchCacheState):
                 "cells": torch.gather(self.cell_ids, 2, hc),
                 "codes": torch.gather(self.codes, 2, hc),
             }
-            self.forest_high.update(high_elems, n_min, n_max, cfg, outward)
+            self.forest_high.update(high_elems, counts, cfg, outward)
 
     def _candidate_count(self, n_avail: int) -> int:
         return n_avail  # > 0: run the long-range branch (found cells may be fewer than K: masked)
@@ -286,8 +304,8 @@ class TorchFsbDeviceState(TorchCacheState):
     def state_dict(self) -> dict:
         out = super().state_dict()
         if self.allocated:
-            out["forest_caps"] = (self.forest_all.cap, self.forest_high.cap)
-            out["forest_valid"] = (list(self.forest_all.valid), list(self.forest_high.valid))
+            out["forest_heights"] = (self.forest_all.heights, self.forest_high.heights)
+            out["forest_starts"] = (list(self.forest_all.starts), list(self.forest_high.starts))
             out["n_high_range"] = self.n_high_range
         return out
 
@@ -297,13 +315,13 @@ class TorchFsbDeviceState(TorchCacheState):
             return
         for name in ("codes", "high_cells", "n_high", "tau", "planes"):
             setattr(self, name, state[name].clone().to(self.device))
-        for forest, prefix, cap, valid in zip(
+        for forest, prefix, heights, starts in zip(
             (self.forest_all, self.forest_high),
             ("forest_all", "forest_high"),
-            state["forest_caps"],
-            state["forest_valid"],
+            state["forest_heights"],
+            state["forest_starts"],
         ):
-            forest.cap, forest.valid = int(cap), list(valid)
+            forest.heights, forest.starts = int(heights), [tuple(int(x) for x in st) for st in starts]
             for name in _FIELDS:
                 setattr(forest, name, state[f"{prefix}.{name}"].clone().to(self.device))
         self.n_high_range = tuple(state["n_high_range"])

@@ -75,13 +75,17 @@ class NodeTable:
     """All trees of one forest kind, for every (b, kv head): flat node arrays.
 
     mu [B, Hkv, N, D], rad / A [B, Hkv, N], e / cell [B, Hkv, N] int64 (cell: the leaf's cell
-    index at level 0, -1 elsewhere); base[h] = flat id of tree 0 of height h.
+    index at level 0, -1 elsewhere); base[h] = flat id of tree 0 of height h (the tree of segment
+    m at base[h] + m * nodes(h)). one_tree_per_height: the table holds only the trees a forest over
+    the searched counts uses, one per height, each at base[h] whatever its segment (the streaming
+    state's `ForestTable`).
     """
 
-    def __init__(self, mu, rad, A, e, cell, base, max_height):
+    def __init__(self, mu, rad, A, e, cell, base, max_height, one_tree_per_height: bool = False):
         self.mu, self.rad, self.A, self.e, self.cell = mu, rad, A, e, cell
         self.base = base  # int64 tensor [max_height + 2]
         self.max_height = max_height
+        self.one_tree_per_height = one_tree_per_height
 
 
 TREE_FIELDS = ("mu", "rad", "A", "e", "cell")
@@ -173,7 +177,8 @@ class SearchTables:
     node axis once (forest f's ids shifted by the nodes of the forests before it).
 
     mu [B, Hkv, N, D], rad / A [B, Hkv, N], e / cell int64 [B, Hkv, N]; base int64
-    [F, max_height + 2] (flat id of tree 0 of height h in forest f; unused heights 0).
+    [F, max_height + 2] (flat id of tree 0 of height h in forest f; unused heights 0);
+    segment_scale int64 [F] (NodeTable.one_tree_per_height: 0, else 1).
     """
 
     def __init__(self, tables: list):
@@ -193,6 +198,9 @@ class SearchTables:
             h = min(width, t.base.shape[0])
             base[f, :h] = t.base[:h] + off
         self.base = base
+        # per forest: 1 if the tree of segment m sits at base[h] + m * nodes(h), 0 if one per height
+        scale = [0 if getattr(t, "one_tree_per_height", False) else 1 for t in tables]
+        self.segment_scale = torch.tensor(scale, dtype=torch.int64, device=self.mu.device)
 
 
 def beam_search_forests(tables: SearchTables, n, q, qnorm, pos, sigma, lam, cfg: FreeSoloConfig):
@@ -225,7 +233,7 @@ def beam_search_forests(tables: SearchTables, n, q, qnorm, pos, sigma, lam, cfg:
         left = state * child_scale
         has_root = ((nq >> l) & 1) == 1  # (B, Hkv, 1, nb, 1, Fo, 1)
         r_ts = (nq >> (l + 1)) << (l + 1)
-        r_tb = tables.base[:, l].view(Fo, 1) + (r_ts >> l) * ((2 << l) - 1)
+        r_tb = tables.base[:, l].view(Fo, 1) + (r_ts >> l) * ((2 << l) - 1) * tables.segment_scale.view(Fo, 1)
         root = torch.stack([r_tb, torch.full_like(r_ts, l), r_ts, torch.zeros_like(r_ts)], dim=-1)
         shape = (B, Hkv, G, nb, Bq, Fo, 1, 4)
         cand = torch.cat([left, left + right_child, root.expand(shape)], dim=-2)  # (..., Fo, 2W+1, 4)

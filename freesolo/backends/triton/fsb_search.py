@@ -61,13 +61,15 @@ def _node_keys(flat, ok, q, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr, 
 
 
 @triton.jit
-def _search_forest(n, base_ptr, q, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr, e_ptr, cell_ptr,
+def _search_forest(n, base_ptr, seg_scale, q, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr, e_ptr, cell_ptr,
                    scale, radius_weight, two_cell, D, N, trace_idx_ptr, trace_key_ptr, tracing,
                    BLOCK_D: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, TRACE: tl.constexpr):  # fmt: skip
     """Beam search of one forest over its first n elements: element cells int64 [WP] (-1 = none).
 
     base_ptr: int64 [max_height + 2] flat id of tree 0 of height h (this forest, this kv head's
-    table starting at node0). Slots >= W stay empty (WP: W rounded up to a power of two).
+    table starting at node0); the tree of segment m at base[h] + m * nodes(h) * seg_scale
+    (seg_scale 0: one tree per height, the streaming `ForestTable`). Slots >= W stay empty (WP: W
+    rounded up to a power of two).
     TRACE (a debugging aid, `trace_search`): where `tracing`, each level's beam is written as
     (index in level, key) to trace_idx_ptr / trace_key_ptr [levels, W], level t = top - lvl.
     """
@@ -96,7 +98,7 @@ def _search_forest(n, base_ptr, q, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, 
         one = tl.arange(0, 1)
         has_root = ((n >> lvl) & 1) == 1
         r_ts = ((n >> (lvl + 1)) << (lvl + 1)) + one * 0
-        r_tb = tl.load(base_ptr + lvl) + (r_ts >> lvl) * ((2 << lvl) - 1)
+        r_tb = tl.load(base_ptr + lvl) + (r_ts >> lvl) * ((2 << lvl) - 1) * seg_scale
         r_ok = (one == 0) & has_root
         r_flat = tl.where(r_ok, r_tb + _level_offset(lvl + one * 0, lvl), 0)
         r_key = _node_keys(r_flat, r_ok, q, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr, e_ptr,
@@ -217,10 +219,10 @@ def _fsb_search_kernel(
     node0 = h * N
     n_all = (i // QBLOCK) * QBLOCK // CELL  # cells available to the query's block
     n_high = tl.load(hp_ptr + h * C1 + n_all)
-    found_all = _search_forest(n_all, base_ptr, q, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr, e_ptr, cell_ptr,
+    found_all = _search_forest(n_all, base_ptr, 1, q, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr, e_ptr, cell_ptr,
                                scale, radius_weight, two_cell, D, N, trace_idx_ptr, trace_key_ptr, tracing,
                                BLOCK_D, W, WP, TRACE)  # fmt: skip
-    found_high = _search_forest(n_high, base_ptr + HB, q, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr, e_ptr,
+    found_high = _search_forest(n_high, base_ptr + HB, 1, q, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr, e_ptr,
                                 cell_ptr, scale, radius_weight, two_cell, D, N, trace_idx_ptr + TRACE_LEVELS * W,
                                 trace_key_ptr + TRACE_LEVELS * W, tracing, BLOCK_D, W, WP, TRACE)  # fmt: skip
     if FOUND:
@@ -263,10 +265,10 @@ def _fsb_decode_search_kernel(
     n_high = tl.load(n_high_ptr + plane)
     n_all = n_all.to(tl.int64)  # as the prefill's (a host int arrives as int32)
     no_trace = bh < 0  # TRACE is off: nothing is stored
-    found_all = _search_forest(n_all, base_a_ptr, q, qnorm, pos, sig, lm, plane * Na, mu_a_ptr, rad_a_ptr, a_a_ptr,
+    found_all = _search_forest(n_all, base_a_ptr, 0, q, qnorm, pos, sig, lm, plane * Na, mu_a_ptr, rad_a_ptr, a_a_ptr,
                                e_a_ptr, cell_a_ptr, scale, radius_weight, two_cell, D, Na, out_ptr, out_ptr, no_trace,
                                BLOCK_D, W, WP, False)  # fmt: skip
-    found_high = _search_forest(n_high, base_h_ptr, q, qnorm, pos, sig, lm, plane * Nh, mu_h_ptr, rad_h_ptr, a_h_ptr,
+    found_high = _search_forest(n_high, base_h_ptr, 0, q, qnorm, pos, sig, lm, plane * Nh, mu_h_ptr, rad_h_ptr, a_h_ptr,
                                 e_h_ptr, cell_h_ptr, scale, radius_weight, two_cell, D, Nh, out_ptr, out_ptr,
                                 no_trace, BLOCK_D, W, WP, False)  # fmt: skip
     picked = _rerank(found_all, found_high, q, k_ptr, plane * S * CELL, scale, D, BLOCK_D, CELL, WP, K, KP)
