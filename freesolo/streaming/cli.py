@@ -36,7 +36,7 @@ def add_decode_parser(subparsers) -> argparse.ArgumentParser:
         "--decode-kernel",
         default="auto",
         choices=["auto", "torch", "triton"],
-        help="torch backend, FS / FS-L: one-token step as torch ops or the fused Triton kernel (auto: triton on CUDA)",
+        help="XX",
     )
     for name, default in (("window", 512), ("cell", 32), ("top-k", 4), ("block", 128), ("pool", 64), ("recent", 8)):
         p.add_argument(f"--{name}", type=int, default=default)
