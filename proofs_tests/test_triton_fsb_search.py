@@ -284,6 +284,10 @@ def test_decode_search_equals_torch_search(Hq, Hkv):
     torch.testing.assert_close(outs["triton"], outs["torch"], rtol=0, atol=0)
     with pytest.raises(ValueError, match="accumulates in float32"):
         FreeSoloCache(cfg, B, Hq, Hkv, D, backend="torch", dtype=torch.float64, device=DEVICE, decode_kernel="triton")
+    from freesolo.backends.triton.fsb_search import decode_select_cells
+
+    with pytest.raises(ValueError, match=r"must be \[B="):
+        decode_select_cells(cache.state, torch.zeros(B, Hkv, D, device=DEVICE), 4)
 
 
 @pytest.mark.parametrize("seed, i, hq", [(0, 46, 1), (4, 39, 0)])

@@ -15,6 +15,10 @@ a time: statistics, content codes, stable sorts per dyadic segment). Then one la
 2. Rerank: the <= 2 * beam found cells (duplicates dropped), rho = logsumexp over the cell's s
    tokens of scale * q . k, top-K by (rho desc, c desc), -1 padded.
 
+Decode (`decode_select_cells`): one launch of `_fsb_decode_search_kernel` per step, one program
+per (row, query head), running the same `_search_forest` and `_rerank` on the streaming state's
+forests (`streaming.torch_fsb.ForestTable`: one live tree per height, `seg_scale` 0).
+
 No [T, nodes] tensor and no gathered copy of node statistics exist: a level costs one
 [2 * beam, D] load per program. Row independence (L12): a program reads its own row's tables and
 its own query; the tables of a row are built from that row alone.
@@ -390,8 +394,12 @@ def decode_select_cells(state, qg: torch.Tensor, n_avail: int, num_warps: int = 
     search's (`TorchFsbDeviceState._long_range`) except at float32 near-ties.
     """
     cfg, B, Hkv, G, D = state.cfg, state.B, state.Hkv, state.group, state.D
+    if cfg.variant != "fsb":
+        raise ValueError(f"decode_select_cells searches FS-B forests, the state's variant is {cfg.variant!r}")
     if state.acc != torch.float32:
         raise ValueError(f"the Triton FS-B decode search accumulates in float32, the state in {state.acc}")
+    if tuple(qg.shape) != (B, Hkv, G, D) or qg.device != state.device:
+        raise ValueError(f"qg {tuple(qg.shape)} on {qg.device} must be [B={B}, Hkv={Hkv}, G={G}, D={D}] on {state.device}")
     K = cfg.top_k
     out = torch.full((B, Hkv, G, K), -1, dtype=torch.int64, device=state.device)
     fa, fh = state.forest_all, state.forest_high
