@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from gpu_attention import _tau, _versions, bench_ms, plot_lines, write_json  # noqa: E402 (benchmarks/ is this script's folder)
+from gpu_attention import _tau, _versions, bench_ms, plot_lines, write_results  # noqa: E402 (benchmarks/ is this script's folder)
 
 from freesolo import FreeSoloCache, FreeSoloConfig  # noqa: E402
 
@@ -114,8 +114,7 @@ def main(argv=None) -> int:
         "results": results,
     }
     if args.out:
-        write_json(args.out, payload)
-        _plot(payload, os.path.splitext(args.out)[0] + ".png")
+        write_results(args.out, payload, _plot)
     return 0
 
 

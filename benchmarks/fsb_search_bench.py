@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from gpu_attention import _tau, _versions, bench_ms, plot_lines, write_json  # noqa: E402 (benchmarks/ is this script's folder)
+from gpu_attention import _tau, _versions, bench_ms, plot_lines, write_results  # noqa: E402 (benchmarks/ is this script's folder)
 
 from freesolo import FreeSoloConfig  # noqa: E402
 from freesolo.backends.torch import select_cells as torch_select  # noqa: E402
@@ -116,8 +116,7 @@ def main(argv=None) -> int:
         "results": results,
     }
     if args.out:
-        write_json(args.out, payload)
-        _plot(payload, os.path.splitext(args.out)[0] + ".png")
+        write_results(args.out, payload, _plot)
     return 0
 
 

@@ -274,6 +274,12 @@ def write_json(path, payload: dict) -> None:
     print(f"wrote {path}")
 
 
+def write_results(path: str, payload: dict, plot) -> None:
+    """`write_json(path, payload)`, then `plot(payload, png)` with the PNG next to it (same stem)."""
+    write_json(path, payload)
+    plot(payload, os.path.splitext(path)[0] + ".png")
+
+
 def plot_lines(series: dict, path: str, xlabel: str, ylabel: str, title: str) -> None:
     """A log-log line plot (x in powers of two) of {label: [(x, y), ...]} to `path`, and say so."""
     import matplotlib

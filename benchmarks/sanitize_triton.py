@@ -1,6 +1,6 @@
 """Small run of every Triton kernel of the forward and backward (FS-L, FS, FS-B readout; the fused
 and the split long kernel; deterministic and atomic backward) and of the fused decode (single and
-split kernels, the FS-L block boundary in torch and in Triton) and of the FS-B search for compute-sanitizer
+split kernels, the FS-L block boundary in torch and in Triton, the FS-B decode search) and of the FS-B search for compute-sanitizer
 (memcheck / racecheck):
 
     compute-sanitizer --tool memcheck python benchmarks/sanitize_triton.py
@@ -32,6 +32,15 @@ def decode():
             outs = [cache.extend(q[:, i : i + 1], k[:, i : i + 1], v[:, i : i + 1]) for i in range(100, T)]
             torch.cuda.synchronize()
             print("decode", variant, name, "ok", bool(torch.isfinite(torch.cat(outs, 1)).all()))
+    # FS-B: the Triton decode search (one launch per step) over the streaming forests
+    cfg = freesolo.FreeSoloConfig(variant="fsb", window=32, cell=8, block=16, beam=4, top_k=2)
+    q, k, v = (torch.randn(B, T, h, D, device="cuda", dtype=torch.bfloat16) for h in (Hq, Hkv, Hkv))
+    cfg = cfg.replace(tau=freesolo.calibrate_tau(k.float(), cfg))
+    cache = FreeSoloCache(cfg, B, Hq, Hkv, D, backend="torch", decode_kernel="triton", dtype=torch.bfloat16, device="cuda")
+    cache.extend(q[:, :100], k[:, :100], v[:, :100])
+    outs = [cache.extend(q[:, i : i + 1], k[:, i : i + 1], v[:, i : i + 1]) for i in range(100, T)]
+    torch.cuda.synchronize()
+    print("decode fsb triton-search ok", bool(torch.isfinite(torch.cat(outs, 1)).all()))
 
 
 def main(parts=("forward_backward", "decode", "fsb_search")):

@@ -187,7 +187,7 @@ def main(argv=None) -> int:
     import torch
 
     sys.path.insert(0, HERE)  # the parent times nothing: the shared env record and writer are safe to import
-    from gpu_attention import _versions, write_json
+    from gpu_attention import _versions, write_results
 
     payload = {
         "env": {**_versions(torch.device("cuda" if torch.cuda.is_available() else "cpu")), "pre_commit": args.pre_commit},
@@ -200,8 +200,7 @@ def main(argv=None) -> int:
         "profile_fsl_fwd": profiles,
     }
     if args.out:
-        write_json(args.out, payload)
-        plot(payload, os.path.splitext(args.out)[0] + ".png")
+        write_results(args.out, payload, plot)
     return 0
 
 

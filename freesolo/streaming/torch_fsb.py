@@ -29,7 +29,6 @@ import torch.nn.functional as F
 
 from ..backends.torch.fsb import TREE_FIELDS as _FIELDS
 from ..backends.torch.fsb import NodeTable, beam_search, build_segments, content_codes
-from ..backends.torch.fsb import tree_nodes as _nodes
 from ..backends.torch.selection import topk_cells
 from ..config import FreeSoloConfig
 from ..reference.forest import hyperplanes

@@ -46,6 +46,7 @@ __all__ = [
     "content_codes",
     "fsb_bytes_per_query",
     "fsb_select",
+    "level_offset",
     "tree_nodes",
 ]
 
@@ -165,8 +166,8 @@ def build_node_table(kbar, a, cells, codes, M: int, cfg: FreeSoloConfig, outward
     return NodeTable(cat["mu"], cat["rad"], cat["A"], cat["e"], cat["cell"], torch.tensor(base, device=dev), H)
 
 
-def _level_offset(h: torch.Tensor, l: int) -> torch.Tensor:
-    """Index of the first node of level l in a tree of height h (tensor h)."""
+def level_offset(h, l: int):
+    """Index of the first node of level l in a tree of height h (a tensor or an int)."""
     return (1 << (h + 1)) - (1 << (h - l + 1))
 
 
@@ -239,7 +240,7 @@ def beam_search_forests(tables: SearchTables, n, q, qnorm, pos, sigma, lam, cfg:
         cand = torch.cat([left, left + right_child, root.expand(shape)], dim=-2)  # (..., Fo, 2W+1, 4)
         c_ok = torch.cat([valid, valid, has_root.expand(shape[:-1])], dim=-1)  # (..., Fo, 2W+1)
         c_tb, c_th, c_ts, c_ix = cand.unbind(-1)
-        flat = torch.where(c_ok, c_tb + _level_offset(c_th, l) + c_ix, 0)
+        flat = torch.where(c_ok, c_tb + level_offset(c_th, l) + c_ix, 0)
         rows = (flat + row_base).reshape(-1)  # one flat row index for every field's gather
         mu = tables.mu.reshape(-1, D).index_select(0, rows).view(*flat.shape, D)
         rad, A, e = (getattr(tables, x).reshape(-1).index_select(0, rows).view(flat.shape) for x in ("rad", "A", "e"))
@@ -254,7 +255,7 @@ def beam_search_forests(tables: SearchTables, n, q, qnorm, pos, sigma, lam, cfg:
         state = torch.gather(cand, -2, order[..., None].expand(*order.shape, 4))
         valid = torch.gather(c_ok, -1, order)
     tb, th, _, ix = state.unbind(-1)
-    flat = torch.where(valid, tb + _level_offset(th, 0) + ix, 0)
+    flat = torch.where(valid, tb + level_offset(th, 0) + ix, 0)
     cells = tables.cell.reshape(-1).index_select(0, (flat + row_base).reshape(-1)).view(flat.shape)
     return torch.where(valid, cells, -1).reshape(B, Hkv, G, nb, Bq, Fo * W)
 

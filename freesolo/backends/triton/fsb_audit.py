@@ -7,8 +7,8 @@ their selections may differ where two candidates' scores are closer than float32
 a (row, query, head) it replays the search in float64 on the same tables and reports the smallest
 margin the search passed: at each level, the key of the last node kept in the beam minus the key of
 the first node dropped; in the rerank, the smallest rho gap between consecutive cells among the
-best K + 1 found (the selection's set and its order by rho). A
-selection difference at an entry whose margins are all wide would be a defect, not a tie.
+best K + 1 found (the selection's set and its order by rho). A selection difference at an entry
+whose margins are all wide would be a defect, not a tie.
 
 Both functions run on the CPU in float64 from tables built on any device; they are for tests and
 benchmarks (a few entries at a time), not for production paths.
@@ -26,10 +26,6 @@ from ...config import FreeSoloConfig
 __all__ = ["emulate_search", "near_tie_audit"]
 
 
-def _level_offset(th: int, lvl: int) -> int:
-    return (1 << (th + 1)) - (1 << (th - lvl + 1))
-
-
 def emulate_search(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig, row: int, i: int, hq: int, forests=None):
     """Spec §6.4's level-wise beam search of query i, query head hq, batch row `row`, in float64 on
     the torch backend's tables (`build_row_forests`, float32 statistics as both searches use).
@@ -43,7 +39,7 @@ def emulate_search(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig, row: i
     key of the last kept node minus key of the first dropped one (inf when none is dropped), and
     "cells": at the leaf level, the cells of the beam's leaves.
     """
-    from ..torch.fsb import build_row_forests
+    from ..torch.fsb import build_row_forests, level_offset
 
     Hq, D = q.shape[2], q.shape[3]
     h = hq // (Hq // k.shape[2])
@@ -72,7 +68,7 @@ def emulate_search(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig, row: i
                 cands.append((int(base[forest, lvl]) + (ts >> lvl) * ((2 << lvl) - 1), lvl, ts, 0))
             scored = []
             for tb, th, ts, ix in cands:
-                flat = tb + _level_offset(th, lvl) + ix
+                flat = tb + level_offset(th, lvl) + ix
                 scored.append((key(flat), (ts >> lvl) + ix, (tb, th, ts, ix), flat))
             scored.sort(key=lambda x: (-x[0], x[1]))
             kept = scored[: cfg.beam]
@@ -112,8 +108,9 @@ def near_tie_audit(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig, entrie
 
     Returns one dict per entry: row, i, hq, "beam_margin" (the smallest level margin over both
     forests), "rerank_margin" (`_rerank` over the float64 beams' cells: set and order), "margin"
-    (the smaller) and "selection" (the float64 search's selection, K cells, -1 padded). A float32 search can only disagree with another at an entry whose margin is within
-    float32 rounding of the keys (~1e-5 for keys of order 1-10).
+    (the smaller) and "selection" (the float64 search's selection, K cells, -1 padded). A float32
+    search can only disagree with another at an entry whose margin is within float32 rounding of
+    the keys (~1e-5 for keys of order 1-10).
     """
     from ..torch.fsb import build_row_forests
 
