@@ -56,6 +56,25 @@ def _steps_us(cache, q, k, v, device) -> tuple[float, torch.Tensor]:
     return 1e3 * ms / q.shape[1], torch.cat(outs, dim=1)
 
 
+def _split_us(cache, q, k, v, block: int) -> dict:
+    """Per-step CUDA-event times of q.shape[1] one-token extends (CUDA only): the median of the
+    steps inside a block and the mean of the block-boundary steps (their forest updates), us."""
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(q.shape[1])]
+    at_boundary = []
+    torch.cuda.synchronize()
+    for i, (start, end) in enumerate(events):
+        at_boundary.append(cache.length % block == 0)
+        start.record()
+        cache.extend(q[:, i : i + 1], k[:, i : i + 1], v[:, i : i + 1], check_finite=False)
+        end.record()
+    torch.cuda.synchronize()
+    us = [1e3 * s.elapsed_time(e) for s, e in events]
+    inside = sorted(u for u, b in zip(us, at_boundary) if not b)
+    edge = [u for u, b in zip(us, at_boundary) if b]
+    return {"inblock_median_us": inside[len(inside) // 2] if inside else None,
+            "boundary_mean_us": sum(edge) / len(edge) if edge else None, "boundary_steps": len(edge)}  # fmt: skip
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 65536, 262144, 1048576])
@@ -87,6 +106,9 @@ def main(argv=None) -> int:
                 cache.prefill(k[:, c0 : min(T, c0 + args.chunk)], v[:, c0 : min(T, c0 + args.chunk)], check_finite=False)
             _steps_us(cache, q[:, :2], k[:, T : T + 2], v[:, T : T + 2], device)  # warm-up (compiles the kernel)
             row[f"{kernel}_us"], outs[kernel] = _steps_us(cache, q[:, 2:], k[:, T + 2 : T + steps], v[:, T + 2 : T + steps], device)
+            if device.type == "cuda":  # the same steps again (state past T + steps), timed one by one
+                split = _split_us(cache, q[:, 2:], k[:, T + 2 : T + steps], v[:, T + 2 : T + steps], cfg.block)
+                row.update({f"{kernel}_{name}": value for name, value in split.items()})
             row["cache_mib"] = cache.memory_bytes() / 2**20
             del cache
             if device.type == "cuda":
@@ -105,6 +127,9 @@ def main(argv=None) -> int:
             f"cache {row['cache_mib']:.0f} MiB  ({time.perf_counter() - t_start:.0f} s)",
             flush=True,
         )
+        if "triton_inblock_median_us" in row:
+            print(f"          triton search: in-block step median {row['triton_inblock_median_us']:.1f} us, boundary step "
+                  f"mean {row['triton_boundary_mean_us'] or float('nan'):.1f} us ({row['triton_boundary_steps']} boundaries)")  # fmt: skip
     payload = {
         "env": _versions(device),
         "dtype": str(dtype).replace("torch.", ""),

@@ -171,6 +171,13 @@ TILES = {
     "split256": DecodeTiles(impl="split", window_chunk=256, num_warps=8),
     "fs256": DecodeTiles(impl="split", fs_chunk=256),  # FS: 256 archive cells per scoring program (half the candidates to merge)
     "split_tb": DecodeTiles(impl="split", boundary="triton"),  # FS-L block boundary as one Triton launch
+    # occupancy at B = 32 (s21): fewer warps / smaller window tiles leave room for more programs per SM
+    "single_w4": DecodeTiles(impl="single", num_warps=4),
+    "single64_w4": DecodeTiles(impl="single", window_chunk=64, num_warps=4),
+    "single64_w2": DecodeTiles(impl="single", window_chunk=64, num_warps=2),
+    "single32_w2": DecodeTiles(impl="single", window_chunk=32, num_warps=2),
+    "split64_w2": DecodeTiles(impl="split", window_chunk=64, num_warps=2),
+    "split128_w4": DecodeTiles(impl="split", window_chunk=128, num_warps=4),
 }
 DEFAULT_TILES = ["single", "split", "split64", "split_tb"]
 

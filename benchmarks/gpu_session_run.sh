@@ -25,12 +25,14 @@
 #   fsb_prefill  issue 12: triton_fsb (Triton search) against triton_fs, forward, 64k ... 1M (gpu_attention.py)
 #   tests_fsbd   issue 12: CUDA tests touched by the Triton FS-B decode search (FS-B search, models, caches, decode)
 #   fsb_decode   issue 12: FS-B decode step, torch search vs Triton search vs SDPA, 4k ... 1M (fsb_decode_bench.py)
+#   decode_tiles issue 12: FS-L fused decode at B 1 / 32 over DecodeTiles variants (occupancy at B 32), gpu_decode.py
+#   profile_fwd  issues 10 / 11: per-kernel GPU time of the triton FS-L forward and fwd+bwd at 4k and 64k
 set -u
 OUT=${OUT:-/tmp/session_out}
 W=/tmp/session_work
 mkdir -p "$OUT" "$W"
 export PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=ci PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-STEPS=${STEPS:-"tests_fsbd fsb_decode sanitize_fsb"}
+STEPS=${STEPS:-"tests_fsbd decode_tiles fsb_decode profile_fwd"}
 SPLIT=(env FREESOLO_TRITON_LONG_BLOCK=64 FREESOLO_TRITON_MAXNREG=128)
 step() {  # step NAME SECONDS COMMAND...: run with a timeout, log to $W/NAME.log, one summary line
   local name=$1 secs=$2; shift 2
@@ -56,6 +58,8 @@ step fsb_long 90 python3 benchmarks/fsb_search_bench.py --providers triton --len
 step fsb_prefill 150 env FREESOLO_TRITON_FSB_SEARCH=triton "${SPLIT[@]}" python3 benchmarks/gpu_attention.py --providers triton_fsb triton_fs --shapes H16-D64 --modes fwd --lengths 65536 131072 262144 524288 1048576 --budget-s 130 --out "$W" --tag _fsb_prefill
 step tests_fsbd 150 bash -c "python3 -m pytest -q -n ${NPROC:-8} -p no:benchmark proofs_tests/test_triton_fsb_search.py; python3 -m pytest -q -n ${NPROC:-8} -p no:benchmark -k 'cuda or gpu' proofs_tests/test_models.py proofs_tests/test_cache_gpu.py proofs_tests/test_triton_decode.py"
 step fsb_decode 200 python3 benchmarks/fsb_decode_bench.py --out "$W/fsb_decode.json"
+step decode_tiles 200 python3 benchmarks/gpu_decode.py --contexts 4096 65536 --batches 1 32 --no-fs --tiles single single_w4 single64_w4 single64_w2 single32_w2 split split64 split64_w2 split128_w4 --out "$W" --name gpu_decode_tiles
+step profile_fwd 90 python3 benchmarks/profile_triton.py --T 4096 65536
 step fsb_probe 45 python3 benchmarks/fsb_eval_probe.py --lengths 4096 32768
 step torch_ab 160 python3 benchmarks/torch_readout_ab.py --out "$W/torch_readout_ab.json"
 step bwd_split 60 "${SPLIT[@]}" python3 benchmarks/triton_backward_bench.py --lengths 4096 16384 65536 --no-api --no-profile --rep 30 --out "$W/triton_backward_split.json"

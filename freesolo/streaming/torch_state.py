@@ -67,9 +67,10 @@ class DecodeTiles:
     and the readout) and advance pos (faster at B = 1: 14-19 us, but slower at B = 32 and for FS at 1M; needed
     for one batched launch over rows at different positions)."""
     window_chunk: int = 128
-    """ring slots per window program (power of 2; the window is split in ceil(w / window_chunk))."""
+    """split: ring slots per window program (power of 2; the window is split in
+    ceil(w / window_chunk)); single: at most this many ring slots per window tile."""
     num_warps: int = 8
-    """warps per program of the split kernels."""
+    """warps per program (split: of both kernels; single: of `_decode_kernel`)."""
     fs_chunk: Optional[int] = None
     """FS: archive cells per scoring program (power of 2); None: 128, more past 2048 chunks."""
     boundary: str = "torch"

@@ -844,7 +844,7 @@ def decode_step(
         if active.shape != (B,) or active.dtype != torch.int8 or active.device != state.device:
             raise ValueError(f"active must be an int8 [{B}] tensor on {state.device}")
     if tiles.impl == "single":
-        _single_step(state, q, k, v, beta.contiguous(), out)
+        _single_step(state, q, k, v, beta.contiguous(), out, tiles)
         state.pos += 1
     else:
         _split_step(state, q, k, v, beta.contiguous(), out, tiles, pos, active)
@@ -1019,9 +1019,10 @@ def _split_step(state, q, k, v, beta, out, tiles, pos=None, active=None) -> None
     )
 
 
-def _single_step(state, q, k, v, beta, out) -> None:
-    """Launch the first version ("single"): `_fs_score_kernel` (FS) and `_decode_kernel`; the
-    caller advances pos."""
+def _single_step(state, q, k, v, beta, out, tiles) -> None:
+    """Launch the first version ("single"): `_fs_score_kernel` (FS) and `_decode_kernel` with
+    `tiles.num_warps` warps and window tiles of at most `tiles.window_chunk` slots; the caller
+    advances pos."""
     cfg, B, Hq, Hkv, G, D = state.cfg, state.B, state.Hq, state.Hkv, state.group, state.D
     sigma, lam = _float32_params(state)
     scale = 1.0 / math.sqrt(D)
@@ -1105,9 +1106,9 @@ def _single_step(state, q, k, v, beta, out) -> None:
         FS=fs,
         NPART=n_part,
         BLOCK_D=BLOCK_D,
-        BLOCK_W=min(_pow2(cfg.window), max(16, 8192 // BLOCK_D)),
+        BLOCK_W=min(_pow2(cfg.window), tiles.window_chunk, max(16, 8192 // BLOCK_D)),
         BLOCK_S=block_s,
         BLOCK_CELL=_pow2(cfg.cell),
-        num_warps=8,
+        num_warps=tiles.num_warps,
     )
 
