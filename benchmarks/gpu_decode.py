@@ -408,9 +408,9 @@ def plot(rows, path, title: str, tiles):
 
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(13, 5))
     curves = [("fsl_graph_us", "FS-L torch step (CUDA graph)", "C0")]
-    colors = iter(["C1", "C2", "C5", "C6", "C7", "C8"])
-    for name in tiles:
-        color = next(colors)
+    palette = plt.get_cmap("tab20").colors  # one color per tile variant (C0 / C3: torch step, SDPA)
+    for index, name in enumerate(tiles):
+        color = palette[(2 * index + 4) % len(palette)]
         curves += [(f"fsl_{name}_dev_us", f"FS-L fused {name} (device)", color)]
         curves += [(f"fs_{name}_dev_us", f"FS fused {name} (device)", color)]
     curves += [("sdpa_dev_us", "SDPA full KV (device)", "C3")]

@@ -13,8 +13,9 @@ Decode without host synchronisation (torch, CUDA, FS-L and FS): `extend(q, k, v,
 (the finite check is the only sync: it reads a flag back); `cache.prefill(k, v)` ingests a long
 prompt without outputs; `step = cache.decode_graph()` captures the FS-L one-token step (and the
 block-boundary step) in CUDA graphs: `o = step(q, k, v)`. With `decode_kernel="triton"` (or
-"auto" on CUDA) a one-token step is one fused Triton kernel (FS: two), and `decode_graph()` also
-captures FS (its block boundaries run eagerly, without sync).
+"auto" on CUDA) a one-token step is one fused Triton kernel (FS and FS-B: two), and
+`decode_graph()` also captures FS and FS-B (their block boundaries run eagerly: FS without sync,
+FS-B with one sync for its forests).
 
 Rows at different positions (spec §9; serving: prompts of different lengths, rows that stop
 early): `extend(q, k, v, lengths=[n_0, ..., n_{B-1}])` lets row b consume only its first n_b
@@ -67,9 +68,10 @@ class FreeSoloCache:
             `freesolo.backends.triton.decode`; CUDA, or CPU under TRITON_INTERPRET=1), or "auto"
             (triton on CUDA when triton imports and the dtype is float32 / bfloat16 / float16).
             FS-B: "triton" runs the step's beam search and rerank as one Triton launch
-            (`freesolo.backends.triton.fsb_search.decode_select_cells`), the window and the readout
-            as torch ops; its block boundaries still sync the host (not a CUDA-graph path).
-            Chunks of n > 1 tokens and block boundaries always run torch ops.
+            (`freesolo.backends.triton.fsb_search.decode_select_cells`), then the fused kernel
+            (window, readout of the chosen cells); its block boundaries (forest carries) run torch
+            ops eagerly and sync the host once. Chunks of n > 1 tokens and block boundaries always
+            run torch ops.
         decode_tiles: torch backend, fused step: a `freesolo.streaming.torch_state.DecodeTiles`
             (how the step's work is split across programs; default `DecodeTiles()`; its
             `impl="single"` is the first one-program-per-(row, kv head) kernel, for A/B timing).
@@ -132,15 +134,10 @@ class FreeSoloCache:
 
             if dtype is not None and not getattr(dtype, "is_floating_point", False):
                 raise TypeError(f"dtype={dtype!r} must be a torch floating dtype")
-            if cfg.variant == "fsb":
-                if decode_tiles is not None:
-                    raise ValueError("decode_tiles configures the fused FS / FS-L step; FS-B has none (leave it None)")
-                self._state = TorchFsbDeviceState(cfg, B, Hq, Hkv, D, dtype=dtype, device=device, decode_kernel=decode_kernel)
-            else:
-                self._state = TorchCacheState(
-                    cfg, B, Hq, Hkv, D, dtype=dtype, device=device, decode_kernel=decode_kernel,
-                    decode_tiles=decode_tiles,
-                )  # fmt: skip
+            state_class = TorchFsbDeviceState if cfg.variant == "fsb" else TorchCacheState
+            self._state = state_class(
+                cfg, B, Hq, Hkv, D, dtype=dtype, device=device, decode_kernel=decode_kernel, decode_tiles=decode_tiles
+            )
             self._dtype, self._device = dtype, device
         elif self.backend == "triton":
             raise BackendUnavailableError(
@@ -440,7 +437,7 @@ class FreeSoloCache:
             self._state.prefill(k, v)
 
     def decode_graph(self, beta=None):
-        """torch backend on CUDA, FS-L (and FS with decode_kernel="triton"): a CUDA graph of the
+        """torch backend on CUDA, FS-L (and FS / FS-B with decode_kernel="triton"): a CUDA graph of the
         one-token step (see `streaming.torch_state.DecodeGraph`; `step(q, k, v)`, or write q / k /
         v into `step.q / k / v` and call `step.replay()`). Rows at different positions (ragged
         FS-L, fused step with DecodeTiles(boundary="triton")): `step(q, k, v, lengths=[0/1 per

@@ -258,33 +258,43 @@ def test_fused_state_round_trip_bit_identical():
 
 
 @needs_kernels
-@pytest.mark.parametrize("variant", ["fsl", "fs"])
+@pytest.mark.parametrize("variant", ["fsl", "fs", "fsb"])
 def test_decode_graph_bookkeeping_with_fused_step(monkeypatch, variant):
     """DecodeGraph over the fused step with each CUDA graph replaced by a direct call of the
-    function it would capture: FS-L (step + boundary graphs, built before the steady state) and
-    FS (eager boundaries, re-capture when the archive grows from 16 to 32 slots) == eager decode."""
+    function it would capture: FS-L (step + boundary graphs, built before the steady state), FS
+    (eager boundaries, re-capture when the archive grows from 16 to 32 slots) and FS-B (eager
+    forest carries, re-capture when a forest table gains a height at 16 cells and when the archive
+    grows) == eager torch decode. A fake graph checks at every replay that no buffer it would read
+    has moved since its capture (a real graph would read freed memory)."""
     from freesolo.streaming import torch_state
 
     class FakeGraph:
-        def __init__(self, fn):
-            self.fn, self.out = fn, None
+        def __init__(self, fn, owner):
+            self.fn, self.owner, self.out = fn, owner, None
 
         def replay(self):
+            assert self.owner._layout() == self.layout, "a buffer moved after the capture: the graph is stale"
             self.out.copy_(self.fn())
 
     def fake_capture(self, fn, share_with):
-        graph = FakeGraph(fn)
+        graph = FakeGraph(fn, self)
         snapshot = self.state.state_dict()
         graph.out = fn().clone()
         self.state.load_state_dict(snapshot)
+        graph.layout = self._layout()
         return graph, graph.out
 
+    builds = []
+    build = torch_state.DecodeGraph._build
+    monkeypatch.setattr(torch_state.DecodeGraph, "_build", lambda self: (builds.append(self.state.length), build(self)))
     monkeypatch.setattr(torch_state.DecodeGraph, "_warmup", lambda self, fns: [fn() for fn in fns])
     monkeypatch.setattr(torch_state.DecodeGraph, "_capture", fake_capture)
     monkeypatch.setattr(torch_state.DecodeGraph, "_check", staticmethod(lambda state: None))
     cfg = FreeSoloConfig(variant=variant, window=16, cell=4, block=8, pool=2, recent=1, top_k=2)
+    if variant == "fsb":
+        cfg = cfg.replace(beam=2, tau=3.0)
     B, Hq, Hkv, D = 1, 2, 1, 8
-    T0, T = (5, 19) if variant == "fsl" else (61, 75)  # FS: the archive grows at t = 72 (18 cells > 16)
+    T0, T = (5, 19) if variant == "fsl" else (61, 75)  # FS / FS-B: 16 cells at t = 64, the archive grows at t = 72
     q, k, v, beta = tensors(7, B, T, Hq, Hkv, D)
     eager = FreeSoloCache(cfg, B, Hq, Hkv, D, backend="torch")
     eager.extend(q[:, :T0], k[:, :T0], v[:, :T0], beta=beta)
@@ -299,8 +309,10 @@ def test_decode_graph_bookkeeping_with_fused_step(monkeypatch, variant):
     assert graphed.length == eager.length == T
     assert torch.equal(graphed.state.pos, eager.state.pos)
     assert torch.equal(graphed.state.cell_ids, eager.state.cell_ids)
-    if variant == "fs":
+    if variant != "fsl":
         assert graphed.state.cell_ids.shape[2] > capacity == 16, "the test must cross an archive growth"
+    expected_builds = {"fsl": [T0], "fs": [T0, 72], "fsb": [T0, 64, 72]}[variant]
+    assert builds == expected_builds, f"captures at token counts {builds}"
 
 
 @needs_kernels
@@ -396,12 +408,13 @@ def test_decode_kernel_errors():
     with pytest.raises(ValueError, match="needs backend='torch'"):
         FreeSoloCache(cfg, 1, 2, 1, 8, backend="numpy", decode_kernel="triton")
     fsb = cfg.replace(variant="fsb", tau=1.0)
-    with pytest.raises(ValueError, match="FS-B has none"):
-        FreeSoloCache(fsb, 1, 2, 1, 8, backend="torch", decode_kernel="triton", decode_tiles=DecodeTiles())
+    with pytest.raises(ValueError, match=r"runs DecodeTiles\(impl='single'\)"):
+        FreeSoloCache(fsb, 1, 2, 1, 8, backend="torch", decode_kernel="triton", decode_tiles=DecodeTiles(impl="split"),
+                      dtype=torch.float32, device="cpu")  # fmt: skip
     with pytest.raises(ValueError, match="decode_kernel='fast'"):
         FreeSoloCache(fsb, 1, 2, 1, 8, backend="torch", decode_kernel="fast")
     fsb_auto = FreeSoloCache(fsb, 1, 2, 1, 8, backend="torch", decode_kernel="auto", dtype=torch.float32, device="cpu")
-    assert fsb_auto.state._triton_search is False, "auto must pick the torch search off CUDA"
+    assert fsb_auto.state._fused is False, "auto must pick the torch search off CUDA"
     with pytest.raises(ValueError, match="dtype=torch.float64"):
         FreeSoloCache(cfg, 1, 2, 1, 8, backend="torch", decode_kernel="triton", dtype=torch.float64, device="cpu")
     auto = FreeSoloCache(cfg, 1, 2, 1, 8, backend="torch", decode_kernel="auto", dtype=torch.float32, device="cpu")

@@ -13,10 +13,13 @@ buffer) plus, per batch row and kv head:
   the rows whose tree changed (the high-norm forest: rows' counts differ).
 
 Queries search the tables with the torch backend's level-wise beam (`beam_search`), rerank the
-union by rho and read the top-K cells (`topk_cells`: ties to the larger cell); with
-`decode_kernel="triton"` a one-token step does the search and the rerank in one Triton launch
-(`backends.triton.fsb_search.decode_select_cells`, same tables, same tie rules). FS-B decode syncs
-the host at block boundaries (counts of high cells); it is not a CUDA-graph path.
+union by rho and read the top-K cells (`topk_cells`: ties to the larger cell). With
+`decode_kernel="triton"` a one-token step is the fused Triton step (`backends.triton.decode.
+decode_step`): one launch for the search and the rerank (`fsb_search.decode_select_cells`, same
+tables, same tie rules), one for the local window, the readout of the chosen cells, RMSNorm and
+beta (`_decode_kernel`). Neither reads a host value that changes inside a block, so
+`FreeSoloCache.decode_graph()` captures the step in a CUDA graph; a block boundary (`_advance`:
+archive append, forest carries) runs eagerly and syncs the host once (counts of high cells).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from ..backends.torch.fsb import NodeTable, beam_search, build_segments, content
 from ..backends.torch.selection import topk_cells
 from ..config import FreeSoloConfig
 from ..reference.forest import hyperplanes
-from .torch_state import DECODE_KERNELS, TorchCacheState, _gather_cells
+from .torch_state import DecodeTiles, TorchCacheState, _gather_cells
 
 __all__ = ["ForestTable", "TorchFsbDeviceState"]
 
@@ -142,20 +145,19 @@ class TorchFsbDeviceState(TorchCacheState):
     variants = ("fsb",)
 
     def __init__(self, cfg: FreeSoloConfig, batch: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 dtype: Optional[torch.dtype] = None, device=None, decode_kernel: str = "torch"):  # fmt: skip
-        """decode_kernel: the search of one-token steps: "torch" (`beam_search`, torch ops),
-        "triton" (`backends.triton.fsb_search.decode_select_cells`: one launch for the search and
-        the rerank of every (row, query head); CUDA, or CPU under TRITON_INTERPRET=1; float32
-        accumulation, i.e. storage float32 / bfloat16 / float16) or "auto" (triton on CUDA with
-        float32 accumulation, torch otherwise). Chunks of n > 1 tokens search with torch ops."""
-        if decode_kernel not in DECODE_KERNELS:
-            raise ValueError(f"decode_kernel={decode_kernel!r} must be one of {DECODE_KERNELS}")
-        self.search_kernel = decode_kernel  # before the base class allocates (dtype and device given)
-        super().__init__(cfg, batch, num_heads, num_kv_heads, head_dim, dtype=dtype, device=device)
+                 dtype: Optional[torch.dtype] = None, device=None, decode_kernel: str = "torch",
+                 decode_tiles: Optional[DecodeTiles] = None):  # fmt: skip
+        """decode_kernel: one-token steps: "torch" (`beam_search` and readout in torch ops),
+        "triton" (the fused Triton step: `fsb_search.decode_select_cells`, one launch for the
+        search and the rerank of every (row, query head), then `decode._decode_kernel`; CUDA, or
+        CPU under TRITON_INTERPRET=1; float32 accumulation, i.e. storage float32 / bfloat16 /
+        float16) or "auto" (triton on CUDA with float32 accumulation, torch otherwise). Chunks of
+        n > 1 tokens run torch ops. decode_tiles: DecodeTiles(impl="single") (the default) or None."""
+        super().__init__(cfg, batch, num_heads, num_kv_heads, head_dim, dtype=dtype, device=device,
+                         decode_kernel=decode_kernel, decode_tiles=decode_tiles)  # fmt: skip
 
     def allocate(self, dtype: torch.dtype, device) -> None:
-        super().allocate(dtype, device)
-        self._triton_search = self._resolve_search_kernel()
+        super().allocate(dtype, device)  # sets self._fused (`_resolve_decode_kernel`)
         cfg, B, Hkv, D = self.cfg, self.B, self.Hkv, self.D
         self.tau = torch.as_tensor(cfg.tau_array(Hkv), dtype=torch.float64, device=self.device)  # [Hkv]
         self.planes = torch.as_tensor(hyperplanes(cfg.hash_seed, Hkv, cfg.hash_bits, D), device=self.device)
@@ -166,27 +168,6 @@ class TorchFsbDeviceState(TorchCacheState):
         self.n_high_range = (0, 0)  # host copy of (min, max) of n_high
         self.forest_all = ForestTable(B, Hkv, D, self.acc, self.device)
         self.forest_high = ForestTable(B, Hkv, D, self.acc, self.device)
-
-    def _resolve_search_kernel(self) -> bool:
-        """True when one-token steps search with the Triton kernel (after allocation: device known)."""
-        from ..backends.triton.backend import interpreting
-
-        if self.search_kernel == "torch":
-            return False
-        reasons = []
-        if self.acc != torch.float32:
-            reasons.append(f"dtype={self.dtype}: the Triton FS-B search accumulates in float32")
-        if self.device.type != "cuda" and not interpreting():
-            reasons.append(f"device={self.device}: Triton needs CUDA (or TRITON_INTERPRET=1 on CPU tensors)")
-        try:
-            import triton  # noqa: F401
-        except ImportError as error:
-            reasons.append(f"triton does not import: {error}")
-        if self.search_kernel == "auto":
-            return not reasons and self.device.type == "cuda"
-        if reasons:
-            raise ValueError("decode_kernel='triton' (FS-B search): " + "; ".join(reasons))
-        return True
 
     def buffers(self) -> dict:
         out = super().buffers()
@@ -256,12 +237,7 @@ class TorchFsbDeviceState(TorchCacheState):
         B, Hkv, G, D, s, K = self.B, self.Hkv, self.group, self.D, self.cfg.cell, self.cfg.top_k
         n = positions.shape[0]
         scale = 1.0 / math.sqrt(D)
-        if n == 1 and self._triton_search:
-            from ..backends.triton.fsb_search import decode_select_cells
-
-            chosen = decode_select_cells(self, qg.view(B, Hkv, G, D), n_avail).view(B, Hkv, G, 1, K)
-        else:
-            chosen = self._search(qg, positions, n_avail)  # (B, Hkv, G, n, K) cell ids (= slots), -1 padded
+        chosen = self._search(qg, positions, n_avail)  # (B, Hkv, G, n, K) cell ids (= slots), -1 padded
         flat = chosen.clamp(min=0).reshape(B, Hkv, G * n * K)
         N = B * Hkv * G * n
         sel_k = _gather_cells(self.cell_k, flat).reshape(N, 1, K * s, D)
@@ -308,12 +284,21 @@ class TorchFsbDeviceState(TorchCacheState):
             out["n_high_range"] = self.n_high_range
         return out
 
+    def _restore(self, owner, name: str, value: torch.Tensor) -> None:
+        """owner.name = value: copied into the existing buffer when its shape and dtype match (a
+        captured `DecodeGraph` keeps reading it), else a new buffer on the state's device."""
+        current = getattr(owner, name)
+        if current.shape == value.shape and current.dtype == value.dtype:
+            current.copy_(value)
+        else:
+            setattr(owner, name, value.clone().to(self.device))
+
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         if state.get("dtype") is None:
             return
         for name in ("codes", "high_cells", "n_high", "tau", "planes"):
-            setattr(self, name, state[name].clone().to(self.device))
+            self._restore(self, name, state[name])
         for forest, prefix, heights, starts in zip(
             (self.forest_all, self.forest_high),
             ("forest_all", "forest_high"),
@@ -322,5 +307,5 @@ class TorchFsbDeviceState(TorchCacheState):
         ):
             forest.heights, forest.starts = int(heights), [tuple(int(x) for x in st) for st in starts]
             for name in _FIELDS:
-                setattr(forest, name, state[f"{prefix}.{name}"].clone().to(self.device))
+                self._restore(forest, name, state[f"{prefix}.{name}"])
         self.n_high_range = tuple(state["n_high_range"])

@@ -165,8 +165,6 @@ class TorchCacheState:
             raise ValueError(f"{type(self).__name__} implements variants {self.variants}, not {cfg.variant!r}")
         if decode_kernel not in DECODE_KERNELS:
             raise ValueError(f"decode_kernel={decode_kernel!r} must be one of {DECODE_KERNELS}")
-        if decode_kernel == "triton" and cfg.variant not in ("fs", "fsl"):
-            raise ValueError(f"decode_kernel='triton' implements variants 'fs' and 'fsl', not {cfg.variant!r}")
         if decode_tiles is not None and not isinstance(decode_tiles, DecodeTiles):
             raise TypeError(f"decode_tiles must be a DecodeTiles, got {type(decode_tiles).__name__}")
         self.decode_kernel = decode_kernel
@@ -191,6 +189,8 @@ class TorchCacheState:
             raise TypeError(f"dtype={dtype} must be a floating dtype")
         cfg, B, Hkv, D, G = self.cfg, self.B, self.Hkv, self.D, self.group
         device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # "cuda" -> "cuda:N": equal to its tensors' device
+            device = torch.device("cuda", torch.cuda.current_device())
         self.dtype, self.device = dtype, device
         self.acc = torch.float64 if dtype == torch.float64 else torch.float32
         self.pos = torch.zeros((), dtype=torch.int64, device=device)
@@ -212,7 +212,7 @@ class TorchCacheState:
         if self.decode_kernel == "torch":
             return False
         if self.decode_kernel == "auto":
-            if self.device.type != "cuda" or self.cfg.variant not in ("fs", "fsl"):
+            if self.device.type != "cuda":
                 return False
             if self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
                 return False
@@ -543,7 +543,8 @@ class TorchCacheState:
         return row
 
     def decode_graph(self, beta: Optional[torch.Tensor] = None) -> "DecodeGraph":
-        """A CUDA graph of the FS-L / FS one-token step (steady state: T >= w and |C_j| >= K)."""
+        """A CUDA graph of the one-token step (`DecodeGraph`): FS-L (torch step: steady state T >= w
+        and |C_j| >= K), FS and FS-B with the fused step."""
         return DecodeGraph(self, beta)
 
 
@@ -563,10 +564,11 @@ class DecodeGraph:
     steady state when built: T >= w and |C_j| >= K, so that every later step runs the same kernels.
 
     With the fused Triton step (`decode_kernel="triton"`), the kernel reads T from the device, so
-    the graph can be built at any T >= 1, and FS is captured too: its step graph is replayed
-    inside blocks; at a block boundary the archive append (`_advance`, torch ops, no sync) runs
-    eagerly before the replay, and when the archive grows (capacity doubles, host-known) the step
-    is captured again.
+    the graph can be built at any T >= 1, and FS and FS-B are captured too: their step graph is
+    replayed inside blocks; at a block boundary the archive append (`_boundary`: torch ops; FS
+    without sync, FS-B with its forest carries and one sync) runs eagerly before the replay, and
+    when a buffer the step reads is re-allocated there (the archive doubles, a forest table gains
+    a height: host-known) the step is captured again.
     """
 
     def __init__(self, state: TorchCacheState, beta: Optional[torch.Tensor] = None):
@@ -600,7 +602,12 @@ class DecodeGraph:
         if not self.archive:
             self.boundary_graph, self.boundary_out = self._capture(self._boundary_step, self.graph)
         state.load_state_dict(snapshot)  # capture records without running; restore anyway
-        self.capacity = state.cell_ids.shape[2]
+        self.layout = self._layout()
+
+    def _layout(self) -> tuple:
+        """Addresses of the state's buffers: a captured step reads these (FS / FS-B: they change
+        only when the archive or a forest table is re-allocated at a block boundary)."""
+        return tuple(x.data_ptr() for x in self.state.buffers().values())
 
     def _step(self) -> torch.Tensor:
         return self.state._piece(self.q, self.k, self.v, self.beta)
@@ -615,9 +622,9 @@ class DecodeGraph:
     def _check(state: TorchCacheState) -> None:
         if not state.allocated or state.device.type != "cuda":
             raise ValueError("decode_graph needs an allocated cache on a CUDA device")
-        if state.cfg.variant != "fsl" and not (state.cfg.variant == "fs" and getattr(state, "_fused", False)):
+        if state.cfg.variant != "fsl" and not getattr(state, "_fused", False):
             raise ValueError(
-                f"decode_graph captures the FS-L step (and FS with decode_kernel='triton'), not "
+                f"decode_graph captures the FS-L step (and FS / FS-B with decode_kernel='triton'), not "
                 f"variant={state.cfg.variant!r} with the torch step (its store grows)"
             )
 
@@ -648,10 +655,9 @@ class DecodeGraph:
         projection, saves `__call__`'s copy launch). Returns the static output."""
         state = self.state
         if self.archive:
-            cfg = state.cfg
-            if state.length % cfg.block == 0:  # FS: append the block's cells eagerly (no sync)
-                state._advance(state.block_k, state.block_v, state.length // cfg.cell)
-                if state.cell_ids.shape[2] != self.capacity:  # the archive grew: new buffers
+            if state.length % state.cfg.block == 0:  # FS / FS-B: the block's cells, eagerly
+                state._boundary(state.length)
+                if self._layout() != self.layout:  # the archive or a forest table moved: capture again
                     self._build()
             self.graph.replay()
             out = self.out

@@ -24,7 +24,22 @@ __all__ = [
     "padded_dims",
     "rope_halves",
     "rope_rotate",
+    "same_device",
 ]
+
+def same_device(a, b) -> bool:
+    """True when torch devices `a` and `b` are one device: `cuda` (no index) is the current CUDA
+    device, so `cuda` and `cuda:0` agree while device 0 is current."""
+    import torch
+
+    def resolved(device):
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            return torch.device("cuda", torch.cuda.current_device())
+        return device
+
+    return a == b or resolved(a) == resolved(b)
+
 
 MAX_HEAD_DIM = 256
 # Finite start of a running max: exp2(NEG_BIG - NEG_BIG) = 1 and exp2(-inf - NEG_BIG) = 0, so a

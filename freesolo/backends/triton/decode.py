@@ -170,6 +170,7 @@ def _decode_kernel(
     SLOTS: tl.constexpr,
     FS: tl.constexpr,
     NPART: tl.constexpr,
+    CHOSEN: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_W: tl.constexpr,
     BLOCK_S: tl.constexpr,
@@ -184,6 +185,8 @@ def _decode_kernel(
     cell_k / cell_v [B, Hkv, SLOTS, CELL, D].
     FS-L (FS=False): candidates = the SLOTS held cells (id >= 0). FS (FS=True): candidates =
     part_score / part_id [B, Hq, NPART] from `_fs_score_kernel`, slot = cell id.
+    FS-B (FS=True, CHOSEN=True): part_id [B, Hq, TOPK] holds the chosen cells themselves (the
+    Triton search's, by rank, -1 padded; slot = cell id); part_score is not read.
     """
     pid = tl.program_id(0).to(tl.int64)
     b = pid // HKV
@@ -254,8 +257,9 @@ def _decode_kernel(
         # ---- long branch: candidates' scores, top-K, sparse NoPE readout -------------------------
         if FS:
             pbase = (b * (HKV * G) + h) * NPART
-            sc = tl.load(part_score_ptr + pbase + slots, mask=slots < NPART, other=float("-inf"))
-            cid = tl.load(part_id_ptr + pbase + slots, mask=slots < NPART, other=-1)
+            if not CHOSEN:
+                sc = tl.load(part_score_ptr + pbase + slots, mask=slots < NPART, other=float("-inf"))
+                cid = tl.load(part_id_ptr + pbase + slots, mask=slots < NPART, other=-1)
         else:  # FS-L: the held cells (loaded per head: fewer live registers in the window loop)
             ids = tl.load(ids_ptr + pid * SLOTS + slots, mask=slots < SLOTS, other=-1)
             held = ids >= 0
@@ -276,7 +280,12 @@ def _decode_kernel(
         # (row r = token r % BLOCK_CELL of the (r // BLOCK_CELL)-th chosen cell), read in one load
         row_slot = tl.zeros([TOPK_P2 * BLOCK_CELL], tl.int64)
         row_len = tl.zeros([TOPK_P2 * BLOCK_CELL], tl.int32)  # tokens of the row's cell: CELL, 0 = none
-        for kk in tl.static_range(TOPK):
+        if CHOSEN:  # FS-B: the cells are chosen already; -1 = none
+            for kk in tl.static_range(TOPK):
+                chosen = tl.load(part_id_ptr + pbase + kk)
+                row_slot = tl.where(row_cell == kk, tl.maximum(chosen, 0), row_slot)
+                row_len = tl.where(row_cell == kk, tl.where(chosen >= 0, CELL, 0), row_len)
+        for kk in tl.static_range(0 if CHOSEN else TOPK):
             best = tl.reduce(sc, 0, _MAX)  # best score, then the larger cell
             best_id = tl.reduce(tl.where(sc == best, cid, -1), 0, _MAX)
             sc = tl.where((cid == best_id) & (sc == best), float("-inf"), sc)
@@ -754,8 +763,10 @@ def _pow2(x: int) -> int:
 def decode_supported_reasons(state) -> list[str]:
     """Why the fused step cannot run this torch state ([] when it can)."""
     reasons = []
-    if state.cfg.variant not in ("fs", "fsl"):
-        reasons.append(f"variant={state.cfg.variant!r}: the fused decode implements 'fs' and 'fsl'")
+    if state.cfg.variant not in ("fs", "fsl", "fsb"):
+        reasons.append(f"variant={state.cfg.variant!r}: the fused decode implements 'fs', 'fsl' and 'fsb'")
+    if state.cfg.variant == "fsb" and state.decode_tiles.impl != "single":
+        reasons.append(f"variant='fsb' runs DecodeTiles(impl='single'), not {state.decode_tiles.impl!r}")
     if state.allocated:
         if state.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             reasons.append(f"dtype={state.dtype}: the fused decode runs float32 / bfloat16 / float16")
@@ -1020,16 +1031,24 @@ def _split_step(state, q, k, v, beta, out, tiles, pos=None, active=None) -> None
 
 
 def _single_step(state, q, k, v, beta, out, tiles) -> None:
-    """Launch the first version ("single"): `_fs_score_kernel` (FS) and `_decode_kernel` with
-    `tiles.num_warps` warps and window tiles of at most `tiles.window_chunk` slots; the caller
-    advances pos."""
+    """Launch the first version ("single"): `_fs_score_kernel` (FS) or the FS-B search
+    (`fsb_search.decode_select_cells`), then `_decode_kernel` with `tiles.num_warps` warps and
+    window tiles of at most `tiles.window_chunk` slots; the caller advances pos."""
     cfg, B, Hq, Hkv, G, D = state.cfg, state.B, state.Hq, state.Hkv, state.group, state.D
     sigma, lam = _float32_params(state)
     scale = 1.0 / math.sqrt(D)
     slots = state.cell_ids.shape[2]
-    fs = cfg.variant == "fs"
+    fs = cfg.variant in ("fs", "fsb")  # the archive: slot = cell id
+    chosen = cfg.variant == "fsb"
     BLOCK_D = _pow2(D)
-    if fs:
+    if chosen:
+        from .fsb_search import decode_select_cells
+
+        n_part = cfg.top_k
+        part_score, part_id = _scratch(state, n_part)  # part_score: unused
+        decode_select_cells(state, q.reshape(B, Hkv, G, D), out=part_id.view(B, Hkv, G, n_part))
+        block_s = 16
+    elif fs:
         chunk = _fs_chunk(slots)
         nchunk = -(-slots // chunk)
         n_part = nchunk * cfg.top_k
@@ -1105,6 +1124,7 @@ def _single_step(state, q, k, v, beta, out, tiles) -> None:
         SLOTS=slots,
         FS=fs,
         NPART=n_part,
+        CHOSEN=chosen,
         BLOCK_D=BLOCK_D,
         BLOCK_W=min(_pow2(cfg.window), tiles.window_chunk, max(16, 8192 // BLOCK_D)),
         BLOCK_S=block_s,

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from ...config import FreeSoloConfig
-from . import _common  # noqa: F401  (its import patches the interpreter's dynamic loop bounds for NumPy >= 2.4)
+from ._common import same_device  # (importing _common also patches the interpreter's loop bounds for NumPy >= 2.4)
 
 __all__ = ["MAX_BEAM", "TRACE_LEVELS", "decode_select_cells", "fsb_select_cells", "trace_search"]
 
@@ -238,7 +238,7 @@ def _fsb_search_kernel(
     tl.store(out_ptr + (hq * T + i) * K + kk, picked, mask=kk < K)
 
 
-@triton.jit(do_not_specialize=["n_all"])  # n_all changes at every block boundary: no recompile for its value
+@triton.jit(do_not_specialize=["S", "Na", "Nh"])  # sizes that grow with the cache: no recompile for their values
 def _fsb_decode_search_kernel(
     q_ptr,  # fp32 [B, Hq, D]: the step's unrotated queries (query head hq = h * G + g)
     pos_ptr,  # int64 []: the step's position (read on the device: no host sync)
@@ -248,13 +248,15 @@ def _fsb_decode_search_kernel(
     n_high_ptr,  # int64 [B, Hkv]: elements of each row's high-norm forest
     sigma_ptr, lam_ptr,  # fp32 [Hq]
     out_ptr,  # int64 [B, Hq, K]
-    n_all, S, Na, Nh, Hkv, G, scale, radius_weight, two_cell, D,
-    BLOCK_D: tl.constexpr, CELL: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, K: tl.constexpr,
-    KP: tl.constexpr,
+    S, Na, Nh, Hkv, G, scale, radius_weight, two_cell, D,
+    BLOCK_D: tl.constexpr, CELL: tl.constexpr, QBLOCK: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
+    K: tl.constexpr, KP: tl.constexpr,
 ):  # fmt: skip
     """One decode step's FS-B search + rerank, one program per (row, query head): both forests of
     the streaming state (`streaming.torch_fsb`) searched by `_search_forest`, the found cells
-    reranked by `_rerank`; the same code as the prefill kernel's, on the state's tables."""
+    reranked by `_rerank`; the same code as the prefill kernel's, on the state's tables. The
+    all-cells forest's size, the available cells (pos // QBLOCK) * QBLOCK // CELL, comes from the
+    position on the device, so a CUDA graph of the step stays valid across block boundaries."""
     bh = tl.program_id(0).to(tl.int64)  # b * Hq + hq
     b = bh // (Hkv * G)
     hq = bh % (Hkv * G)
@@ -262,12 +264,13 @@ def _fsb_decode_search_kernel(
     d = tl.arange(0, BLOCK_D)
     q = tl.load(q_ptr + bh * D + d, mask=d < D, other=0.0)
     qnorm = tl.sqrt(tl.sum(q * q, 0))
-    pos = tl.load(pos_ptr).to(tl.float32)
+    pos_i = tl.load(pos_ptr)  # int64
+    pos = pos_i.to(tl.float32)
     sig = tl.load(sigma_ptr + hq)
     lm = tl.load(lam_ptr + hq)
     plane = b * Hkv + h
     n_high = tl.load(n_high_ptr + plane)
-    n_all = n_all.to(tl.int64)  # as the prefill's (a host int arrives as int32)
+    n_all = (pos_i // QBLOCK) * (QBLOCK // CELL)
     no_trace = bh < 0  # TRACE is off: nothing is stored
     found_all = _search_forest(n_all, base_a_ptr, 0, q, qnorm, pos, sig, lm, plane * Na, mu_a_ptr, rad_a_ptr, a_a_ptr,
                                e_a_ptr, cell_a_ptr, scale, radius_weight, two_cell, D, Na, out_ptr, out_ptr, no_trace,
@@ -382,14 +385,15 @@ def _run(q, k, cfg: FreeSoloConfig, return_found: bool, num_warps: int, trace):
     return result()
 
 
-def decode_select_cells(state, qg: torch.Tensor, n_avail: int, num_warps: int = 1) -> torch.Tensor:
+def decode_select_cells(state, qg: torch.Tensor, out=None, num_warps: int = 1) -> torch.Tensor:
     """FS-B selection of one decode step on the streaming state's forests (one launch, no host sync).
 
     Args:
         state: a `freesolo.streaming.torch_fsb.TorchFsbDeviceState` (float32 accumulation) whose
-            position `state.pos` is the step's token.
+            position `state.pos` is the step's token (its block's forests built: the cells
+            available to it, `(pos // block) * block // cell`, are read from `state.pos` on the device).
         qg: [B, Hkv, G, D] the step's unrotated queries (any float dtype; searched in float32).
-        n_avail: cells available to the step's block (`(pos // block) * block // cell`, host-known).
+        out: optional int64 [B, Hkv, G, K] contiguous tensor to write (default: a new one).
     Returns chosen cells int64 [B, Hkv, G, K] by (rho desc, c desc), -1 padded: the torch
     search's (`TorchFsbDeviceState._long_range`) except at float32 near-ties.
     """
@@ -398,19 +402,22 @@ def decode_select_cells(state, qg: torch.Tensor, n_avail: int, num_warps: int = 
         raise ValueError(f"decode_select_cells searches FS-B forests, the state's variant is {cfg.variant!r}")
     if state.acc != torch.float32:
         raise ValueError(f"the Triton FS-B decode search accumulates in float32, the state in {state.acc}")
-    if tuple(qg.shape) != (B, Hkv, G, D) or qg.device != state.device:
+    if tuple(qg.shape) != (B, Hkv, G, D) or not same_device(qg.device, state.device):
         raise ValueError(f"qg {tuple(qg.shape)} on {qg.device} must be [B={B}, Hkv={Hkv}, G={G}, D={D}] on {state.device}")
     K = cfg.top_k
-    out = torch.full((B, Hkv, G, K), -1, dtype=torch.int64, device=state.device)
+    if out is None:
+        out = torch.empty(B, Hkv, G, K, dtype=torch.int64, device=state.device)
+    elif tuple(out.shape) != (B, Hkv, G, K) or out.dtype != torch.int64 or not out.is_contiguous():
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} must be a contiguous int64 [{B}, {Hkv}, {G}, {K}]")
     fa, fh = state.forest_all, state.forest_high
     base_a, base_h = fa.base_tensor(), fh.base_tensor()
     _fsb_decode_search_kernel[(B * Hkv * G,)](
         qg.to(torch.float32).contiguous(), state.pos, state.cell_k,
         fa.mu, fa.rad, fa.A, fa.e, fa.cell, base_a, fh.mu, fh.rad, fh.A, fh.e, fh.cell, base_h,
         state.n_high, state.sigma.reshape(-1), state.lam.reshape(-1), out,
-        n_avail, state.cell_k.shape[2], fa.mu.shape[2], fh.mu.shape[2], Hkv, G,
+        state.cell_k.shape[2], fa.mu.shape[2], fh.mu.shape[2], Hkv, G,
         float(D**-0.5), float(cfg.radius_weight), float(2 * cfg.cell), D,
-        BLOCK_D=triton.next_power_of_2(D), CELL=cfg.cell, W=cfg.beam, WP=triton.next_power_of_2(cfg.beam),
+        BLOCK_D=triton.next_power_of_2(D), CELL=cfg.cell, QBLOCK=cfg.block, W=cfg.beam, WP=triton.next_power_of_2(cfg.beam),
         K=K, KP=triton.next_power_of_2(K), num_warps=num_warps,
     )  # fmt: skip
     return out
