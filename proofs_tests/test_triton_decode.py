@@ -533,12 +533,15 @@ def test_cuda_fused_decode_has_no_host_sync(variant):
 
 @needs_cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["fsl", "fs"])
+@pytest.mark.parametrize("variant", ["fsl", "fs", "fsb"])
 def test_cuda_graph_fused_decode(variant):
-    """CUDA graph of the fused step (FS-L: step + boundary graphs; FS: step graph, eager
-    boundaries, re-captured when the archive grows) == eager fused decode, no host sync in the
-    replays, same state afterwards."""
+    """CUDA graph of the fused step (FS-L: step + boundary graphs; FS / FS-B: step graph, eager
+    boundaries, re-captured when the archive grows or a forest table gains a height) == eager
+    fused decode, no host sync in the replays (FS-B: inside blocks; its boundaries sync once),
+    same state afterwards."""
     cfg = FreeSoloConfig(variant=variant, window=32, cell=4, block=16, pool=4, recent=3, top_k=3)
+    if variant == "fsb":
+        cfg = cfg.replace(beam=3, tau=8.5)  # about the median max key norm of 4 N(0, I_64) keys
     B, Hq, Hkv, D = 3, 4, 1, 64
     T0, steps = 40, 60  # FS: 16 slots hold 64 tokens; the archive grows at t = 80
     q, k, v, beta = cuda_tensors(14, B, T0 + steps, Hq, Hkv, D, torch.float32)
@@ -552,6 +555,7 @@ def test_cuda_graph_fused_decode(variant):
         sl = slice(t, t + 1)
         outs_eager.append(eager.extend(q[:, sl], k[:, sl], v[:, sl], beta=beta, check_finite=False))
         check = variant == "fsl" or t != 80  # FS re-captures its graph when the archive grows (t = 80)
+        check = check and (variant != "fsb" or t % cfg.block != 0)  # FS-B: forest carries sync at boundaries
         if check:
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")
@@ -564,7 +568,7 @@ def test_cuda_graph_fused_decode(variant):
     assert graphed.length == eager.length == T0 + steps
     for name, x in eager.state.buffers().items():
         assert torch.equal(graphed.state.buffers()[name], x), f"state {name} differs after graph replay"
-    if variant == "fs":
+    if variant != "fsl":
         assert graphed.state.cell_ids.shape[2] == 32, "the test must cross the archive's growth (16 -> 32 slots)"
 
 
