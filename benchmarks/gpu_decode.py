@@ -178,6 +178,9 @@ TILES = {
     "single32_w2": DecodeTiles(impl="single", window_chunk=32, num_warps=2),
     "split64_w2": DecodeTiles(impl="split", window_chunk=64, num_warps=2),
     "split128_w4": DecodeTiles(impl="split", window_chunk=128, num_warps=4),
+    "split64_w1": DecodeTiles(impl="split", window_chunk=64, num_warps=1),
+    "split32_w2": DecodeTiles(impl="split", window_chunk=32, num_warps=2),
+    "split32_w1": DecodeTiles(impl="split", window_chunk=32, num_warps=1),
 }
 DEFAULT_TILES = ["single", "split", "split64", "split_tb"]
 

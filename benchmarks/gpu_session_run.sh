@@ -26,13 +26,18 @@
 #   tests_fsbd   issue 12: CUDA tests touched by the Triton FS-B decode search (FS-B search, models, caches, decode)
 #   fsb_decode   issue 12: FS-B decode step, torch search vs Triton search vs SDPA, 4k ... 1M (fsb_decode_bench.py)
 #   decode_tiles issue 12: FS-L fused decode at B 1 / 32 over DecodeTiles variants (occupancy at B 32), gpu_decode.py
+#   tests_s21    issue 12: CUDA tests of the fused FS-B step and its CUDA graph (search, decode, caches, models)
+#   decode_tiles2 issue 12: FS-L and FS fused decode at 4k / 1M, B 1 / 32, the low-warp split variants
+#   fsb_decode3  issue 12: FS-B decode, torch step vs fused step (eager, CUDA graph) vs SDPA at 4k / 64k / 1M
+#   fwd_sweep    issue 10: window-kernel tile sweep of the FS-L forward at 64k (triton_forward_ab.py --sweep-only)
+#   bwd_sweep    issue 11: backward tile sweep at 64k (local and long kernels; triton_backward_bench.py --sweep)
 #   profile_fwd  issues 10 / 11: per-kernel GPU time of the triton FS-L forward and fwd+bwd at 4k and 64k
 set -u
 OUT=${OUT:-/tmp/session_out}
 W=/tmp/session_work
 mkdir -p "$OUT" "$W"
 export PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=ci PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-STEPS=${STEPS:-"tests_fsbd decode_tiles fsb_decode profile_fwd"}
+STEPS=${STEPS:-"tests_s21 fsb_decode3 decode_tiles2 fwd_sweep"}
 SPLIT=(env FREESOLO_TRITON_LONG_BLOCK=64 FREESOLO_TRITON_MAXNREG=128)
 step() {  # step NAME SECONDS COMMAND...: run with a timeout, log to $W/NAME.log, one summary line
   local name=$1 secs=$2; shift 2
@@ -40,7 +45,8 @@ step() {  # step NAME SECONDS COMMAND...: run with a timeout, log to $W/NAME.log
   local t0=$SECONDS
   timeout "$secs" "$@" >"$W/$name.log" 2>&1
   local rc=$?
-  echo "$name rc=$rc $((SECONDS - t0)) s: $(tail -n 1 "$W/$name.log")" | tee -a "$OUT/summary.txt"
+  local outcome; outcome=$(grep -E "^[0-9]+ (passed|failed)|^(=+ )?[0-9]+ (passed|failed)" "$W/$name.log" | tr '\n' ' ')
+  echo "$name rc=$rc $((SECONDS - t0)) s: ${outcome:-$(tail -n 1 "$W/$name.log")}" | tee -a "$OUT/summary.txt"
   tar -C "$W" -cf "$OUT/session.tar" .  # after every step: a call killed at its limit keeps what ran
 }
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" | tee "$OUT/summary.txt"
@@ -60,6 +66,11 @@ step tests_fsbd 150 bash -c "python3 -m pytest -q -n ${NPROC:-8} -p no:benchmark
 step fsb_decode 200 python3 benchmarks/fsb_decode_bench.py --out "$W/fsb_decode.json"
 step decode_tiles 200 python3 benchmarks/gpu_decode.py --contexts 4096 65536 --batches 1 32 --no-fs --tiles single single_w4 single64_w4 single64_w2 single32_w2 split split64 split64_w2 split128_w4 --out "$W" --name gpu_decode_tiles
 step profile_fwd 90 python3 benchmarks/profile_triton.py --T 4096 65536
+step tests_s21 200 bash -c "python3 -m pytest -q -n ${NPROC:-8} -p no:benchmark proofs_tests/test_triton_fsb_search.py; python3 -m pytest -q -n ${NPROC:-8} -p no:benchmark -k 'cuda or gpu' proofs_tests/test_models.py proofs_tests/test_cache_gpu.py proofs_tests/test_triton_decode.py proofs_tests/test_cache_ragged.py"
+step decode_tiles2 200 python3 benchmarks/gpu_decode.py --contexts 4096 1048576 --batches 1 32 --tiles single single_w4 split split64_w2 split64_w1 split32_w2 split32_w1 --out "$W" --name gpu_decode_tiles2
+step fsb_decode3 240 python3 benchmarks/fsb_decode_bench.py --contexts 4096 65536 1048576 --out "$W/fsb_decode.json"
+step fwd_sweep 200 python3 benchmarks/triton_forward_ab.py --sweep-only --out "$W/triton_forward_sweep.json"
+step bwd_sweep 300 python3 benchmarks/triton_backward_bench.py --lengths 65536 --sweep-only --rep 30 --out "$W/triton_backward_sweep.json"
 step fsb_probe 45 python3 benchmarks/fsb_eval_probe.py --lengths 4096 32768
 step torch_ab 160 python3 benchmarks/torch_readout_ab.py --out "$W/torch_readout_ab.json"
 step bwd_split 60 "${SPLIT[@]}" python3 benchmarks/triton_backward_bench.py --lengths 4096 16384 65536 --no-api --no-profile --rep 30 --out "$W/triton_backward_split.json"

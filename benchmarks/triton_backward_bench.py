@@ -315,6 +315,10 @@ SWEEP_LOCAL = [  # (kv_block_n, kv_block_m, q_block_m, q_block_n, num_warps, num
     (64, 32, 64, 32, 4, 2),
     (64, 32, 64, 32, 4, 3),
     (128, 64, 128, 64, 8, 3),
+    (64, 32, 64, 32, 8, 3),  # s21: more pipelining, and thinner steps at 4 warps
+    (64, 16, 64, 16, 4, 2),
+    (128, 32, 64, 32, 8, 2),
+    (64, 64, 128, 32, 8, 2),
 ]
 SWEEP_LONG = [  # (block_r, seg, num_warps_long, block_rows); the first is the default
     (32, 1024, 8, 16),
@@ -458,6 +462,7 @@ def main(argv=None):
     ap.add_argument("--no-api", action="store_true", help="skip the custom-op (selection included) timing")
     ap.add_argument("--no-profile", action="store_true", help="skip the per-kernel profile")
     ap.add_argument("--sweep", action="store_true", help="backward tile sweep at the first length")
+    ap.add_argument("--sweep-only", action="store_true", help="only the tile sweep (at the first length)")
     ap.add_argument("--regs", action="store_true", help="no GPU: sm_90 registers / spills of every kernel, then exit")
     ap.add_argument("--out", default=None, help="JSON output path")
     ap.add_argument("--dry-run", action="store_true", help="CPU, Triton interpreter, T=64, small config: plumbing only")
@@ -490,7 +495,8 @@ def main(argv=None):
     }
     print(json.dumps(payload["versions"]), json.dumps(payload["git"]))
     t_start = time.perf_counter()
-    for T in args.lengths:
+    args.sweep = args.sweep or args.sweep_only
+    for T in [] if args.sweep_only else args.lengths:
         row = {"triton_fsl": triton_fsl(T, H, Hkv, D, dtype, args.rep, cfg, profile=not args.no_profile)}
         if not args.no_api:
             try:

@@ -54,7 +54,17 @@ SWEEP = {
     "long16w4+maxnreg128": dict(long_block=16, long_warps=4, maxnreg=128),
     "long16w4-noprefetch+maxnreg128": dict(long_block=16, long_warps=4, prefetch=False, maxnreg=128),
     "long32w4+maxnreg128": dict(long_block=32, long_warps=4, maxnreg=128),
-    "long64w4+maxnreg128": dict(long_block=64, long_warps=4, maxnreg=128),
+    "long64w4+maxnreg128": dict(long_block=64, long_warps=4, maxnreg=128),  # the 16-bit default since s17
+    # s21: the window kernel's own tiles around the default (block_m, block_n, warps, stages)
+    "long64w8+maxnreg128": dict(long_block=64, long_warps=8, maxnreg=128),
+    "win128x64w8s2": dict(long_block=64, long_warps=4, maxnreg=128, block_m=128, block_n=64, num_warps=8, num_stages=2),
+    "win128x32w8s3": dict(long_block=64, long_warps=4, maxnreg=128, block_m=128, block_n=32, num_warps=8, num_stages=3),
+    "win128x64w8s2-nocap": dict(long_block=64, long_warps=4, block_m=128, block_n=64, num_warps=8, num_stages=2),
+    "win64x64w4s2": dict(long_block=64, long_warps=4, maxnreg=128, block_m=64, block_n=64, num_warps=4, num_stages=2),
+    "win64x64w4s3": dict(long_block=64, long_warps=4, maxnreg=128, block_m=64, block_n=64, num_warps=4, num_stages=3),
+    "win64x64w8s3": dict(long_block=64, long_warps=4, maxnreg=128, block_m=64, block_n=64, num_warps=8, num_stages=3),
+    "win64x128w8s2": dict(long_block=64, long_warps=4, maxnreg=128, block_m=64, block_n=128, num_warps=8, num_stages=2),
+    "win128x128w8s2": dict(long_block=64, long_warps=4, maxnreg=128, block_m=128, block_n=128, num_warps=8, num_stages=2),
 }
 
 
