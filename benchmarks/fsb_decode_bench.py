@@ -117,7 +117,13 @@ def main(argv=None) -> int:
                 ahead = (q[:, steps : 2 * steps], k[:, T + steps : T + 2 * steps], v[:, T + steps : T + 2 * steps])
                 split = _split_us(cache, *ahead, cfg.block)
                 row.update({f"{kernel}_{name}": value for name, value in split.items() if name != "mean_us"})
-                if kernel == "triton":
+                if kernel == "triton":  # the search launch alone (reads the state only), by warps per program
+                    from freesolo.backends.triton.fsb_search import decode_select_cells
+
+                    qg = q[:, 0].reshape(1, H, 1, D)
+                    for warps in (1, 2, 4):
+                        search = functools.partial(decode_select_cells, cache.state, qg, num_warps=warps)
+                        row[f"search_w{warps}_us"] = 1e3 * bench_ms(search, device, 30)
                     graph = cache.decode_graph()
                     later = (q[:, 2 * steps :], k[:, T + 2 * steps :], v[:, T + 2 * steps :])
                     split = _split_us(cache, *later, cfg.block, step=graph)
@@ -148,6 +154,8 @@ def main(argv=None) -> int:
                   f"{row['triton_boundary_mean_us'] or float('nan'):.1f} us | CUDA graph: mean {row['graph_mean_us']:.1f} us "
                   f"per step, in-block median {row['graph_inblock_median_us']:.1f} us, boundary mean "
                   f"{row['graph_boundary_mean_us'] or float('nan'):.1f} us ({row['graph_boundary_steps']} boundaries)")  # fmt: skip
+        if "search_w1_us" in row:
+            print("          search launch alone: " + ", ".join(f"{w} warps {row[f'search_w{w}_us']:.1f} us" for w in (1, 2, 4)))
     payload = {
         "env": _versions(device),
         "dtype": str(dtype).replace("torch.", ""),

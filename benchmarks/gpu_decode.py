@@ -165,14 +165,15 @@ def _decode_inputs(B, H, D, n, dtype, device, Hkv=None):
 
 # A/B variants of the fused step (DecodeTiles): timed in the same run, same states.
 TILES = {
-    "single": DecodeTiles(impl="single"),  # default: one program per (row, kv head)
-    "split": DecodeTiles(impl="split"),  # window chunks of 128 slots, 8 warps
+    "default": DecodeTiles(),  # since s21: split, window chunks of 64 slots, 2 warps
+    "single": DecodeTiles(impl="single", window_chunk=128, num_warps=8),  # one program per (row, kv head), before s21
+    "split": DecodeTiles(impl="split", window_chunk=128, num_warps=8),  # window chunks of 128 slots, 8 warps
     "split64": DecodeTiles(impl="split", window_chunk=64, num_warps=4),
     "split256": DecodeTiles(impl="split", window_chunk=256, num_warps=8),
     "fs256": DecodeTiles(impl="split", fs_chunk=256),  # FS: 256 archive cells per scoring program (half the candidates to merge)
     "split_tb": DecodeTiles(impl="split", boundary="triton"),  # FS-L block boundary as one Triton launch
     # occupancy at B = 32 (s21): fewer warps / smaller window tiles leave room for more programs per SM
-    "single_w4": DecodeTiles(impl="single", num_warps=4),
+    "single_w4": DecodeTiles(impl="single", window_chunk=128, num_warps=4),
     "single64_w4": DecodeTiles(impl="single", window_chunk=64, num_warps=4),
     "single64_w2": DecodeTiles(impl="single", window_chunk=64, num_warps=2),
     "single32_w2": DecodeTiles(impl="single", window_chunk=32, num_warps=2),
@@ -182,7 +183,7 @@ TILES = {
     "split32_w2": DecodeTiles(impl="split", window_chunk=32, num_warps=2),
     "split32_w1": DecodeTiles(impl="split", window_chunk=32, num_warps=1),
 }
-DEFAULT_TILES = ["single", "split", "split64", "split_tb"]
+DEFAULT_TILES = ["default", "single", "split_tb"]
 
 
 def check_against_torch_step(cache, q, k, v, n: int, prefix: str) -> dict:

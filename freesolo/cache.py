@@ -73,8 +73,9 @@ class FreeSoloCache:
             ops eagerly and sync the host once. Chunks of n > 1 tokens and block boundaries always
             run torch ops.
         decode_tiles: torch backend, fused step: a `freesolo.streaming.torch_state.DecodeTiles`
-            (how the step's work is split across programs; default `DecodeTiles()`; its
-            `impl="single"` is the first one-program-per-(row, kv head) kernel, for A/B timing).
+            (how the step's work is split across programs; default `DecodeTiles()`, FS-B
+            `streaming.torch_fsb.FSB_DECODE_TILES`; `impl="single"` is the first
+            one-program-per-(row, kv head) kernel, the one FS-B runs).
     """
 
     def __init__(

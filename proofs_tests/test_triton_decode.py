@@ -75,15 +75,16 @@ CASES = [
 
 
 # Fused-step shapes: the split kernels with the window in chunks of 8 slots (2-3 chunks, the last
-# one partly past w = 20 / 24), the split kernels with one chunk (default 128 >= w), FS archive
-# chunks of 4 cells (several scoring programs), the FS-L block boundary as a Triton kernel (the
-# caches' held cells must then equal the torch step's, slot for slot), and the first kernel.
+# one partly past w = 20 / 24), the split kernels with one chunk (64 or 128 slots >= w: the
+# default, and the default before s21), FS archive chunks of 4 cells (several scoring programs),
+# the FS-L block boundary as a Triton kernel (the caches' held cells must then equal the torch
+# step's, slot for slot), and the first kernel (FS-B's).
 TILES = {
     "split-w8-fs4": DecodeTiles(impl="split", window_chunk=8, fs_chunk=4, num_warps=4),
     "split-tb": DecodeTiles(impl="split", window_chunk=8, boundary="triton"),
-    "split-default": DecodeTiles(impl="split"),
+    "split-128-w8": DecodeTiles(impl="split", window_chunk=128, num_warps=8),
     "default": DecodeTiles(),
-    "single": DecodeTiles(impl="single"),
+    "single": DecodeTiles(impl="single", window_chunk=128, num_warps=8),
 }
 
 
@@ -431,11 +432,12 @@ def cuda_tensors(seed, B, T, Hq, Hkv, D, dtype):
 
 
 CUDA_TILES = {
-    "split": DecodeTiles(impl="split"),
+    "default": DecodeTiles(),
+    "split128": DecodeTiles(impl="split", window_chunk=128, num_warps=8),
     "split_tb": DecodeTiles(impl="split", boundary="triton"),
     "split64": DecodeTiles(impl="split", window_chunk=64, num_warps=4),
     "fs256": DecodeTiles(impl="split", fs_chunk=256),
-    "single": DecodeTiles(impl="single"),
+    "single": DecodeTiles(impl="single", window_chunk=128, num_warps=8),
 }
 
 

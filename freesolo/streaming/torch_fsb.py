@@ -37,8 +37,10 @@ from ..config import FreeSoloConfig
 from ..reference.forest import hyperplanes
 from .torch_state import DecodeTiles, TorchCacheState, _gather_cells
 
-__all__ = ["ForestTable", "TorchFsbDeviceState"]
+__all__ = ["FSB_DECODE_TILES", "ForestTable", "TorchFsbDeviceState"]
 
+# The fused FS-B step runs the "single" kernel after its search: 128 ring slots per tile, 8 warps.
+FSB_DECODE_TILES = DecodeTiles(impl="single", window_chunk=128, num_warps=8)
 _BASE_TABLES: dict = {}  # (heights, device) -> ForestTable.base_tensor's int64 table
 
 
@@ -152,9 +154,10 @@ class TorchFsbDeviceState(TorchCacheState):
         search and the rerank of every (row, query head), then `decode._decode_kernel`; CUDA, or
         CPU under TRITON_INTERPRET=1; float32 accumulation, i.e. storage float32 / bfloat16 /
         float16) or "auto" (triton on CUDA with float32 accumulation, torch otherwise). Chunks of
-        n > 1 tokens run torch ops. decode_tiles: DecodeTiles(impl="single") (the default) or None."""
+        n > 1 tokens run torch ops. decode_tiles: a DecodeTiles with impl="single" (default
+        `FSB_DECODE_TILES`)."""
         super().__init__(cfg, batch, num_heads, num_kv_heads, head_dim, dtype=dtype, device=device,
-                         decode_kernel=decode_kernel, decode_tiles=decode_tiles)  # fmt: skip
+                         decode_kernel=decode_kernel, decode_tiles=decode_tiles or FSB_DECODE_TILES)  # fmt: skip
 
     def allocate(self, dtype: torch.dtype, device) -> None:
         super().allocate(dtype, device)  # sets self._fused (`_resolve_decode_kernel`)

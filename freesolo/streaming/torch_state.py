@@ -58,18 +58,22 @@ class DecodeTiles:
     rounding order only (the window's online-softmax split), never the selection.
     """
 
-    impl: str = "single"
-    """"single" (default): one program per (row, kv head) doing everything for its G heads in
-    sequence; measured on the H200 (`benchmarks/results/gpu_decode_ab.json`) flat at 25 us per FS-L
-    step from 4k to 1M at B = 1, 124 us at B = 32, FS 10x SDPA at 1M. "split": two kernels: (B*Hkv, NW + NL) programs (window chunks of `window_chunk` slots for
-    the G query heads of a kv head; FS-L: one long-branch program per query head; FS: one scoring
-    program per archive chunk), then (B*Hq,) programs that merge the partials (FS: the top-K merge
-    and the readout) and advance pos (faster at B = 1: 14-19 us, but slower at B = 32 and for FS at 1M; needed
-    for one batched launch over rows at different positions)."""
-    window_chunk: int = 128
+    impl: str = "split"
+    """"split" (default): two kernels: (B*Hkv, NW + NL) programs (window chunks of `window_chunk`
+    slots for the G query heads of a kv head; FS-L: one long-branch program per query head; FS:
+    one scoring program per archive chunk), then (B*Hq,) programs that merge the partials (FS: the
+    top-K merge and the readout) and advance pos; one batched launch also serves rows at
+    different positions. "single": one program per (row, kv head) doing everything for its G
+    heads in sequence (the first kernel; FS-B's fused step runs it). H200, H 16, D 64, bf16, CUDA
+    graph, device time per step (`benchmarks/results/session_2026-12-01_s21/call2/`): the default
+    (split, 64 slots, 2 warps) FS-L 11.5 us at B 1 and 46.8 us at B 32 from 4k to 1M, FS 69.7 us at
+    1M (SDPA 946 us); single (128 slots, 8 warps) 21.1 / 108.4 us and 86.0 us; split with 128
+    slots at 8 warps (the default before s21) 8.9 / 119.1 us and 165.8 us: at B = 32 fewer warps
+    per program leave room for more programs per SM."""
+    window_chunk: int = 64
     """split: ring slots per window program (power of 2; the window is split in
     ceil(w / window_chunk)); single: at most this many ring slots per window tile."""
-    num_warps: int = 8
+    num_warps: int = 2
     """warps per program (split: of both kernels; single: of `_decode_kernel`)."""
     fs_chunk: Optional[int] = None
     """FS: archive cells per scoring program (power of 2); None: 128, more past 2048 chunks."""

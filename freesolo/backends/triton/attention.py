@@ -479,9 +479,11 @@ def _base_tiles(D: int, dtype: torch.dtype, device: torch.device) -> AttentionTi
     # 1.98 ms at 64k, API 5.75 -> 3.55 ms, outputs within 1.1e-5 RMS of the fused kernel; the CUDA
     # forward / backward / API / L11-L12 tests passed with it (results/session_2026-12-01_s17/tests_split.log).
     # fp32 keeps the fused kernel (its "ieee" dots; 128 registers would spill at D 128).
+    # D <= 64, 16-bit: the window kernel on 4 warps (s21 sweep, benchmarks/triton_forward_ab.py
+    # --sweep-only, results/session_2026-12-01_s21/call2/: FS-L kernels at 64k 1.99 -> 1.56 ms).
     split: dict = {} if wide else dict(long_block=64, maxnreg=128)
     if d_p <= 64:
-        return AttentionTiles(block_m=64, block_n=32 if wide else 64, num_warps=8, num_stages=2, **split)
+        return AttentionTiles(block_m=64, block_n=32 if wide else 64, num_warps=8 if wide else 4, num_stages=2, **split)
     if d_p <= 128 and not wide:
         return AttentionTiles(block_m=64, block_n=32, num_warps=8, num_stages=2, **split)
     # D 256, and fp32 past D 64 (its "ieee" dots run on FMA units, not tensor cores): some spills
