@@ -32,13 +32,17 @@
 #   fwd_sweep    issue 10: window-kernel tile sweep of the FS-L forward at 64k (triton_forward_ab.py --sweep-only)
 #   bwd_sweep    issue 11: backward tile sweep at 64k (local and long kernels; triton_backward_bench.py --sweep)
 #   fsb_decode4  issue 12: fsb_decode_bench at 64k / 1M with the search launch alone at 1 / 2 / 4 warps
+#   bwd_bars     issue 11: fwd+bwd at 4k / 64k with SDPA, Flex and the API (the bars), s21 tiles
+#   fla_install  the fla-core wheel carried in .whl (fla_nsa provider)
+#   attention    issues 10 / 11: gpu_attention.py fwd and fwd+bwd, triton_fsl / triton_fs vs SDPA, Flex SWA, fla NSA
+#   fsb_prefill2 issue 12: the Triton FS-B search (sorted beam selection) alone at 64k / 256k / 1M
 #   profile_fwd  issues 10 / 11: per-kernel GPU time of the triton FS-L forward and fwd+bwd at 4k and 64k
 set -u
 OUT=${OUT:-/tmp/session_out}
 W=/tmp/session_work
 mkdir -p "$OUT" "$W"
 export PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=ci PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-STEPS=${STEPS:-"bwd_sweep tests_decode fsb_decode4"}
+STEPS=${STEPS:-"tests_fsb tests_split fsb_decode4 bwd_bars"}
 SPLIT=(env FREESOLO_TRITON_LONG_BLOCK=64 FREESOLO_TRITON_MAXNREG=128)
 step() {  # step NAME SECONDS COMMAND...: run with a timeout, log to $W/NAME.log, one summary line
   local name=$1 secs=$2; shift 2
@@ -73,6 +77,10 @@ step fsb_decode3 240 python3 benchmarks/fsb_decode_bench.py --contexts 4096 6553
 step fwd_sweep 200 python3 benchmarks/triton_forward_ab.py --sweep-only --out "$W/triton_forward_sweep.json"
 step bwd_sweep 300 python3 benchmarks/triton_backward_bench.py --lengths 65536 --sweep-only --rep 30 --out "$W/triton_backward_sweep.json"
 step fsb_decode4 120 python3 benchmarks/fsb_decode_bench.py --contexts 65536 1048576 --out "$W/fsb_decode4.json"
+step bwd_bars 220 python3 benchmarks/triton_backward_bench.py --lengths 4096 65536 --no-profile --rep 30 --out "$W/triton_backward_bars.json"
+step fla_install 60 pip install --no-deps --no-index .whl/fla_core-0.6.0-py3-none-any.whl
+step attention 260 python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fs sdpa_causal flex_swa512 fla_nsa --shapes H16-D64 --modes fwd fwd+bwd --lengths 4096 16384 65536 --budget-s 230 --rep-ms 30 --out "$W" --tag _s21
+step fsb_prefill2 120 python3 benchmarks/fsb_search_bench.py --providers triton --lengths 65536 262144 1048576 --out "$W/fsb_search_sort.json"
 step fsb_probe 45 python3 benchmarks/fsb_eval_probe.py --lengths 4096 32768
 step torch_ab 160 python3 benchmarks/torch_readout_ab.py --out "$W/torch_readout_ab.json"
 step bwd_split 60 "${SPLIT[@]}" python3 benchmarks/triton_backward_bench.py --lengths 4096 16384 65536 --no-api --no-profile --rep 30 --out "$W/triton_backward_split.json"

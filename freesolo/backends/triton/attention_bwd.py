@@ -1082,7 +1082,10 @@ def default_bwd_tiles(D: int, dtype: torch.dtype, device: torch.device) -> BwdTi
         )
     if D > 64 or dtype == torch.float32:  # wider rows: thinner tiles keep the local kernels from spilling
         return BwdTiles(kv_block_n=32, kv_block_m=16, q_block_m=64, q_block_n=16)
-    return BwdTiles()
+    # 16-bit, D <= 64: 4 warps and 3 stages for the local kernels, 4 warps for the cell kernels
+    # (s21 sweep at 64k, benchmarks/triton_backward_bench.py --sweep-only, results/session_2026-12-01_s21/
+    # call3/: backward 9.22 ms with the class defaults; local 4 warps / 3 stages 7.49, long 4 warps 7.64)
+    return BwdTiles(num_warps=4, num_stages=3, num_warps_long=4)
 
 
 def _pow2(x: int, floor: int = 1) -> int:

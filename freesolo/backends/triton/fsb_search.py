@@ -11,7 +11,8 @@ a time: statistics, content codes, stable sorts per dyadic segment). Then one la
    height l when bit l of n is set. Node key = scale * (q . mu + radius_weight * |q| * rad)
    + lam * A * erf(sigma * (i - e) / (2 s)); the new frontier is the `beam` candidates first by
    (key desc, index in level asc): the torch search's (sort by index, stable sort by key) order,
-   taken one slot at a time by reductions over the candidate tensor (no sort, no host work).
+   by one descending `tl.sort` of int64 keys (key bits, index, lane) over the children, the
+   root merged in by its rank, the fields gathered by lane (no host work).
 2. Rerank: the <= 2 * beam found cells (duplicates dropped), rho = logsumexp over the cell's s
    tokens of scale * q . k, top-K by (rho desc, c desc), -1 padded.
 
@@ -35,10 +36,24 @@ import triton.language as tl
 from ...config import FreeSoloConfig
 from ._common import same_device  # (importing _common also patches the interpreter's loop bounds for NumPy >= 2.4)
 
-__all__ = ["MAX_BEAM", "TRACE_LEVELS", "decode_select_cells", "fsb_select_cells", "trace_search"]
+__all__ = ["MAX_BEAM", "MAX_FOREST_CELLS", "TRACE_LEVELS", "decode_select_cells", "fsb_select_cells", "trace_search"]
 
-MAX_BEAM = 64  # the frontier lives in registers: [2 * beam, D] node tiles, beam slots filled one at a time
+MAX_BEAM = 64  # the frontier lives in registers: [2 * beam, D] node tiles; 2 * beam lanes fit the sort key's 7 lane bits
 _BIG = tl.constexpr(2**62)  # the index in level of an invalid candidate (after every real one)
+
+
+_INT64_MIN = tl.constexpr(-(2**63))
+MAX_FOREST_CELLS = 2**25  # cells of one forest the search's sort keys can index (T < 2^30 tokens at cell 32)
+GIDX_MAX = tl.constexpr(MAX_FOREST_CELLS - 1)
+
+
+@triton.jit
+def _sort_key(key, gidx):
+    """int64 sort key of (key desc, gidx asc) with 7 zero low bits (a lane): the float32 key's
+    bits mapped to a signed order (high 32 bits), then GIDX_MAX - gidx (bits 7..31)."""
+    bits = (key + 0.0).to(tl.int32, bitcast=True)  # + 0.0: -0.0 -> +0.0 (equal keys, equal bits)
+    bits = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # integer order == float order
+    return (bits.to(tl.int64) << 32) | ((GIDX_MAX - gidx) << 7)
 
 
 @triton.jit
@@ -108,33 +123,36 @@ def _search_forest(n, base_ptr, seg_scale, q, qnorm, pos, sig, lm, node0, mu_ptr
         r_key = _node_keys(r_flat, r_ok, q, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr, e_ptr,
                            scale, radius_weight, two_cell, D, N, BLOCK_D)  # fmt: skip
         r_gidx = tl.where(r_ok, r_ts >> lvl, _BIG)
-        # the new frontier: W times the best remaining candidate by (key desc, index in level asc),
-        # found by reductions over the one candidate tensor and compared as scalars (no
-        # [candidates x candidates] rank tiles: those gave colliding ranks on the H200)
+        # the new frontier: the W best of the children and the root by (key desc, index in level
+        # asc), a total order (indices in a level are distinct). Each child gets one int64 sort key:
+        # order-preserving key bits (high 32), then GIDX_MAX - index (25 bits), then its lane (7
+        # bits); one descending sort ranks the children, the root is merged in by its rank, and
+        # the frontier's fields are gathered by lane.
+        tl.device_assert((c_gidx <= GIDX_MAX) | ~c_ok, "FS-B search: index in level past 2^25")
+        lane = tl.arange(0, 2 * WP)
+        c_packed = tl.where(c_ok, _sort_key(c_key, c_gidx) | lane.to(tl.int64), _INT64_MIN)
+        ranked = tl.sort(c_packed, 0, descending=True)  # [2 * WP]: best child first
         r_key_s = tl.max(r_key, 0)
         r_gidx_s = tl.min(r_gidx, 0)
-        r_tb_s = tl.max(r_tb, 0)
-        r_ts_s = tl.max(r_ts, 0)
-        r_left = has_root
-        avail = c_ok
-        for s in range(W):
-            best = tl.max(tl.where(avail, c_key, float("-inf")), 0)
-            best_g = tl.min(tl.where(avail & (c_key == best), c_gidx, _BIG), 0)
-            child_left = best_g < _BIG
-            root_wins = r_left & (~child_left | (r_key_s > best) | ((r_key_s == best) & (r_gidx_s < best_g)))
-            chosen = avail & (c_key == best) & (c_gidx == best_g) & ~root_wins  # one lane, or none
-            at = slots == s
-            tb = tl.where(at, tl.where(root_wins, r_tb_s, tl.sum(tl.where(chosen, c_tb, 0), 0)), tb)
-            th = tl.where(at, tl.where(root_wins, lvl, tl.sum(tl.where(chosen, c_th, 0), 0)).to(tl.int64), th)
-            ts = tl.where(at, tl.where(root_wins, r_ts_s, tl.sum(tl.where(chosen, c_ts, 0), 0)), ts)
-            ix = tl.where(at, tl.where(root_wins, 0, tl.sum(tl.where(chosen, c_ix, 0), 0)), ix)  # a root: index 0
-            valid = tl.where(at, (root_wins | child_left).to(tl.int32), valid)
-            if TRACE:
-                took = root_wins | child_left
-                tl.store(trace_idx_ptr + t * W + s, tl.where(took, tl.where(root_wins, r_gidx_s, best_g), -1), mask=tracing)
-                tl.store(trace_key_ptr + t * W + s, tl.where(root_wins, r_key_s, best), mask=tracing & took)
-            avail = avail & ~chosen
-            r_left = r_left & ~root_wins
+        r_packed = _sort_key(r_key_s, r_gidx_s)  # (its lane bits 0: keys differ in their index bits)
+        best = tl.gather(ranked, slots, 0)  # [WP]: the WP best children
+        rank = tl.sum(((best > r_packed) & (slots < W)).to(tl.int32), 0)  # children that beat the root
+        take_root = has_root & (rank < W)
+        is_root = take_root & (slots == rank)
+        pick = tl.gather(ranked, tl.where(take_root & (slots > rank), slots - 1, slots), 0)  # [WP]
+        from_child = (pick != _INT64_MIN) & ~is_root
+        at = (pick & (2 * WP - 1)).to(tl.int32)  # the picked child's lane
+        new_valid = (slots < W) & (is_root | from_child)
+        tb = tl.where(is_root, tl.max(r_tb, 0), tl.gather(c_tb, at, 0))
+        th = tl.where(is_root, lvl, tl.gather(c_th, at, 0)).to(tl.int64)
+        ts = tl.where(is_root, tl.max(r_ts, 0), tl.gather(c_ts, at, 0))
+        ix = tl.where(is_root, 0, tl.gather(c_ix, at, 0))  # a root: index 0
+        valid = new_valid.to(tl.int32)
+        if TRACE:
+            g_sel = tl.where(is_root, r_gidx_s, tl.gather(c_gidx, at, 0))
+            k_sel = tl.where(is_root, r_key_s, tl.gather(c_key, at, 0))
+            tl.store(trace_idx_ptr + t * W + slots, tl.where(new_valid, g_sel, -1), mask=tracing & (slots < W))
+            tl.store(trace_key_ptr + t * W + slots, k_sel, mask=tracing & new_valid)
     tl.device_assert(((tb + ix >= 0) & (tb + ix < N)) | (valid == 0), "FS-B search: leaf id out of its table")
     leaf = tl.where(valid != 0, tb + ix, 0)  # level 0: the tree's leaves come first
     return tl.load(cell_ptr + node0 + leaf, mask=valid != 0, other=-1)
@@ -294,6 +312,8 @@ def _check(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig) -> None:
         raise ValueError(f"q is on {q.device}, k on {k.device}")
     if not 1 <= cfg.beam <= MAX_BEAM:
         raise ValueError(f"beam={cfg.beam}: the Triton FS-B search holds at most {MAX_BEAM} frontier nodes in registers")
+    if q.shape[1] // cfg.cell > MAX_FOREST_CELLS:
+        raise ValueError(f"T={q.shape[1]}: the Triton FS-B search indexes at most {MAX_FOREST_CELLS} cells per forest")
 
 
 # History: the first compiled form (session 19) was wrong on the H200 although the interpreter
@@ -303,7 +323,9 @@ def _check(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig) -> None:
 # candidate tensor and scalar comparisons (the rerank likewise); on the H200 (session 20) it
 # equals the torch search on every small case at num_warps 1 / 2 / 4 and passes memcheck, and at
 # paper sizes it differs from the torch search only at float32 near-ties (`fsb_audit`,
-# benchmarks/fsb_search_bench.py; logs in benchmarks/results/session_2026-12-01_s20/).
+# benchmarks/fsb_search_bench.py; logs in benchmarks/results/session_2026-12-01_s20/). Those W
+# slots cost 6 reductions each per level (W = 16: 96 a level, ~80 % of a decode step at 1M); since
+# session 21 one sort of packed keys ranks the level's children (unique keys: no rank ties).
 TRACE_LEVELS = 64  # levels a trace holds (a forest over < 2^63 cells)
 
 
@@ -405,6 +427,8 @@ def decode_select_cells(state, qg: torch.Tensor, out=None, num_warps: int = 1) -
     if tuple(qg.shape) != (B, Hkv, G, D) or not same_device(qg.device, state.device):
         raise ValueError(f"qg {tuple(qg.shape)} on {qg.device} must be [B={B}, Hkv={Hkv}, G={G}, D={D}] on {state.device}")
     K = cfg.top_k
+    if state.cell_k.shape[2] > MAX_FOREST_CELLS:
+        raise ValueError(f"the Triton FS-B search indexes at most {MAX_FOREST_CELLS} cells per forest")
     if out is None:
         out = torch.empty(B, Hkv, G, K, dtype=torch.int64, device=state.device)
     elif tuple(out.shape) != (B, Hkv, G, K) or out.dtype != torch.int64 or not out.is_contiguous():
