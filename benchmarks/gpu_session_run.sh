@@ -36,13 +36,15 @@
 #   fla_install  the fla-core wheel carried in .whl (fla_nsa provider)
 #   attention    issues 10 / 11: gpu_attention.py fwd and fwd+bwd, triton_fsl / triton_fs vs SDPA, Flex SWA, fla NSA
 #   fsb_prefill2 issue 12: the Triton FS-B search (sorted beam selection) alone at 64k / 256k / 1M
+#   decode_full  issue 12: gpu_decode.py with the s21 default tiles against the single kernel, 4k ... 1M, B 1 / 32
+#   memcheck_fsb compute-sanitizer memcheck of the FS-B search (sorted selection) and the decode kernels
 #   profile_fwd  issues 10 / 11: per-kernel GPU time of the triton FS-L forward and fwd+bwd at 4k and 64k
 set -u
 OUT=${OUT:-/tmp/session_out}
 W=/tmp/session_work
 mkdir -p "$OUT" "$W"
 export PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=ci PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-STEPS=${STEPS:-"tests_fsb tests_split fsb_decode4 bwd_bars"}
+STEPS=${STEPS:-"fla_install attention fsb_decode4 decode_full memcheck_fsb"}
 SPLIT=(env FREESOLO_TRITON_LONG_BLOCK=64 FREESOLO_TRITON_MAXNREG=128)
 step() {  # step NAME SECONDS COMMAND...: run with a timeout, log to $W/NAME.log, one summary line
   local name=$1 secs=$2; shift 2
@@ -79,8 +81,10 @@ step bwd_sweep 300 python3 benchmarks/triton_backward_bench.py --lengths 65536 -
 step fsb_decode4 120 python3 benchmarks/fsb_decode_bench.py --contexts 65536 1048576 --out "$W/fsb_decode4.json"
 step bwd_bars 220 python3 benchmarks/triton_backward_bench.py --lengths 4096 65536 --no-profile --rep 30 --out "$W/triton_backward_bars.json"
 step fla_install 60 pip install --no-deps --no-index .whl/fla_core-0.6.0-py3-none-any.whl
-step attention 260 python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fs sdpa_causal flex_swa512 fla_nsa --shapes H16-D64 --modes fwd fwd+bwd --lengths 4096 16384 65536 --budget-s 230 --rep-ms 30 --out "$W" --tag _s21
+step attention 260 python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fs sdpa_causal flex_swa512 fla_nsa --shapes H16-D64 --modes fwd fwd+bwd --lengths 4096 16384 65536 --budget-s 190 --rep-ms 30 --out "$W" --tag _s21
 step fsb_prefill2 120 python3 benchmarks/fsb_search_bench.py --providers triton --lengths 65536 262144 1048576 --out "$W/fsb_search_sort.json"
+step decode_full 140 python3 benchmarks/gpu_decode.py --contexts 4096 65536 1048576 --tiles default single --out "$W" --name gpu_decode_s21
+step memcheck_fsb 120 compute-sanitizer --tool memcheck python3 benchmarks/sanitize_triton.py fsb_search decode
 step fsb_probe 45 python3 benchmarks/fsb_eval_probe.py --lengths 4096 32768
 step torch_ab 160 python3 benchmarks/torch_readout_ab.py --out "$W/torch_readout_ab.json"
 step bwd_split 60 "${SPLIT[@]}" python3 benchmarks/triton_backward_bench.py --lengths 4096 16384 65536 --no-api --no-profile --rep 30 --out "$W/triton_backward_split.json"

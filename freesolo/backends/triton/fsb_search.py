@@ -256,9 +256,9 @@ def _fsb_search_kernel(
     tl.store(out_ptr + (hq * T + i) * K + kk, picked, mask=kk < K)
 
 
-@triton.jit(do_not_specialize=["S", "Na", "Nh"])  # sizes that grow with the cache: no recompile for their values
+@triton.jit(do_not_specialize=["stride_qb", "stride_qh", "S", "Na", "Nh"])  # sizes that grow with the cache: no recompile for their values
 def _fsb_decode_search_kernel(
-    q_ptr,  # fp32 [B, Hq, D]: the step's unrotated queries (query head hq = h * G + g)
+    q_ptr,  # [B, Hq, D] any float dtype, last stride 1: the step's unrotated queries (hq = h * G + g)
     pos_ptr,  # int64 []: the step's position (read on the device: no host sync)
     k_ptr,  # [B, Hkv, S, CELL, D] (storage dtype): the archive's raw keys, slot = cell id
     mu_a_ptr, rad_a_ptr, a_a_ptr, e_a_ptr, cell_a_ptr, base_a_ptr,  # the all-cells forest (ForestTable)
@@ -266,7 +266,7 @@ def _fsb_decode_search_kernel(
     n_high_ptr,  # int64 [B, Hkv]: elements of each row's high-norm forest
     sigma_ptr, lam_ptr,  # fp32 [Hq]
     out_ptr,  # int64 [B, Hq, K]
-    S, Na, Nh, Hkv, G, scale, radius_weight, two_cell, D,
+    stride_qb, stride_qh, S, Na, Nh, Hkv, G, scale, radius_weight, two_cell, D,
     BLOCK_D: tl.constexpr, CELL: tl.constexpr, QBLOCK: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
     K: tl.constexpr, KP: tl.constexpr,
 ):  # fmt: skip
@@ -280,7 +280,7 @@ def _fsb_decode_search_kernel(
     hq = bh % (Hkv * G)
     h = hq // G
     d = tl.arange(0, BLOCK_D)
-    q = tl.load(q_ptr + bh * D + d, mask=d < D, other=0.0)
+    q = tl.load(q_ptr + b * stride_qb + hq * stride_qh + d, mask=d < D, other=0.0).to(tl.float32)
     qnorm = tl.sqrt(tl.sum(q * q, 0))
     pos_i = tl.load(pos_ptr)  # int64
     pos = pos_i.to(tl.float32)
@@ -435,11 +435,14 @@ def decode_select_cells(state, qg: torch.Tensor, out=None, num_warps: int = 1) -
         raise ValueError(f"out {tuple(out.shape)} {out.dtype} must be a contiguous int64 [{B}, {Hkv}, {G}, {K}]")
     fa, fh = state.forest_all, state.forest_high
     base_a, base_h = fa.base_tensor(), fh.base_tensor()
+    q_rows = qg.reshape(B, Hkv * G, D)  # a view for a step's q [B, 1, Hq, D]: read in place, no copy
+    if q_rows.stride(-1) != 1:
+        q_rows = q_rows.contiguous()
     _fsb_decode_search_kernel[(B * Hkv * G,)](
-        qg.to(torch.float32).contiguous(), state.pos, state.cell_k,
+        q_rows, state.pos, state.cell_k,
         fa.mu, fa.rad, fa.A, fa.e, fa.cell, base_a, fh.mu, fh.rad, fh.A, fh.e, fh.cell, base_h,
         state.n_high, state.sigma.reshape(-1), state.lam.reshape(-1), out,
-        state.cell_k.shape[2], fa.mu.shape[2], fh.mu.shape[2], Hkv, G,
+        q_rows.stride(0), q_rows.stride(1), state.cell_k.shape[2], fa.mu.shape[2], fh.mu.shape[2], Hkv, G,
         float(D**-0.5), float(cfg.radius_weight), float(2 * cfg.cell), D,
         BLOCK_D=triton.next_power_of_2(D), CELL=cfg.cell, QBLOCK=cfg.block, W=cfg.beam, WP=triton.next_power_of_2(cfg.beam),
         K=K, KP=triton.next_power_of_2(K), num_warps=num_warps,
