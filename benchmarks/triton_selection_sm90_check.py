@@ -122,17 +122,23 @@ def fsb_check(cfg) -> None:
                "HB": "i32", "G": "i32", "scale": "fp32", "radius_weight": "fp32", "two_cell": "fp32", "D": "i32"}  # fmt: skip
     forest = {f"{name}_{f}_ptr": kind for f in "ah" for name, kind in
               (("mu", "*fp32"), ("rad", "*fp32"), ("a", "*fp32"), ("e", "*i64"), ("cell", "*i64"), ("base", "*i64"))}  # fmt: skip
-    decode_sig = {"q_ptr": "*fp32", "pos_ptr": "*i64", "k_ptr": "*bf16", **forest, "n_high_ptr": "*i64",
-                  "sigma_ptr": "*fp32", "lam_ptr": "*fp32", "out_ptr": "*i64", "n_all": "i64", "S": "i32", "Na": "i32",
-                  "Nh": "i32", "Hkv": "i32", "G": "i32", "scale": "fp32", "radius_weight": "fp32", "two_cell": "fp32",
-                  "D": "i32"}  # fmt: skip
+    decode_sig = {"q_ptr": "*bf16", "pos_ptr": "*i64", **forest, "n_high_ptr": "*i64",
+                  "sigma_ptr": "*fp32", "lam_ptr": "*fp32", "found_ptr": "*i64", "stride_qb": "i64", "stride_qh": "i64",
+                  "Na": "i32", "Nh": "i32", "Hkv": "i32", "G": "i32", "scale": "fp32", "radius_weight": "fp32",
+                  "two_cell": "fp32", "D": "i32"}  # fmt: skip
+    rerank_sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "found_ptr": "*i64", "out_ptr": "*i64", "stride_qb": "i64",
+                  "stride_qh": "i64", "S": "i32", "Hkv": "i32", "G": "i32", "scale": "fp32", "D": "i32"}  # fmt: skip
     common = {"CELL": s, "W": cfg.beam, "WP": triton.next_power_of_2(cfg.beam), "K": K, "KP": triton.next_power_of_2(K)}
     for D in (64, 128):
         r = usage(FSB._fsb_search_kernel, fsb_sig, {"BLOCK_D": D, "QBLOCK": cfg.block, "FOUND": False, "TRACE": False,
                                                       "TRACE_LEVELS": FSB.TRACE_LEVELS, **common}, 1)  # fmt: skip
         print(f"ok  _fsb_search_kernel 1 warp beam={cfg.beam} D={D}: {r}")
-        r = usage(FSB._fsb_decode_search_kernel, decode_sig, {"BLOCK_D": D, **common}, 1)
+        search = {"BLOCK_D": D, "CELL": s, "QBLOCK": cfg.block, "W": cfg.beam, "WP": common["WP"]}
+        r = usage(FSB._fsb_decode_search_kernel, decode_sig, search, 1)
         print(f"ok  _fsb_decode_search_kernel 1 warp beam={cfg.beam} D={D}: {r}")
+        rerank = {"BLOCK_D": D, "CELL": s, "WP": common["WP"], "K": K, "KP": common["KP"]}
+        r = usage(FSB._fsb_decode_rerank_kernel, rerank_sig, rerank, 1)
+        print(f"ok  _fsb_decode_rerank_kernel 1 warp beam={cfg.beam} D={D}: {r}")
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ def add_decode_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="torch backend: device (default cuda if available)")
     p.add_argument("--chunk", type=int, default=8192, help="prefill chunk length (tokens)")
     p.add_argument("--outputs", action="store_true", help="prefill with extend (computes outputs) instead of prefill")
-    p.add_argument("--graph", action="store_true", help="torch on CUDA, FS-L: decode through a CUDA graph")
+    p.add_argument("--graph", action="store_true", help="torch on CUDA: decode through a CUDA graph (FS-L; FS and FS-B with the fused Triton step)")
     p.add_argument(
         "--decode-kernel",
         default="auto",

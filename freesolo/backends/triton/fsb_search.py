@@ -16,9 +16,11 @@ a time: statistics, content codes, stable sorts per dyadic segment). Then one la
 2. Rerank: the <= 2 * beam found cells (duplicates dropped), rho = logsumexp over the cell's s
    tokens of scale * q . k, top-K by (rho desc, c desc), -1 padded.
 
-Decode (`decode_select_cells`): one launch of `_fsb_decode_search_kernel` per step, one program
-per (row, query head), running the same `_search_forest` and `_rerank` on the streaming state's
-forests (`streaming.torch_fsb.ForestTable`: one live tree per height, `seg_scale` 0).
+Decode (`decode_select_cells`): `_fsb_decode_search_kernel`, one program per (row, query head)
+and forest (the two forests' searches side by side: half the sequential depth of a step), then
+`_fsb_decode_rerank_kernel`, one program per (row, query head): the same `_search_forest` and
+`_rerank` on the streaming state's forests (`streaming.torch_fsb.ForestTable`: one live tree per
+height, `seg_scale` 0).
 
 No [T, nodes] tensor and no gathered copy of node statistics exist: a level costs one
 [2 * beam, D] load per program. Row independence (L12): a program reads its own row's tables and
@@ -256,26 +258,25 @@ def _fsb_search_kernel(
     tl.store(out_ptr + (hq * T + i) * K + kk, picked, mask=kk < K)
 
 
-@triton.jit(do_not_specialize=["stride_qb", "stride_qh", "S", "Na", "Nh"])  # sizes that grow with the cache: no recompile for their values
+@triton.jit(do_not_specialize=["stride_qb", "stride_qh", "Na", "Nh"])  # sizes that grow with the cache: no recompile
 def _fsb_decode_search_kernel(
     q_ptr,  # [B, Hq, D] any float dtype, last stride 1: the step's unrotated queries (hq = h * G + g)
     pos_ptr,  # int64 []: the step's position (read on the device: no host sync)
-    k_ptr,  # [B, Hkv, S, CELL, D] (storage dtype): the archive's raw keys, slot = cell id
     mu_a_ptr, rad_a_ptr, a_a_ptr, e_a_ptr, cell_a_ptr, base_a_ptr,  # the all-cells forest (ForestTable)
     mu_h_ptr, rad_h_ptr, a_h_ptr, e_h_ptr, cell_h_ptr, base_h_ptr,  # the high-norm forest
     n_high_ptr,  # int64 [B, Hkv]: elements of each row's high-norm forest
     sigma_ptr, lam_ptr,  # fp32 [Hq]
-    out_ptr,  # int64 [B, Hq, K]
-    stride_qb, stride_qh, S, Na, Nh, Hkv, G, scale, radius_weight, two_cell, D,
+    found_ptr,  # int64 [B * Hq, 2, WP]: each forest's found cells (-1 = none)
+    stride_qb, stride_qh, Na, Nh, Hkv, G, scale, radius_weight, two_cell, D,
     BLOCK_D: tl.constexpr, CELL: tl.constexpr, QBLOCK: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
-    K: tl.constexpr, KP: tl.constexpr,
 ):  # fmt: skip
-    """One decode step's FS-B search + rerank, one program per (row, query head): both forests of
-    the streaming state (`streaming.torch_fsb`) searched by `_search_forest`, the found cells
-    reranked by `_rerank`; the same code as the prefill kernel's, on the state's tables. The
-    all-cells forest's size, the available cells (pos // QBLOCK) * QBLOCK // CELL, comes from the
-    position on the device, so a CUDA graph of the step stays valid across block boundaries."""
+    """One decode step's FS-B beam search, one program per (row, query head) and forest (grid axis
+    1: 0 = all cells, 1 = high-norm cells; the two searches run side by side): `_search_forest`
+    on the streaming state's tables (`streaming.torch_fsb`), the same code as the prefill kernel's.
+    The all-cells forest's size, the available cells (pos // QBLOCK) * QBLOCK // CELL, comes from
+    the position on the device, so a CUDA graph of the step stays valid across block boundaries."""
     bh = tl.program_id(0).to(tl.int64)  # b * Hq + hq
+    forest = tl.program_id(1)
     b = bh // (Hkv * G)
     hq = bh % (Hkv * G)
     h = hq // G
@@ -287,16 +288,40 @@ def _fsb_decode_search_kernel(
     sig = tl.load(sigma_ptr + hq)
     lm = tl.load(lam_ptr + hq)
     plane = b * Hkv + h
-    n_high = tl.load(n_high_ptr + plane)
-    n_all = (pos_i // QBLOCK) * (QBLOCK // CELL)
     no_trace = bh < 0  # TRACE is off: nothing is stored
-    found_all = _search_forest(n_all, base_a_ptr, 0, q, qnorm, pos, sig, lm, plane * Na, mu_a_ptr, rad_a_ptr, a_a_ptr,
-                               e_a_ptr, cell_a_ptr, scale, radius_weight, two_cell, D, Na, out_ptr, out_ptr, no_trace,
-                               BLOCK_D, W, WP, False)  # fmt: skip
-    found_high = _search_forest(n_high, base_h_ptr, 0, q, qnorm, pos, sig, lm, plane * Nh, mu_h_ptr, rad_h_ptr, a_h_ptr,
-                                e_h_ptr, cell_h_ptr, scale, radius_weight, two_cell, D, Nh, out_ptr, out_ptr,
-                                no_trace, BLOCK_D, W, WP, False)  # fmt: skip
-    picked = _rerank(found_all, found_high, q, k_ptr, plane * S * CELL, scale, D, BLOCK_D, CELL, WP, K, KP)
+    if forest == 0:
+        n_all = (pos_i // QBLOCK) * (QBLOCK // CELL)
+        found = _search_forest(n_all, base_a_ptr, 0, q, qnorm, pos, sig, lm, plane * Na, mu_a_ptr, rad_a_ptr, a_a_ptr,
+                               e_a_ptr, cell_a_ptr, scale, radius_weight, two_cell, D, Na, found_ptr, found_ptr,
+                               no_trace, BLOCK_D, W, WP, False)  # fmt: skip
+    else:
+        n_high = tl.load(n_high_ptr + plane)
+        found = _search_forest(n_high, base_h_ptr, 0, q, qnorm, pos, sig, lm, plane * Nh, mu_h_ptr, rad_h_ptr, a_h_ptr,
+                               e_h_ptr, cell_h_ptr, scale, radius_weight, two_cell, D, Nh, found_ptr, found_ptr,
+                               no_trace, BLOCK_D, W, WP, False)  # fmt: skip
+    tl.store(found_ptr + (bh * 2 + forest) * WP + tl.arange(0, WP), found)
+
+
+@triton.jit(do_not_specialize=["stride_qb", "stride_qh", "S"])
+def _fsb_decode_rerank_kernel(
+    q_ptr,  # [B, Hq, D] as the search's
+    k_ptr,  # [B, Hkv, S, CELL, D] (storage dtype): the archive's raw keys, slot = cell id
+    found_ptr,  # int64 [B * Hq, 2, WP] from `_fsb_decode_search_kernel`
+    out_ptr,  # int64 [B, Hq, K]
+    stride_qb, stride_qh, S, Hkv, G, scale, D,
+    BLOCK_D: tl.constexpr, CELL: tl.constexpr, WP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+):  # fmt: skip
+    """The rerank of one decode step (`_rerank`), one program per (row, query head)."""
+    bh = tl.program_id(0).to(tl.int64)
+    b = bh // (Hkv * G)
+    hq = bh % (Hkv * G)
+    h = hq // G
+    d = tl.arange(0, BLOCK_D)
+    q = tl.load(q_ptr + b * stride_qb + hq * stride_qh + d, mask=d < D, other=0.0).to(tl.float32)
+    lanes = tl.arange(0, WP)
+    found_all = tl.load(found_ptr + bh * 2 * WP + lanes)
+    found_high = tl.load(found_ptr + (bh * 2 + 1) * WP + lanes)
+    picked = _rerank(found_all, found_high, q, k_ptr, (b * Hkv + h) * S * CELL, scale, D, BLOCK_D, CELL, WP, K, KP)
     kk = tl.arange(0, KP)
     tl.store(out_ptr + bh * K + kk, picked, mask=kk < K)
 
@@ -408,7 +433,8 @@ def _run(q, k, cfg: FreeSoloConfig, return_found: bool, num_warps: int, trace):
 
 
 def decode_select_cells(state, qg: torch.Tensor, out=None, num_warps: int = 1) -> torch.Tensor:
-    """FS-B selection of one decode step on the streaming state's forests (one launch, no host sync).
+    """FS-B selection of one decode step on the streaming state's forests (two launches: both
+    forests' searches side by side, then the rerank; no host sync).
 
     Args:
         state: a `freesolo.streaming.torch_fsb.TorchFsbDeviceState` (float32 accumulation) whose
@@ -438,13 +464,19 @@ def decode_select_cells(state, qg: torch.Tensor, out=None, num_warps: int = 1) -
     q_rows = qg.reshape(B, Hkv * G, D)  # a view for a step's q [B, 1, Hq, D]: read in place, no copy
     if q_rows.stride(-1) != 1:
         q_rows = q_rows.contiguous()
-    _fsb_decode_search_kernel[(B * Hkv * G,)](
-        q_rows, state.pos, state.cell_k,
+    WP = triton.next_power_of_2(cfg.beam)
+    found = torch.empty(B * Hkv * G, 2, WP, dtype=torch.int64, device=state.device)
+    _fsb_decode_search_kernel[(B * Hkv * G, 2)](
+        q_rows, state.pos,
         fa.mu, fa.rad, fa.A, fa.e, fa.cell, base_a, fh.mu, fh.rad, fh.A, fh.e, fh.cell, base_h,
-        state.n_high, state.sigma.reshape(-1), state.lam.reshape(-1), out,
-        q_rows.stride(0), q_rows.stride(1), state.cell_k.shape[2], fa.mu.shape[2], fh.mu.shape[2], Hkv, G,
+        state.n_high, state.sigma.reshape(-1), state.lam.reshape(-1), found,
+        q_rows.stride(0), q_rows.stride(1), fa.mu.shape[2], fh.mu.shape[2], Hkv, G,
         float(D**-0.5), float(cfg.radius_weight), float(2 * cfg.cell), D,
-        BLOCK_D=triton.next_power_of_2(D), CELL=cfg.cell, QBLOCK=cfg.block, W=cfg.beam, WP=triton.next_power_of_2(cfg.beam),
-        K=K, KP=triton.next_power_of_2(K), num_warps=num_warps,
+        BLOCK_D=triton.next_power_of_2(D), CELL=cfg.cell, QBLOCK=cfg.block, W=cfg.beam, WP=WP, num_warps=num_warps,
+    )  # fmt: skip
+    _fsb_decode_rerank_kernel[(B * Hkv * G,)](
+        q_rows, state.cell_k, found, out, q_rows.stride(0), q_rows.stride(1), state.cell_k.shape[2], Hkv, G,
+        float(D**-0.5), D, BLOCK_D=triton.next_power_of_2(D), CELL=cfg.cell, WP=WP, K=K,
+        KP=triton.next_power_of_2(K), num_warps=num_warps,
     )  # fmt: skip
     return out
