@@ -305,6 +305,27 @@ def plot_lines(series: dict, path: str, xlabel: str, ylabel: str, title: str) ->
     print(f"wrote {path}")
 
 
+def plot_bars(values: dict, path: str, xlabel: str, title: str, mark: str = "") -> None:
+    """Horizontal bars of {label: value} to `path` (the bar labelled `mark` drawn in another color)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(values)
+    fig, ax = plt.subplots(figsize=(7, 0.32 * len(labels) + 1.2))
+    ax.barh(labels, [values[k] for k in labels], color=["C1" if k == mark else "C0" for k in labels])
+    ax.invert_yaxis()
+    ax.set_xlabel(xlabel)
+    ax.grid(True, axis="x", alpha=0.3)
+    ax.tick_params(axis="y", labelsize=7)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
 def _finite(x):
     """x with every non-finite float replaced by None (dicts, lists and tuples walked)."""
     if isinstance(x, float):
