@@ -13,7 +13,7 @@ Decode without host synchronisation (torch, CUDA, FS-L and FS): `extend(q, k, v,
 (the finite check is the only sync: it reads a flag back); `cache.prefill(k, v)` ingests a long
 prompt without outputs; `step = cache.decode_graph()` captures the FS-L one-token step (and the
 block-boundary step) in CUDA graphs: `o = step(q, k, v)`. With `decode_kernel="triton"` (or
-"auto" on CUDA) a one-token step is one fused Triton kernel (FS and FS-B: two), and
+"auto" on CUDA) a one-token step is one or two fused Triton launches (FS-B: three), and
 `decode_graph()` also captures FS and FS-B (their block boundaries run eagerly: FS without sync,
 FS-B with one sync for its forests).
 
@@ -64,11 +64,11 @@ class FreeSoloCache:
         check_finite: default of `extend(check_finite=...)`; the check syncs a CUDA device, so pass
             False on a decode path that must not synchronise.
         decode_kernel: torch backend, FS / FS-L: how a one-token step runs: "torch" (torch ops,
-            default), "triton" (one fused Triton kernel per step, two for FS:
-            `freesolo.backends.triton.decode`; CUDA, or CPU under TRITON_INTERPRET=1), or "auto"
+            default), "triton" (the fused Triton step, `freesolo.backends.triton.decode`: two
+            launches with the default `DecodeTiles()`; CUDA, or CPU under TRITON_INTERPRET=1), or "auto"
             (triton on CUDA when triton imports and the dtype is float32 / bfloat16 / float16).
-            FS-B: "triton" runs the step's beam search and rerank as one Triton launch
-            (`freesolo.backends.triton.fsb_search.decode_select_cells`), then the fused kernel
+            FS-B: "triton" runs the step's beam search (both forests side by side) and rerank as
+            Triton launches (`freesolo.backends.triton.fsb_search.decode_select_cells`), then the fused kernel
             (window, readout of the chosen cells); its block boundaries (forest carries) run torch
             ops eagerly and sync the host once. Chunks of n > 1 tokens and block boundaries always
             run torch ops.

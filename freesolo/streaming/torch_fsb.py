@@ -15,9 +15,9 @@ buffer) plus, per batch row and kv head:
 Queries search the tables with the torch backend's level-wise beam (`beam_search`), rerank the
 union by rho and read the top-K cells (`topk_cells`: ties to the larger cell). With
 `decode_kernel="triton"` a one-token step is the fused Triton step (`backends.triton.decode.
-decode_step`): one launch for the search and the rerank (`fsb_search.decode_select_cells`, same
-tables, same tie rules), one for the local window, the readout of the chosen cells, RMSNorm and
-beta (`_decode_kernel`). Neither reads a host value that changes inside a block, so
+decode_step`): two launches for the search of both forests (side by side) and the rerank
+(`fsb_search.decode_select_cells`, same tables, same tie rules), one for the local window, the
+readout of the chosen cells, RMSNorm and beta (`_decode_kernel`). None reads a host value that changes inside a block, so
 `FreeSoloCache.decode_graph()` captures the step in a CUDA graph; a block boundary (`_advance`:
 archive append, forest carries) runs eagerly and syncs the host once (counts of high cells).
 """
@@ -150,8 +150,8 @@ class TorchFsbDeviceState(TorchCacheState):
                  dtype: Optional[torch.dtype] = None, device=None, decode_kernel: str = "torch",
                  decode_tiles: Optional[DecodeTiles] = None):  # fmt: skip
         """decode_kernel: one-token steps: "torch" (`beam_search` and readout in torch ops),
-        "triton" (the fused Triton step: `fsb_search.decode_select_cells`, one launch for the
-        search and the rerank of every (row, query head), then `decode._decode_kernel`; CUDA, or
+        "triton" (the fused Triton step: `fsb_search.decode_select_cells`, the search of both
+        forests and the rerank of every (row, query head), then `decode._decode_kernel`; CUDA, or
         CPU under TRITON_INTERPRET=1; float32 accumulation, i.e. storage float32 / bfloat16 /
         float16) or "auto" (triton on CUDA with float32 accumulation, torch otherwise). Chunks of
         n > 1 tokens run torch ops. decode_tiles: a DecodeTiles with impl="single" (default

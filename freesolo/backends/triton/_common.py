@@ -27,6 +27,7 @@ __all__ = [
     "same_device",
 ]
 
+
 def same_device(a, b) -> bool:
     """True when torch devices `a` and `b` are one device: `cuda` (no index) is the current CUDA
     device, so `cuda` and `cuda:0` agree while device 0 is current."""
