@@ -1,5 +1,5 @@
-"""Fused Triton decode step (n = 1 new token per row) for FS-L and FS over `FreeSoloCache`'s
-torch state (`freesolo.streaming.torch_state.TorchCacheState`, spec §9).
+"""Fused Triton decode step (n = 1 new token per row) for FS-L, FS and FS-B over `FreeSoloCache`'s
+torch state (`freesolo.streaming.torch_state.TorchCacheState`, FS-B: `streaming.torch_fsb`, spec §9).
 
 Two implementations, chosen by `state.decode_tiles` (`DecodeTiles`; A/B timing in
 benchmarks/gpu_decode.py):
@@ -23,6 +23,8 @@ benchmarks/gpu_decode.py):
 
 "single" (the first version): `_fs_score_kernel` (FS only) then `_decode_kernel`, one program per
 (row, kv head) doing the window and the long branch of its G heads in sequence; pos += 1 after.
+FS-B runs it after its Triton search (`fsb_search.decode_select_cells`): `_decode_kernel` with
+CHOSEN reads the K chosen cells instead of taking a top-K.
 
 Rounding points follow the torch path: rotated q / k and the two branch outputs are rounded to
 the storage dtype (the torch path runs SDPA in the storage dtype), everything else is float32.
