@@ -2,9 +2,9 @@
 # One H200 call that measures and checks what a session changed (run from the repository root with
 # $OUT set). Every step has its own timeout so that a slow step cannot starve the rest; everything
 # lands in $OUT/session.tar (the device returns at most 8 files) plus $OUT/summary.txt.
-# STEPS picks the steps (default: the next session's first call: what session 20 changed after its last GPU call, i.e. the
-# FS-B decode search on one-tree-per-height forests, its CUDA tests, timing and sanitizer runs; pass timeout_s 600 and
-# read summary.txt):
+# STEPS picks the steps (default: the next session's first call: what session 21 could not time for lack of device
+# time, i.e. FS-B prefill with the sorted beam selection against triton_fs up to 1M (issue 12's bar), the FS-B search
+# alone at 256k / 1M, and the training step with the s21 forward / backward tiles; pass timeout_s 600, read summary.txt):
 #   tests_split  CUDA tests of the Triton forward / backward / API / L11-L12 with the split long kernel
 #                (FREESOLO_TRITON_LONG_BLOCK=64 FREESOLO_TRITON_MAXNREG=128: the proposed 16-bit default)
 #   sanitize     compute-sanitizer memcheck and racecheck of every Triton kernel (benchmarks/sanitize_triton.py)
@@ -45,7 +45,7 @@ W=/tmp/session_work
 rm -rf "$W"  # a warm machine keeps /tmp: start empty
 mkdir -p "$OUT" "$W"
 export PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=ci PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-STEPS=${STEPS:-"tests_fsbd fsb_decode4 memcheck_fsb"}
+STEPS=${STEPS:-"fsb_prefill fsb_long train_step"}
 SPLIT=(env FREESOLO_TRITON_LONG_BLOCK=64 FREESOLO_TRITON_MAXNREG=128)
 step() {  # step NAME SECONDS COMMAND...: run with a timeout, log to $W/NAME.log, one summary line
   local name=$1 secs=$2; shift 2
