@@ -535,6 +535,33 @@ def test_cuda_fused_decode_has_no_host_sync(variant):
 
 @needs_cuda
 @pytest.mark.gpu
+def test_cuda_fsb_fused_decode_has_no_host_sync_inside_blocks():
+    """FS-B with the fused step from T = 0 (no cells yet, block boundaries, forest growth), eager,
+    check_finite=False: every step inside a block runs under sync debug mode "error" (the first
+    step allocates the state and each block boundary's forest carries sync once, by design: those
+    run in the default mode); float32 outputs == the parallel FS-B op (L6) but near-ties."""
+    cfg = FreeSoloConfig(variant="fsb", window=32, cell=4, block=16, top_k=3, beam=3, tau=8.5)
+    B, T, Hq, Hkv, D = 2, 3 * 16 + 32 + 7, 4, 2, 64
+    q, k, v, beta = cuda_tensors(16, B, T, Hq, Hkv, D, torch.float32)
+    cache = FreeSoloCache(cfg, B, Hq, Hkv, D, backend="torch", dtype=torch.float32, device="cuda", decode_kernel="triton")
+    outs, checked = [], 0
+    for t in range(T):
+        inside = t > 0 and t % cfg.block != 0
+        torch.cuda.synchronize()
+        if inside:
+            torch.cuda.set_sync_debug_mode("error")
+            checked += 1
+        try:
+            outs.append(cache.extend(q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], beta=beta, check_finite=False))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert cache.state._fused and checked > T // 2
+    expected = freesolo.freesolo_attention(q, k, v, cfg, beta=beta, backend="torch")
+    assert_close_but_near_ties(torch.cat(outs, 1), expected, "FS-B fused decode vs parallel")
+
+
+@needs_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["fsl", "fs", "fsb"])
 def test_cuda_graph_fused_decode(variant):
     """CUDA graph of the fused step (FS-L: step + boundary graphs; FS / FS-B: step graph, eager
