@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from gpu_attention import _tau, _versions, plot_lines, write_results  # noqa: E402 (benchmarks/ is this script's folder)
+from gpu_attention import _tau, _versions, plot_lines, series_by_T, write_results  # noqa: E402 (benchmarks/ is this script's folder)
 
 from freesolo import FreeSoloCache, FreeSoloConfig  # noqa: E402
 
@@ -74,8 +74,7 @@ def main(argv=None) -> int:
 def _plot(payload, path):
     rows = payload["results"]
     labels = {"cache_gib": "FS-B cache (all)", "forests_gib": "FS-B forests", "full_kv_gib": "full KV cache (bf16)"}
-    series = {label: [(r["T"], r[key]) for r in rows] for key, label in labels.items()}
-    plot_lines(series, path, "context T", "GiB per layer (B 1)", f"FS-B cache memory, H 16, D 64 ({payload['env'].get('gpu')})")
+    plot_lines(series_by_T(rows, labels), path, "context T", "GiB per layer (B 1)", f"FS-B cache memory, H 16, D 64 ({payload['env'].get('gpu')})")
 
 
 if __name__ == "__main__":

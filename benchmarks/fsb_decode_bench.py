@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from gpu_attention import _tau, _versions, bench_ms, plot_lines, write_results  # noqa: E402 (benchmarks/ is this script's folder)
+from gpu_attention import _tau, _versions, bench_ms, plot_lines, series_by_T, smoke_or_gpu, write_results  # noqa: E402 (benchmarks/ is this script's folder)
 
 from freesolo import FreeSoloCache, FreeSoloConfig  # noqa: E402
 
@@ -90,8 +90,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--dry-run", action="store_true")
     args = ap.parse_args(argv)
-    device = torch.device("cpu" if args.dry_run else "cuda")
-    dtype = torch.float32 if args.dry_run else torch.bfloat16
+    device, dtype = smoke_or_gpu(args.dry_run)
     H, D = (2, 16) if args.dry_run else (16, 64)
     base = FreeSoloConfig(variant="fsb", window=16, cell=4, block=8, beam=4) if args.dry_run else FreeSoloConfig(variant="fsb")
     contexts = [64] if args.dry_run else args.contexts
@@ -177,7 +176,7 @@ def _plot(payload, path):
     labels = {"torch_us": "FS-B step, torch ops (eager)", "triton_us": "FS-B fused Triton step (eager)",
               "graph_mean_us": "FS-B fused step, CUDA graph (boundaries incl.)",
               "graph_inblock_median_us": "FS-B fused step, CUDA graph, in-block", "sdpa_us": "SDPA decode, full cache"}  # fmt: skip
-    series = {label: [(r["T"], r[key]) for r in rows if r.get(key)] for key, label in labels.items()}
+    series = series_by_T(rows, labels)
     title = f"FS-B decode: {payload['env'].get('gpu')}, H {payload['shape']['H']}, D {payload['shape']['D']}"
     plot_lines(series, path, "context T", "us per layer step (B 1)", title)
 

@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from gpu_attention import _tau, _versions, bench_ms, plot_lines, write_results  # noqa: E402 (benchmarks/ is this script's folder)
+from gpu_attention import _tau, _versions, bench_ms, plot_lines, smoke_or_gpu, write_results  # noqa: E402 (benchmarks/ is this script's folder)
 
 from freesolo import FreeSoloConfig  # noqa: E402
 from freesolo.backends.torch import select_cells as torch_select  # noqa: E402
@@ -58,8 +58,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--dry-run", action="store_true")
     args = ap.parse_args(argv)
-    device = torch.device("cpu" if args.dry_run else "cuda")
-    dtype = torch.float32 if args.dry_run else torch.bfloat16
+    device, dtype = smoke_or_gpu(args.dry_run)
     lengths = [64] if args.dry_run else args.lengths
     shape = {"B": 1, "Hq": 2, "Hkv": 1, "D": 16} if args.dry_run else SHAPE
     base = (

@@ -305,6 +305,19 @@ def plot_lines(series: dict, path: str, xlabel: str, ylabel: str, title: str) ->
     print(f"wrote {path}")
 
 
+def series_by_T(rows: list, labels: dict) -> dict:
+    """{label: [(T, row[key]), ...]} for {key: label}, rows without a value for key left out
+    (the input of `plot_lines` for results that hold one row per context T)."""
+    return {label: [(r["T"], r[key]) for r in rows if r.get(key) is not None] for key, label in labels.items()}
+
+
+def smoke_or_gpu(dry_run: bool) -> tuple:
+    """(device, dtype) of a GPU benchmark: CUDA bf16, or CPU float32 for its --dry-run smoke test."""
+    import torch
+
+    return (torch.device("cpu"), torch.float32) if dry_run else (torch.device("cuda"), torch.bfloat16)
+
+
 def plot_bars(values: dict, path: str, xlabel: str, title: str, mark: str = "") -> None:
     """Horizontal bars of {label: value} to `path` (the bar labelled `mark` drawn in another color)."""
     import matplotlib

@@ -46,7 +46,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from gpu_attention import _once_ms, _sync, _versions  # noqa: E402 (benchmarks/ is this script's folder)
+from gpu_attention import _once_ms, _sync, _versions, smoke_or_gpu  # noqa: E402 (benchmarks/ is this script's folder)
 
 import freesolo
 from freesolo.backends.torch._ops import cell_stats
@@ -178,10 +178,9 @@ def main(argv=None):
             plot(json.load(f), os.path.splitext(args.out)[0] + ".png")
         return
 
-    device = torch.device("cpu" if args.dry_run else "cuda")
+    device, dtype = smoke_or_gpu(args.dry_run)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: use --dry-run for the CPU smoke test")
-    dtype = torch.float32 if args.dry_run else torch.bfloat16
     shape = {"B": 1, "Hq": 2, "Hkv": 2, "D": 16} if args.dry_run else SHAPE
     lengths = args.lengths or ([256, 640] if args.dry_run else LENGTHS)
     modes = args.modes or MODES
