@@ -2,7 +2,8 @@
 and fla's NSA.
 
 Providers: `freesolo_fsl`, `freesolo_fs`, `freesolo_fsb` (the pure-PyTorch backend), `triton_fsl`, `triton_fs`,
-`triton_fsb` (the Triton backend through the public API), `sdpa_causal`, `flex_swa512`, and
+`triton_fsb` (the Triton backend through the public API, `check_finite=False`: the default finite
+check costs one host sync per call, and the peers check nothing), `sdpa_causal`, `flex_swa512`, and
 `fla_nsa` (fla-core's `parallel_nsa`: 16 query heads on 1 kv head, compression + top-4 of 32-token
 blocks, no window; it needs GQA groups of >= 16 heads, so it runs with Hkv = Hq / 16 whatever the
 shape says; skipped when fla is not importable).
@@ -176,8 +177,8 @@ def make_call(provider: str, q, k, v, compiled: bool):
         cfg = freesolo.FreeSoloConfig(variant=variant)
         if variant == "fsb":
             cfg = cfg.replace(tau=_tau(k, cfg))
-        if provider.startswith("triton_"):
-            return lambda: freesolo.freesolo_attention(q, k, v, cfg, backend="triton")
+        if provider.startswith("triton_"):  # check_finite=False: no host sync per call (SDPA / Flex check nothing)
+            return lambda: freesolo.freesolo_attention(q, k, v, cfg, backend="triton", check_finite=False)
         return lambda: fs_attention(q, k, v, cfg)
     if provider == "flex_fsl":
         return flex_fsl_call(q, k, v, compiled)

@@ -114,7 +114,14 @@ def _config(cfg: Optional[FreeSoloConfig]) -> FreeSoloConfig:
 
 
 def freesolo_attention(
-    q, k, v, cfg: Optional[FreeSoloConfig] = None, beta=None, backend: Optional[str] = None, cu_seqlens=None
+    q,
+    k,
+    v,
+    cfg: Optional[FreeSoloConfig] = None,
+    beta=None,
+    backend: Optional[str] = None,
+    cu_seqlens=None,
+    check_finite: bool = True,
 ):
     """FreeSolo attention (spec §7).
 
@@ -129,11 +136,15 @@ def freesolo_attention(
             tokens [cu_seqlens[n], cu_seqlens[n+1]); each is computed alone (positions, cells,
             blocks, pools, forests and RoPE restart at its first token), bit-identical to a call
             on that sequence by itself. None: one sequence per batch row.
+        check_finite: raise ValueError when q, k, v or beta hold nan / inf. On CUDA tensors the
+            check costs one host sync per call (a sum per tensor, then one read on the host);
+            False skips it (no host sync: what a training loop or a CUDA graph wants; non-finite
+            inputs then give non-finite or meaningless outputs). Skipped under torch.compile.
     Returns:
         o [B, T, Hq, D], of the same array kind, dtype and device as q.
     """
     cfg = _config(cfg)
-    info = check_inputs(q, k, v, cfg, beta)
+    info = check_inputs(q, k, v, cfg, beta, check_finite=check_finite)
     bounds = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, info)
     impl = resolve_backend(backend, info, cfg)
     if impl.array_kind == "numpy":
@@ -147,7 +158,9 @@ def freesolo_attention(
     return _like_input(out, q)
 
 
-def select_cells(q, k, cfg: Optional[FreeSoloConfig] = None, backend: Optional[str] = None, cu_seqlens=None):
+def select_cells(
+    q, k, cfg: Optional[FreeSoloConfig] = None, backend: Optional[str] = None, cu_seqlens=None, check_finite: bool = True
+):
     """Cells read by each query: int64 [B, T, Hq, K], by descending final score, -1 padded (spec §7).
 
     Args:
@@ -155,9 +168,10 @@ def select_cells(q, k, cfg: Optional[FreeSoloConfig] = None, backend: Optional[s
         cu_seqlens: packed sequences, as in `freesolo_attention` (B = 1). Cell indices are then
             local to each sequence: cell c of sequence n holds its tokens [c*s, (c+1)*s), i.e. the
             packed tokens cu_seqlens[n] + [c*s, (c+1)*s).
+        check_finite: as in `freesolo_attention` (False: no host sync for the finite check).
     """
     cfg = _config(cfg)
-    info = check_inputs(q, k, None, cfg)
+    info = check_inputs(q, k, None, cfg, check_finite=check_finite)
     bounds = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, info)
     impl = resolve_backend(backend, info, cfg)
     if impl.array_kind == "numpy":

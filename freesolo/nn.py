@@ -246,6 +246,9 @@ class FreeSoloAttention(_Projections):
             at start (continued pretraining of a converted model).
         bias: biases on q / k / v projections (Qwen2 has them); o_bias: bias on o_proj.
         backend: backend of every call ("torch", "triton", "numba", "numpy"; None = `freesolo.get_backend()`).
+        check_finite: the parallel op's finite check of q, k, v (`freesolo_attention`): one host
+            sync per call on CUDA; False for training loops that must not sync (the attribute can
+            be changed later).
     """
 
     def __init__(
@@ -259,6 +262,7 @@ class FreeSoloAttention(_Projections):
         bias: bool = False,
         o_bias: bool = False,
         backend: Optional[str] = None,
+        check_finite: bool = True,
     ):
         super().__init__(hidden_size, num_heads, num_kv_heads, head_dim, bias, o_bias)
         cfg = FreeSoloConfig() if cfg is None else cfg
@@ -272,6 +276,7 @@ class FreeSoloAttention(_Projections):
             raise ValueError(f"beta_init={beta_init!r} must be finite")
         self.cfg = cfg
         self.backend = backend
+        self.check_finite = bool(check_finite)
         self.compile_mode = "auto"  # under torch.compile: "auto", "opaque" (attention_opaque) or "direct"
         self.beta = nn.Parameter(torch.full((self.num_heads,), float(beta_init)))
 
@@ -351,7 +356,9 @@ class FreeSoloAttention(_Projections):
                 return attention_opaque(q, k, v, self.beta, self._cfg_json, self.backend or "")
             kwargs = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
             beta = self.beta.view(-1) if torch.compiler.is_compiling() else self.beta  # a Tensor, not a Parameter
-            return freesolo_attention(q, k, v, self.cfg, beta=beta, backend=self.backend, **kwargs)
+            return freesolo_attention(
+                q, k, v, self.cfg, beta=beta, backend=self.backend, check_finite=self.check_finite, **kwargs
+            )
         if cu_seqlens is not None:
             raise ValueError("cu_seqlens and cache cannot be combined: a cache streams one sequence per row")
         beta = self.beta.detach()
@@ -368,7 +375,7 @@ class FreeSoloAttention(_Projections):
         """Stream a chunk through the cache. A first chunk of several tokens (a prompt) runs the
         parallel op and `cache.prefill` (the state `extend` would leave; outputs equal by L6)."""
         if cache.length == 0 and q.shape[1] > 1:
-            o = freesolo_attention(q, k, v, self.cfg, beta=beta, backend=self.backend)
+            o = freesolo_attention(q, k, v, self.cfg, beta=beta, backend=self.backend, check_finite=self.check_finite)
             cache.prefill(k, v)
             return o
         return cache.extend(q, k, v, beta=beta)

@@ -95,6 +95,24 @@ def test_non_finite(bad, name):
         freesolo.freesolo_attention(q, k, v, CFG, backend="numpy")
 
 
+def test_check_finite_false_skips_the_check_and_nothing_else():
+    """check_finite=False (no host sync on CUDA) skips only the finite check: a nan reaches the
+    output (its own rows), and shape errors still raise."""
+    import torch
+
+    q, k, v = (torch.from_numpy(x) for x in _qkv())
+    q[0, 3, 0, 1] = float("nan")
+    with pytest.raises(ValueError, match="q contains non-finite values"):
+        freesolo.freesolo_attention(q, k, v, CFG, backend="torch")
+    out = freesolo.freesolo_attention(q, k, v, CFG, backend="torch", check_finite=False)
+    assert torch.isnan(out[0, 3, 0]).all() and torch.isfinite(out[0, :3]).all()
+    with pytest.raises(ValueError, match="q contains non-finite values"):
+        freesolo.select_cells(q, k, CFG, backend="torch")
+    assert freesolo.select_cells(q, k, CFG, backend="torch", check_finite=False).shape[:3] == q.shape[:3]
+    with pytest.raises(ValueError):
+        freesolo.freesolo_attention(q[:, :, :, :3], k, v, CFG, backend="torch", check_finite=False)
+
+
 def test_wrong_dtypes():
     q, k, v = _qkv()
     with pytest.raises(TypeError, match="q must be a floating dtype"):
