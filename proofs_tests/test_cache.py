@@ -8,6 +8,7 @@ the torch state in float64 on the CPU to 1e-10; in float32 to an RMS-relative 1e
 
 from __future__ import annotations
 
+import os
 import pickle
 
 import numpy as np
@@ -189,19 +190,30 @@ def live_trees(table, n: int):
     return out
 
 
+@pytest.mark.parametrize("builder", ["torch", "triton"])
 @pytest.mark.parametrize("leaf_order", ["content", "position"])
-def test_torch_fsb_forests_equal_batch_construction(leaf_order):
+def test_torch_fsb_forests_equal_batch_construction(leaf_order, builder, monkeypatch):
     """L10 for the torch state: the node tables grown at carries hold exactly the live trees (one
-    per set bit of the element count) of the torch backend's batch construction over all cells."""
+    per set bit of the element count) of the torch backend's batch construction over all cells,
+    with either slot builder (`build_segments`, or the Triton kernel of the fused step: the
+    interpreter on a CPU machine)."""
     from freesolo.backends.torch.fsb import build_node_table, content_codes
     from freesolo.reference.forest import hyperplanes
+    from freesolo.streaming import torch_fsb
 
+    if builder == "triton":
+        pytest.importorskip("triton")
+        if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+            pytest.skip("no CUDA device and TRITON_INTERPRET is not set: the Triton builder cannot run here")
+        init = torch_fsb.ForestTable.__init__
+        monkeypatch.setattr(torch_fsb.ForestTable, "__init__", lambda self, *a, **kw: init(self, *a, **{**kw, "builder": "triton"}))
     B, T, Hq, Hkv, D = 2, 150, 2, 2, 8
     q, k, v = random_qkv(6, B, T, Hq, Hkv, D)
     cfg = make_cfg("fsb", k, leaf_order=leaf_order)
     cache = FreeSoloCache(cfg, B, Hq, Hkv, D, backend="torch")
     stream(cache, q, k, v, split(T, (1, 7, 30)), as_torch=torch.float64)
     state = cache.state
+    assert state.forest_all.builder == state.forest_high.builder == builder
     C = (T - 1) // cfg.block * cfg.block // cfg.cell  # cells made available so far
     k4 = torch.from_numpy(k).permute(0, 2, 1, 3)[:, :, : C * cfg.cell]  # (B, Hkv, C*s, D)
     cells = k4.reshape(B, Hkv, C, cfg.cell, D)
@@ -240,6 +252,22 @@ def test_torch_fsb_forests_equal_batch_construction(leaf_order):
                     got = getattr(state.forest_high, name)[b, g, dst : dst + size]
                     torch.testing.assert_close(got, getattr(row, name)[0, 0, src : src + size], rtol=1e-12, atol=1e-12)
     assert len(counts) > 1, "rows should differ in high-cell counts (exercises the per-row rebuild)"
+
+
+def test_carried_heights_bound_every_changed_tree():
+    """`carried_heights(counts, m)` (the host bound of the sync-free high-forest growth) covers
+    every height whose tree (start or presence) differs between p and any x in [p, p + m]."""
+    from freesolo.streaming.torch_fsb import _tree_start, carried_heights
+
+    for p in range(0, 300):
+        for m in range(0, 9):
+            H = carried_heights([p], m)
+            for x in range(p, p + m + 1):
+                for h in range(12):
+                    if _tree_start(p, h) != _tree_start(x, h):
+                        assert h < H, (p, m, x, h)
+    assert carried_heights([3, 12, 0], 4) == max((3 ^ 7).bit_length(), (12 ^ 16).bit_length(), (0 ^ 4).bit_length())
+    assert carried_heights([], 4) == 0
 
 
 @pytest.mark.parametrize("leaf_order", ["content", "position"])

@@ -9,8 +9,15 @@ buffer) plus, per batch row and kv head:
   per set bit of the row's element count, in one slot per height (the torch backend's
   `NodeTable` layout with `one_tree_per_height`: O(n) nodes, not the O(n log n) of every segment
   of every height). A slot is rebuilt at a carry of the binary counter, from its tree's own
-  elements (`build_segments`: the torch backend's construction restricted to one segment), for
-  the rows whose tree changed (the high-norm forest: rows' counts differ).
+  elements, for the rows whose tree changed (the high-norm forest: rows' counts differ, so the
+  rows are picked on the device from the old and new counts). The builder: `build_segments`
+  (the torch backend's construction restricted to one segment, ~12 torch ops per level) for the
+  torch step, `backends.triton.fsb_build.build_tree_slot` (a sort and one launch per slot) for
+  the fused step.
+
+No block boundary reads a device value on the host: the all-cells forest's counts are host ints,
+and the high-norm forests' heights to rebuild are bounded on the host from the counts of the
+previous boundary (copied without blocking into pinned memory there; `carried_heights`).
 
 Queries search the tables with the torch backend's level-wise beam (`beam_search`), rerank the
 union by rho and read the top-K cells (`topk_cells`: ties to the larger cell). With
@@ -19,7 +26,7 @@ decode_step`): two launches for the search of both forests (side by side) and th
 (`fsb_search.decode_select_cells`, same tables, same tie rules), one for the local window, the
 readout of the chosen cells, RMSNorm and beta (`_decode_kernel`). None reads a host value that changes inside a block, so
 `FreeSoloCache.decode_graph()` captures the step in a CUDA graph; a block boundary (`_advance`:
-archive append, forest carries) runs eagerly and syncs the host once (counts of high cells).
+archive append, forest carries) runs eagerly between replays, without a host sync.
 """
 
 from __future__ import annotations
@@ -37,11 +44,24 @@ from ..config import FreeSoloConfig
 from ..reference.forest import hyperplanes
 from .torch_state import DecodeTiles, TorchCacheState, _gather_cells
 
-__all__ = ["FSB_DECODE_TILES", "ForestTable", "TorchFsbDeviceState"]
+__all__ = ["FSB_DECODE_TILES", "ForestTable", "TorchFsbDeviceState", "carried_heights"]
 
 # The fused FS-B step runs the "single" kernel after its search: 128 ring slots per tile, 8 warps.
 FSB_DECODE_TILES = DecodeTiles(impl="single", window_chunk=128, num_warps=8)
 _BASE_TABLES: dict = {}  # (heights, device) -> ForestTable.base_tensor's int64 table
+
+
+def _tree_start(n: int, h: int) -> int:
+    """First element of the height-h tree of a forest over n elements, -1 if it has none."""
+    return ((n >> (h + 1)) << (h + 1)) if (n >> h) & 1 else -1
+
+
+def carried_heights(counts: list, added: int) -> int:
+    """Heights 0 .. H-1 hold every tree that can differ between a forest over p elements and one
+    over x in [p, p + added], for every p in `counts` (host ints): H = max bit length of
+    p XOR (p + added). (Every x in that range shares the bits of p and p + added above their
+    highest differing bit, so the trees of greater heights, start and presence, are the same.)"""
+    return max(((p ^ (p + added)).bit_length() for p in counts), default=0)
 
 
 class ForestTable:
@@ -53,18 +73,25 @@ class ForestTable:
     height h's tree at base(h) = nodes(0) + ... + nodes(h - 1), levels 0..h inside (the NodeTable
     layout with `one_tree_per_height`). That is O(n) nodes per row and kv head (every segment of
     every height would be O(n log n): 21.6 GiB at 1M tokens, H 16, D 64). A slot is rebuilt from
-    its own elements (`build_segments`) when its row's tree changes (a carry), so each element
-    enters one build per height: O(n log n) work in total.
+    its own elements when its row's count gains a tree there (a carry of the binary counter), so
+    each element enters one build per height: O(n log n) work in total. A tree that vanishes
+    leaves its slot as it was: a search over the row's count never visits that height.
 
     mu [B, Hkv, N, D]; rad, A [B, Hkv, N] (accumulation dtype); e, cell [B, Hkv, N] int64, with
-    N = base(heights). `starts[h]`: per (b, kv head) the first element of the tree held at height
-    h, -1 for none (host tuples, row-major over (b, kv head)).
+    N = base(heights). The table stores no counts: the caller passes the old and new element
+    counts at each growth (`grow_uniform`: host ints, the same for every row; `grow_rows`: per-row
+    int64 tensors on the device, no host sync).
     """
 
-    def __init__(self, B: int, Hkv: int, D: int, dtype: torch.dtype, device, heights: int = 4):
+    def __init__(self, B: int, Hkv: int, D: int, dtype: torch.dtype, device, heights: int = 4, builder: str = "torch"):
+        """builder: how a changed slot is rebuilt: "torch" (`build_segments`, ~12 torch ops per
+        level) or "triton" (`backends.triton.fsb_build.build_tree_slot`: one torch.sort and one
+        launch per slot; the fused decode's state, CUDA or TRITON_INTERPRET=1)."""
+        if builder not in ("torch", "triton"):
+            raise ValueError(f"builder={builder!r} must be 'torch' or 'triton'")
         self.B, self.Hkv, self.D, self.dtype, self.device = B, Hkv, D, dtype, device
+        self.builder = builder
         self.heights = 0
-        self.starts: list[tuple] = []
         self._allocate(heights)
 
     @staticmethod
@@ -74,6 +101,8 @@ class ForestTable:
 
     def _allocate(self, heights: int) -> None:
         """Slots for trees of heights 0 .. heights - 1 (the built ones keep their place)."""
+        if heights <= self.heights:
+            return
         N = self.base(heights)
         B, Hkv, dev = self.B, self.Hkv, self.device
         new = {
@@ -89,45 +118,72 @@ class ForestTable:
                 new[name][:, :, :old] = getattr(self, name)
         for name in _FIELDS:
             setattr(self, name, new[name])
-        self.starts = self.starts + [(-1,) * (B * Hkv)] * (heights - self.heights)
         self.heights = heights
 
-    def update(self, elems: dict, counts: list, cfg: FreeSoloConfig, outward: bool) -> None:
-        """Hold the live trees of element counts `counts` (host ints, one per (b, kv head),
-        row-major): every slot whose tree changed is rebuilt for the rows where it changed.
+    def grow_uniform(self, elems: dict, n_old: int, n_new: int, cfg: FreeSoloConfig, outward: bool) -> None:
+        """Every row goes from n_old to n_new >= n_old elements (host ints): each height whose
+        tree is new is rebuilt for all rows (no host sync: the start is a host int).
 
-        elems: kbar [B, Hkv, >= max(counts), D], a, cells, codes [B, Hkv, >= max(counts)] in
-        position order (a row's elements past its own count are never read).
+        elems: contiguous kbar [B, Hkv, M, D], a, cells, codes [B, Hkv, M] in position order, M >= n_new.
         """
-        n_max = max(counts)
-        if n_max.bit_length() > self.heights:
-            self._allocate(n_max.bit_length())
-        B, Hkv, dev = self.B, self.Hkv, self.device
-        for h in range(n_max.bit_length()):
-            start = tuple(((n >> (h + 1)) << (h + 1)) if (n >> h) & 1 else -1 for n in counts)
-            if start == self.starts[h]:
-                continue
-            changed = torch.tensor([x != y for x, y in zip(start, self.starts[h])], device=dev).view(B, Hkv, 1)
-            first = torch.tensor([max(x, 0) for x in start], dtype=torch.int64, device=dev).view(B, Hkv, 1)
-            idx = first + torch.arange(1 << h, device=dev)  # (B, Hkv, 2^h); rows without a tree: never read
-            part = {
-                key: torch.gather(x, 2, idx[..., None].expand(-1, -1, -1, x.shape[-1]) if x.dim() == 4 else idx)
-                for key, x in elems.items()
-            }
-            built = build_segments(part, h, cfg, outward)  # one segment per row: (B, Hkv, nodes(h)[, D])
-            lo, hi = self.base(h), self.base(h + 1)
-            for name in _FIELDS:
-                dst = getattr(self, name)
-                mask = changed if dst.dim() == 3 else changed[..., None]
-                dst[:, :, lo:hi] = torch.where(mask, built[name], dst[:, :, lo:hi])
-            self.starts[h] = start
+        self._allocate(n_new.bit_length())
+        for h in range(n_new.bit_length()):
+            start = _tree_start(n_new, h)
+            if start >= 0 and start != _tree_start(n_old, h):
+                first = torch.full((self.B, self.Hkv), start, dtype=torch.int64, device=self.device)
+                changed = torch.ones(self.B, self.Hkv, dtype=torch.bool, device=self.device)
+                self._build(elems, first, changed, h, cfg, outward)
+
+    def grow_rows(self, elems: dict, old: torch.Tensor, new: torch.Tensor, heights: int, cfg, outward: bool) -> None:
+        """Row (b, g) goes from old[b, g] to new[b, g] >= old elements (int64 [B, Hkv] on the
+        device): every slot whose tree is new is rebuilt for the rows where it is, decided on the
+        device (no host sync). heights: a host bound: heights 0 .. heights-1 hold every tree that
+        differs (`carried_heights`) and every tree of the new counts.
+
+        elems: contiguous kbar [B, Hkv, M, D], a, cells, codes [B, Hkv, M] in position order,
+        M >= max(new).
+        """
+        self._allocate(heights)
+        if heights == 0:
+            return
+        hs = torch.arange(heights, dtype=torch.int64, device=self.device).view(heights, 1, 1)
+        above = ~((2 << hs) - 1)  # (H, 1, 1): the bits above h
+        first, old_first = new[None] & above, old[None] & above  # (H, B, Hkv): start of the height-h tree
+        has, had = ((new[None] >> hs) & 1) == 1, ((old[None] >> hs) & 1) == 1
+        changed = has & (~had | (first != old_first))  # (H, B, Hkv): a new tree at height h
+        for h in range(heights):
+            self._build(elems, first[h], changed[h], h, cfg, outward)
+
+    def _build(self, elems: dict, first: torch.Tensor, changed: torch.Tensor, h: int, cfg, outward: bool) -> None:
+        """Slot h := the trees over elements first .. first + 2^h - 1 of the (b, kv head) rows
+        where `changed` [B, Hkv] (bool) is True; first int64 [B, Hkv] (any value elsewhere)."""
+        if self.builder == "triton":
+            from ..backends.triton.fsb_build import build_tree_slot
+
+            fields = {name: getattr(self, name) for name in _FIELDS}
+            build_tree_slot(fields, self.base(h), elems, first, changed, h, cfg.cell, cfg.leaf_order, outward)
+            return
+        M = elems["kbar"].shape[2]
+        idx = (first.clamp(0, M - (1 << h))[..., None] + torch.arange(1 << h, device=self.device))  # (B, Hkv, 2^h)
+        part = {
+            key: torch.gather(x, 2, idx[..., None].expand(-1, -1, -1, x.shape[-1]) if x.dim() == 4 else idx)
+            for key, x in elems.items()
+        }
+        built = build_segments(part, h, cfg, outward)  # one segment per row: (B, Hkv, nodes(h)[, D])
+        lo, hi = self.base(h), self.base(h + 1)
+        for name in _FIELDS:
+            dst = getattr(self, name)
+            mask = changed[..., None] if dst.dim() == 3 else changed[..., None, None]
+            dst[:, :, lo:hi] = torch.where(mask, built[name], dst[:, :, lo:hi])
 
     def base_tensor(self) -> torch.Tensor:
-        """int64 [heights + 1] on the device: base(h) (made once per (heights, device), shared)."""
+        """int64 [heights + 1] on the device: base(h) (made once per (heights, device), on the
+        device: no host-to-device copy, so no sync)."""
         key = (self.heights, str(self.device))
         table = _BASE_TABLES.get(key)
         if table is None:
-            table = torch.tensor([self.base(h) for h in range(self.heights + 1)], dtype=torch.int64, device=self.device)
+            h = torch.arange(self.heights + 1, dtype=torch.int64, device=self.device)
+            table = (2 << h) - 2 - h
             _BASE_TABLES[key] = table
         return table
 
@@ -168,9 +224,14 @@ class TorchFsbDeviceState(TorchCacheState):
         self.codes = torch.zeros(B, Hkv, slots, dtype=torch.int64, device=self.device)  # per cell
         self.high_cells = torch.full((B, Hkv, slots + 1), -1, dtype=torch.int64, device=self.device)
         self.n_high = torch.zeros(B, Hkv, dtype=torch.int64, device=self.device)
-        self.n_high_range = (0, 0)  # host copy of (min, max) of n_high
-        self.forest_all = ForestTable(B, Hkv, D, self.acc, self.device)
-        self.forest_high = ForestTable(B, Hkv, D, self.acc, self.device)
+        # n_high as it stood at the end of the last boundary, on the host: copied without blocking
+        # into (pinned) host memory there and read at the next boundary, after its event
+        self._n_high_host = torch.zeros(B * Hkv, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        self._n_high_event = None
+        self.n_high_bound = 0  # host int >= max(n_high): the high forests' element count bound
+        builder = "triton" if self._fused else "torch"  # the fused step's boundaries: one launch per slot
+        self.forest_all = ForestTable(B, Hkv, D, self.acc, self.device, builder=builder)
+        self.forest_high = ForestTable(B, Hkv, D, self.acc, self.device, builder=builder)
 
     def buffers(self) -> dict:
         out = super().buffers()
@@ -181,6 +242,11 @@ class TorchFsbDeviceState(TorchCacheState):
             out.update(self.forest_all.tensors("forest_all"))
             out.update(self.forest_high.tensors("forest_high"))
         return out
+
+    def memory_bytes(self) -> int:
+        """Bytes of the tensors held, the host copy of n_high included."""
+        host = self._n_high_host.numel() * self._n_high_host.element_size() if self.allocated else 0
+        return super().memory_bytes() + host
 
     def _grow_store(self, needed: int) -> None:
         slots = self.cell_ids.shape[2]
@@ -210,18 +276,16 @@ class TorchFsbDeviceState(TorchCacheState):
         dest = torch.where(high, self.n_high[:, :, None] + rank, torch.full_like(rank, scratch))
         self.high_cells.scatter_(2, dest, torch.arange(lo, n_avail, device=self.device).expand(B, Hkv, m).contiguous())
         self.high_cells[:, :, scratch] = -1
+        old_high = self.n_high.clone()
         self.n_high += high.sum(dim=-1)
-        counts = self.n_high.flatten().tolist()  # host sync (FS-B only): the high forests' element counts
-        self.n_high_range = (min(counts), max(counts))
         outward = self.acc != torch.float64
-        all_elems = {
-            "kbar": self.cell_kbar[:, :, :n_avail],
-            "a": self.cell_a[:, :, :n_avail],
-            "cells": self.cell_ids[:, :, :n_avail],
-            "codes": self.codes[:, :, :n_avail],
-        }
-        self.forest_all.update(all_elems, [n_avail] * (B * Hkv), cfg, outward)
-        n_max = self.n_high_range[1]
+        # the whole archive buffers (contiguous; elements past n_avail are never read)
+        all_elems = {"kbar": self.cell_kbar, "a": self.cell_a, "cells": self.cell_ids, "codes": self.codes}
+        self.forest_all.grow_uniform(all_elems, n_avail - m, n_avail, cfg, outward)
+        before = self._high_counts_before()  # host ints: no sync (see `_high_counts_before`)
+        self.n_high_bound = min(n_avail, max(before) + m)
+        self._publish_high_counts()
+        n_max = self.n_high_bound
         if n_max:
             hc = self.high_cells[:, :, :n_max].clamp(min=0)  # (B, Hkv, n_max); rows with fewer: padding
             high_elems = {
@@ -230,7 +294,27 @@ class TorchFsbDeviceState(TorchCacheState):
                 "cells": torch.gather(self.cell_ids, 2, hc),
                 "codes": torch.gather(self.codes, 2, hc),
             }
-            self.forest_high.update(high_elems, counts, cfg, outward)
+            heights = carried_heights(before, m)  # every tree that can differ
+            self.forest_high.grow_rows(high_elems, old_high, self.n_high, heights, cfg, outward)
+
+    def _high_counts_before(self) -> list:
+        """n_high at the end of the previous boundary as host ints, row-major over (b, kv head).
+
+        On CUDA they were copied without blocking into pinned host memory at that boundary and
+        its event is waited on here: the copy finished long before (a decode loop runs a block
+        of steps in between), so the stream is not synchronized and the GPU queue keeps running."""
+        if self._n_high_event is not None:
+            self._n_high_event.synchronize()
+        return self._n_high_host.tolist()
+
+    def _publish_high_counts(self) -> None:
+        """Start the copy of n_high to the host that the next boundary reads."""
+        if self.device.type == "cuda":
+            self._n_high_host.copy_(self.n_high.view(-1), non_blocking=True)
+            self._n_high_event = torch.cuda.Event()
+            self._n_high_event.record()
+        else:
+            self._n_high_host.copy_(self.n_high.view(-1))
 
     def _candidate_count(self, n_avail: int) -> int:
         return n_avail  # > 0: run the long-range branch (found cells may be fewer than K: masked)
@@ -263,8 +347,8 @@ class TorchFsbDeviceState(TorchCacheState):
         pos = positions.to(self.acc).view(1, n)
         n_all = torch.full((B, Hkv, 1), n_avail, dtype=torch.int64, device=self.device)
         found = [beam_search(self.forest_all.node_table(n_avail), n_all, qc, qn, pos, self.sigma, self.lam, cfg)]
-        if self.n_high_range[1]:
-            table = self.forest_high.node_table(self.n_high_range[1])
+        if self.n_high_bound:
+            table = self.forest_high.node_table(self.n_high_bound)
             found.append(beam_search(table, self.n_high.view(B, Hkv, 1), qc, qn, pos, self.sigma, self.lam, cfg))
         found = torch.sort(torch.cat(found, dim=-1), dim=-1, descending=True).values  # larger c first, -1 last
         found = found.view(B, Hkv, G, n, -1)
@@ -283,8 +367,7 @@ class TorchFsbDeviceState(TorchCacheState):
         out = super().state_dict()
         if self.allocated:
             out["forest_heights"] = (self.forest_all.heights, self.forest_high.heights)
-            out["forest_starts"] = (list(self.forest_all.starts), list(self.forest_high.starts))
-            out["n_high_range"] = self.n_high_range
+            out["n_high_bound"] = self.n_high_bound
         return out
 
     def _restore(self, owner, name: str, value: torch.Tensor) -> None:
@@ -302,13 +385,10 @@ class TorchFsbDeviceState(TorchCacheState):
             return
         for name in ("codes", "high_cells", "n_high", "tau", "planes"):
             self._restore(self, name, state[name])
-        for forest, prefix, heights, starts in zip(
-            (self.forest_all, self.forest_high),
-            ("forest_all", "forest_high"),
-            state["forest_heights"],
-            state["forest_starts"],
-        ):
-            forest.heights, forest.starts = int(heights), [tuple(int(x) for x in st) for st in starts]
+        for forest, prefix, heights in zip((self.forest_all, self.forest_high), ("forest_all", "forest_high"), state["forest_heights"]):
+            forest.heights = int(heights)
             for name in _FIELDS:
                 self._restore(forest, name, state[f"{prefix}.{name}"])
-        self.n_high_range = tuple(state["n_high_range"])
+        self.n_high_bound = int(state["n_high_bound"])
+        self._n_high_event = None
+        self._n_high_host.copy_(self.n_high.view(-1).cpu())  # a restore may sync

@@ -569,8 +569,8 @@ class DecodeGraph:
 
     With the fused Triton step (`decode_kernel="triton"`), the kernel reads T from the device, so
     the graph can be built at any T >= 1, and FS and FS-B are captured too: their step graph is
-    replayed inside blocks; at a block boundary the archive append (`_boundary`: torch ops; FS
-    without sync, FS-B with its forest carries and one sync) runs eagerly before the replay, and
+    replayed inside blocks; at a block boundary the archive append (`_boundary`: torch ops, FS-B
+    with its forest carries; no host sync) runs eagerly before the replay, and
     when a buffer the step reads is re-allocated there (the archive doubles, a forest table gains
     a height: host-known) the step is captured again.
     """

@@ -68,7 +68,9 @@ def content_codes(kbar64: torch.Tensor, planes: torch.Tensor) -> torch.Tensor:
     r = planes.shape[1]
     qk = torch.round(kbar64 * QUANT_SCALE)  # (B, Hkv, M, D), integral float64 (rint: ties to even)
     proj = torch.einsum("bhmd,hrd->bhmr", qk, planes.to(torch.float64))  # (B, Hkv, M, r), exact
-    weights = torch.tensor([1 << (r - 1 - b) for b in range(r)], dtype=torch.int64, device=kbar64.device)
+    # 2^(r-1-b), made on the device (a host list would be a host-to-device copy: a stream sync)
+    weights = torch.bitwise_left_shift(torch.ones(r, dtype=torch.int64, device=kbar64.device),
+                                       torch.arange(r - 1, -1, -1, device=kbar64.device))  # fmt: skip
     return ((proj > 0).to(torch.int64) * weights).sum(dim=-1)
 
 
