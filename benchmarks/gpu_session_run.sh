@@ -39,6 +39,8 @@
 #   decode_full  issue 12: gpu_decode.py with the s21 default tiles against the single kernel, 4k ... 1M, B 1 / 32
 #   memcheck_fsb compute-sanitizer memcheck of the FS-B search (sorted selection) and the decode kernels
 #   profile_fwd  issues 10 / 11: per-kernel GPU time of the triton FS-L forward and fwd+bwd at 4k and 64k
+#   tests_s22    issue 12: CUDA tests of the sync-free FS-B carries (Triton tree builder; decode, caches, models; build kernel)
+#   sanitize_s22 memcheck + racecheck of the FS-B tree builder and the decode path (FS-B carries included)
 set -u
 OUT=${OUT:-/tmp/session_out}
 W=/tmp/session_work
@@ -75,6 +77,8 @@ step fsb_decode 200 python3 benchmarks/fsb_decode_bench.py --out "$W/fsb_decode.
 step decode_tiles 200 python3 benchmarks/gpu_decode.py --contexts 4096 65536 --batches 1 32 --no-fs --tiles single single_w4 single64_w4 single64_w2 single32_w2 split split64 split64_w2 split128_w4 --out "$W" --name gpu_decode_tiles
 step profile_fwd 90 python3 benchmarks/profile_triton.py --T 4096 65536
 step tests_s21 200 bash -c "python3 -m pytest -q -n ${NPROC:-8} -p no:benchmark proofs_tests/test_triton_fsb_search.py; python3 -m pytest -q -n ${NPROC:-8} -p no:benchmark -k 'cuda or gpu' proofs_tests/test_models.py proofs_tests/test_cache_gpu.py proofs_tests/test_triton_decode.py proofs_tests/test_cache_ragged.py"
+step tests_s22 240 bash -c "python3 -m pytest -q -n ${NPROC:-8} -p no:benchmark proofs_tests/test_triton_fsb_build.py; python3 -m pytest -q -n ${NPROC:-8} -p no:benchmark -k 'cuda or gpu or fsb' proofs_tests/test_models.py proofs_tests/test_cache_gpu.py proofs_tests/test_triton_decode.py proofs_tests/test_cache_ragged.py proofs_tests/test_cache.py"
+step sanitize_s22 150 bash -c "compute-sanitizer --tool memcheck python3 benchmarks/sanitize_triton.py fsb_build decode && compute-sanitizer --tool racecheck python3 benchmarks/sanitize_triton.py fsb_build"
 step decode_tiles2 200 python3 benchmarks/gpu_decode.py --contexts 4096 1048576 --batches 1 32 --tiles single single_w4 split split64_w2 split64_w1 split32_w2 split32_w1 --out "$W" --name gpu_decode_tiles2
 step fsb_decode3 240 python3 benchmarks/fsb_decode_bench.py --contexts 4096 65536 1048576 --out "$W/fsb_decode.json"
 step fwd_sweep 200 python3 benchmarks/triton_forward_ab.py --sweep-only --out "$W/triton_forward_sweep.json"

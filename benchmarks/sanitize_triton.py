@@ -1,10 +1,10 @@
 """Small run of every Triton kernel of the forward and backward (FS-L, FS, FS-B readout; the fused
 and the split long kernel; deterministic and atomic backward) and of the fused decode (single and
-split kernels, the FS-L block boundary in torch and in Triton, the FS-B decode search) and of the FS-B search for compute-sanitizer
-(memcheck / racecheck):
+split kernels, the FS-L block boundary in torch and in Triton, the FS-B decode search and its
+forest carries) and of the FS-B search and tree builder for compute-sanitizer (memcheck / racecheck):
 
     compute-sanitizer --tool memcheck python benchmarks/sanitize_triton.py
-    compute-sanitizer --tool racecheck python benchmarks/sanitize_triton.py [forward_backward] [decode] [fsb_search]
+    compute-sanitizer --tool racecheck python benchmarks/sanitize_triton.py [forward_backward] [decode] [fsb_search] [fsb_build]
 """
 
 from __future__ import annotations
@@ -43,7 +43,37 @@ def decode():
     print("decode fsb triton-search ok", bool(torch.isfinite(torch.cat(outs, 1)).all()))
 
 
-def main(parts=("forward_backward", "decode", "fsb_search")):
+def fsb_build():
+    """The FS-B tree-slot builder (`fsb_build._build_tree_slot`): bottom programs only (h 5) and
+    top programs with small leaf chunks (h 9, chunks of 4 leaves), float32 and float64, half the
+    rows changed, D 40 (padded lanes)."""
+    from freesolo.backends.triton.fsb_build import _build_tree_slot
+
+    B, Hkv, D, M = 2, 3, 40, 700
+    for dtype in (torch.float32, torch.float64):
+        for h, log_chunk in ((5, None), (9, 2)):
+            N = (2 << h) - 1 + 5
+            fields = {
+                "mu": torch.zeros(B, Hkv, N, D, dtype=dtype, device="cuda"),
+                "rad": torch.zeros(B, Hkv, N, dtype=dtype, device="cuda"),
+                "A": torch.zeros(B, Hkv, N, dtype=dtype, device="cuda"),
+                "e": torch.zeros(B, Hkv, N, dtype=torch.int64, device="cuda"),
+                "cell": torch.zeros(B, Hkv, N, dtype=torch.int64, device="cuda"),
+            }
+            elems = {
+                "kbar": torch.randn(B, Hkv, M, D, dtype=dtype, device="cuda"),
+                "a": torch.rand(B, Hkv, M, dtype=dtype, device="cuda"),
+                "cells": torch.arange(M, device="cuda").expand(B, Hkv, M).contiguous(),
+                "codes": torch.randint(0, 5, (B, Hkv, M), device="cuda"),
+            }
+            first = torch.randint(0, M - (1 << h), (B, Hkv), device="cuda")
+            changed = torch.rand(B, Hkv, device="cuda") < 0.5
+            _build_tree_slot(fields, 5, elems, first, changed, h, 32, "content", True, log_chunk=log_chunk)
+            torch.cuda.synchronize()
+            print("fsb_build", dtype, h, "ok", bool(torch.isfinite(fields["mu"]).all()))
+
+
+def main(parts=("forward_backward", "decode", "fsb_search", "fsb_build")):
     """Runs the named parts (command-line arguments; default all)."""
     torch.manual_seed(0)
     if "forward_backward" in parts:
@@ -53,6 +83,8 @@ def main(parts=("forward_backward", "decode", "fsb_search")):
         decode()
     if "fsb_search" in parts:
         fsb_search()
+    if "fsb_build" in parts:
+        fsb_build()
 
 
 def fsb_search():
@@ -92,4 +124,4 @@ def forward_backward(long_block):
 if __name__ == "__main__":
     import sys
 
-    main(tuple(sys.argv[1:]) or ("forward_backward", "decode", "fsb_search"))
+    main(tuple(sys.argv[1:]) or ("forward_backward", "decode", "fsb_search", "fsb_build"))
