@@ -41,6 +41,9 @@
 #   profile_fwd  issues 10 / 11: per-kernel GPU time of the triton FS-L forward and fwd+bwd at 4k and 64k
 #   tests_s22    issue 12: CUDA tests of the sync-free FS-B carries (Triton tree builder; decode, caches, models; build kernel)
 #   sanitize_s22 memcheck + racecheck of the FS-B tree builder and the decode path (FS-B carries included)
+#   tests_s22b   the CUDA tests of the sync-free FS-B boundaries only (builder, decode, CUDA graph, caches)
+#   attn_nf      issues 10 / 11: triton FS-L / FS (check_finite=False) vs SDPA and Flex SWA-512, fwd and fwd+bwd, 4k / 16k / 64k
+#   memcheck_build  compute-sanitizer memcheck of the FS-B tree builder
 set -u
 OUT=${OUT:-/tmp/session_out}
 W=/tmp/session_work
@@ -79,6 +82,9 @@ step profile_fwd 90 python3 benchmarks/profile_triton.py --T 4096 65536
 step tests_s21 200 bash -c "python3 -m pytest -q -n ${NPROC:-8} -p no:benchmark proofs_tests/test_triton_fsb_search.py; python3 -m pytest -q -n ${NPROC:-8} -p no:benchmark -k 'cuda or gpu' proofs_tests/test_models.py proofs_tests/test_cache_gpu.py proofs_tests/test_triton_decode.py proofs_tests/test_cache_ragged.py"
 step tests_s22 240 bash -c "python3 -m pytest -q -n ${NPROC:-8} -p no:benchmark proofs_tests/test_triton_fsb_build.py; python3 -m pytest -q -n ${NPROC:-8} -p no:benchmark -k 'cuda or gpu or fsb' proofs_tests/test_models.py proofs_tests/test_cache_gpu.py proofs_tests/test_triton_decode.py proofs_tests/test_cache_ragged.py proofs_tests/test_cache.py"
 step sanitize_s22 150 bash -c "compute-sanitizer --tool memcheck python3 benchmarks/sanitize_triton.py fsb_build decode && compute-sanitizer --tool racecheck python3 benchmarks/sanitize_triton.py fsb_build"
+step tests_s22b 200 bash -c "python3 -m pytest -q -n ${NPROC:-8} -p no:benchmark proofs_tests/test_triton_fsb_build.py; python3 -m pytest -q -n ${NPROC:-8} -p no:benchmark -k 'cuda or gpu' proofs_tests/test_triton_decode.py proofs_tests/test_cache_gpu.py"
+step attn_nf 170 python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fs sdpa_causal flex_swa512 --shapes H16-D64 --modes fwd fwd+bwd --lengths 4096 16384 65536 --budget-s 150 --rep-ms 30 --out "$W" --tag _s22
+step memcheck_build 60 compute-sanitizer --tool memcheck python3 benchmarks/sanitize_triton.py fsb_build
 step decode_tiles2 200 python3 benchmarks/gpu_decode.py --contexts 4096 1048576 --batches 1 32 --tiles single single_w4 split split64_w2 split64_w1 split32_w2 split32_w1 --out "$W" --name gpu_decode_tiles2
 step fsb_decode3 240 python3 benchmarks/fsb_decode_bench.py --contexts 4096 65536 1048576 --out "$W/fsb_decode.json"
 step fwd_sweep 200 python3 benchmarks/triton_forward_ab.py --sweep-only --out "$W/triton_forward_sweep.json"
