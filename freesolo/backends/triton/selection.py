@@ -225,6 +225,18 @@ def _fsl_cand_kernel(
 
 
 @triton.jit
+def _topk_round(top, kth, key, cmax):
+    """One round of the running top-K: where a row's best remaining key `cmax` [M] beats its
+    K-th key `kth` [M], it replaces it in `top` [M, K_PAD]; that key leaves `key` [M, N]."""
+    better = (cmax > kth)[:, None]
+    top = tl.where(better & (top == kth[:, None]), cmax[:, None], top)
+    kth = tl.reduce(top, 1, _MIN)
+    key = tl.where(key == cmax[:, None], _INT64_MIN, key)
+    cmax = tl.reduce(key, 1, _MAX)
+    return top, kth, key, cmax
+
+
+@triton.jit
 def _score_topk_kernel(
     Q,  # [B, T, Hq, D] any strides
     KBAR,  # fp32 [B, Hkv, C, D]
@@ -252,6 +264,7 @@ def _score_topk_kernel(
     FSL: tl.constexpr,
     N_CAND: tl.constexpr,
     SPLIT_DOT: tl.constexpr,
+    EARLY_EXIT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -326,15 +339,17 @@ def _score_topk_kernel(
         key = (bits.to(tl.int64) << 32) | (cells + 1)[None, :]
         key = tl.where(c_ok[None, :], key, _INT64_MIN)
         # While the chunk's best key of some row beats the row's K-th key, it replaces that K-th
-        # key: at most TOP_K rounds, each skipped as soon as no row of the tile improves.
+        # key: TOP_K rounds. EARLY_EXIT: a round is skipped as soon as no row of the tile improves
+        # (a reduction across the tile's rows, i.e. across warps, per round); without it every
+        # round runs with per-row reductions only (a round where a row does not improve leaves
+        # its top-K as it is: same result).
         cmax = tl.reduce(key, 1, _MAX)  # [BLOCK_M]
         for r in tl.static_range(TOP_K):
-            if tl.reduce((cmax > kth).to(tl.int32), 0, _MAX) > 0:
-                better = (cmax > kth)[:, None]
-                top = tl.where(better & (top == kth[:, None]), cmax[:, None], top)
-                kth = tl.reduce(top, 1, _MIN)
-                key = tl.where(key == cmax[:, None], _INT64_MIN, key)
-                cmax = tl.reduce(key, 1, _MAX)
+            if EARLY_EXIT:
+                if tl.reduce((cmax > kth).to(tl.int32), 0, _MAX) > 0:
+                    top, kth, key, cmax = _topk_round(top, kth, key, cmax)
+            else:
+                top, kth, key, cmax = _topk_round(top, kth, key, cmax)
     # sort: lane r of the output = the r-th largest key (keys are distinct), decoded to its cell
     top = tl.where(k_lane[None, :] < TOP_K, top, _INT64_MIN)
     cell_out = tl.full([BLOCK_M, K_PAD], -1, tl.int64)
@@ -479,6 +494,7 @@ class ScoreTiles:
     block_m: int  # queries per program (power of two >= 16), inside one query block
     block_n: int  # candidate cells scored per step (power of two >= 16)
     num_warps: int = 4
+    early_exit: bool = True  # skip a top-K round when no row of the tile improves (a cross-row reduction)
 
 
 def score_tiles(cfg: FreeSoloConfig, D: int, dtype: torch.dtype) -> ScoreTiles:
@@ -561,6 +577,7 @@ def select_cells(
         FSL=fsl,
         N_CAND=max(n_cand, 1),
         SPLIT_DOT=q.dtype in (torch.float16, torch.bfloat16),
+        EARLY_EXIT=tiles.early_exit,
         BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N,
         BLOCK_D=BLOCK_D,

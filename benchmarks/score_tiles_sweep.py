@@ -1,0 +1,86 @@
+"""Tile sweep of the Triton FS / FS-L scoring + top-K kernel (`selection._score_topk_kernel`,
+issue 10): `ScoreTiles` variants (queries per program, candidates per step, warps, and the
+top-K rounds' early exit, which costs one reduction across the tile's rows per round), timed
+through `selection.select_cells` (cell statistics and FS-L candidates included: the same for
+every variant, so differences are the kernel's), same run. Every variant's selection must equal
+the default's bit for bit (same keys, same tie rule; only the schedule differs).
+
+    python benchmarks/score_tiles_sweep.py --out $OUT/score_tiles.json   # H200, ~1 min
+    python benchmarks/score_tiles_sweep.py --dry-run --out /tmp/score_tiles.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+if "--dry-run" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from gpu_attention import _versions, bench_ms, plot_bars, smoke_or_gpu, write_results  # noqa: E402 (benchmarks/ is this script's folder)
+
+import freesolo  # noqa: E402
+from freesolo.backends.triton.selection import ScoreTiles, score_tiles, select_cells  # noqa: E402
+
+__all__ = ["VARIANTS", "main"]
+
+VARIANTS = {  # name -> ScoreTiles (block_m, block_n, num_warps, early_exit)
+    "m64n32w4": ScoreTiles(64, 32, 4, True),
+    "m64n32w4-noexit": ScoreTiles(64, 32, 4, False),
+    "m64n128w4-noexit": ScoreTiles(64, 128, 4, False),
+    "m64n128w8-noexit": ScoreTiles(64, 128, 8, False),
+    "m32n128w4-noexit": ScoreTiles(32, 128, 4, False),
+    "m64n64w4-noexit": ScoreTiles(64, 64, 4, False),
+    "m128n32w8-noexit": ScoreTiles(128, 32, 8, False),
+    "m64n128w4": ScoreTiles(64, 128, 4, True),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", nargs="+", default=["fsl:4096", "fsl:65536", "fs:16384"], help="variant:T")
+    ap.add_argument("--rep-ms", type=int, default=50)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--dry-run", action="store_true", help="tiny CPU smoke test (interpreter)")
+    args = ap.parse_args()
+    device, dtype = smoke_or_gpu(args.dry_run)
+    H, D = (2, 16) if args.dry_run else (16, 64)
+    variants = VARIANTS if not args.dry_run else {n: ScoreTiles(16, min(t.block_n, 32), t.num_warps, t.early_exit) for n, t in list(VARIANTS.items())[:3]}
+    results = []
+    for case in args.cases:
+        variant, T = case.split(":")
+        T = int(T) if not args.dry_run else 300
+        cfg = freesolo.FreeSoloConfig(variant=variant)
+        if args.dry_run:
+            cfg = cfg.replace(window=32, cell=4, block=16, pool=8, recent=2)
+        gen = torch.Generator(device=device).manual_seed(0)
+        q = torch.randn(1, T, H, D, device=device, dtype=dtype, generator=gen)
+        k = torch.randn(1, T, H, D, device=device, dtype=dtype, generator=gen)
+        default = score_tiles(cfg, D, dtype)
+        reference = select_cells(q, k, cfg, tiles=default)
+        for name, tiles in variants.items():
+            got = select_cells(q, k, cfg, tiles=tiles)
+            equal = bool(torch.equal(got, reference))
+            ms = bench_ms(lambda: select_cells(q, k, cfg, tiles=tiles), device, args.rep_ms)
+            row = dict(variant=variant, T=T, tiles=name, block_m=tiles.block_m, block_n=tiles.block_n,
+                       num_warps=tiles.num_warps, early_exit=tiles.early_exit, ms=ms, equal_to_default=equal,
+                       is_default=tiles == default)  # fmt: skip
+            results.append(row)
+            print(f"{variant} T={T:>7} {name:<20} {ms:8.3f} ms  equal={equal}", flush=True)
+    payload = dict(env=_versions(device), dtype=str(dtype), H=H, D=D, B=1, rep_ms=args.rep_ms, results=results)
+
+    def plot(data, png):
+        values = {f"{r['variant']} {r['T']} {r['tiles']}": r["ms"] for r in data["results"]}
+        mark = next((k for k, r in zip(values, data["results"]) if r["is_default"]), "")
+        plot_bars(values, png, "select_cells ms (median)", "FS / FS-L selection by ScoreTiles", mark=mark)
+
+    write_results(args.out, payload, plot)
+
+
+if __name__ == "__main__":
+    main()
