@@ -2,9 +2,9 @@
 # One H200 call that measures and checks what a session changed (run from the repository root with
 # $OUT set). Every step has its own timeout so that a slow step cannot starve the rest; everything
 # lands in $OUT/session.tar (the device returns at most 8 files) plus $OUT/summary.txt.
-# STEPS picks the steps (default: the next session's first call: what session 21 could not time for lack of device
-# time, i.e. FS-B prefill with the sorted beam selection against triton_fs up to 1M (issue 12's bar), the FS-B search
-# alone at 256k / 1M, and the training step with the s21 forward / backward tiles; pass timeout_s 600, read summary.txt):
+# STEPS picks the steps (default: session 22's call: FS-B decode with the sync-free forest carries, their CUDA tests,
+# the attention same-run table without the finite check, the score-kernel sweep, the builder's memcheck, the FS-B
+# search alone at 256k / 1M; pass timeout_s 600, read summary.txt):
 #   tests_split  CUDA tests of the Triton forward / backward / API / L11-L12 with the split long kernel
 #                (FREESOLO_TRITON_LONG_BLOCK=64 FREESOLO_TRITON_MAXNREG=128: the proposed 16-bit default)
 #   sanitize     compute-sanitizer memcheck and racecheck of every Triton kernel (benchmarks/sanitize_triton.py)
