@@ -9,13 +9,14 @@ run the float64 host state (`streaming.host`), "torch" the vectorized torch stat
 grown at carries and searched with the torch backend's beam). FS-L keeps a state whose size does not
 depend on T (lemma L7); FS and FS-B keep the archive.
 
-Decode without host synchronisation (torch, CUDA, FS-L and FS): `extend(q, k, v, check_finite=False)`
+Decode without host synchronisation (torch, CUDA, every variant; FS-B with the fused step):
+`extend(q, k, v, check_finite=False)`
 (the finite check is the only sync: it reads a flag back); `cache.prefill(k, v)` ingests a long
 prompt without outputs; `step = cache.decode_graph()` captures the FS-L one-token step (and the
 block-boundary step) in CUDA graphs: `o = step(q, k, v)`. With `decode_kernel="triton"` (or
 "auto" on CUDA) a one-token step is one or two fused Triton launches (FS-B: three), and
-`decode_graph()` also captures FS and FS-B (their block boundaries run eagerly: FS without sync,
-FS-B with one sync for its forests).
+`decode_graph()` also captures FS and FS-B (their block boundaries run eagerly, without a sync:
+FS-B's forest carries are decided on the device, `streaming.torch_fsb`).
 
 Rows at different positions (spec §9; serving: prompts of different lengths, rows that stop
 early): `extend(q, k, v, lengths=[n_0, ..., n_{B-1}])` lets row b consume only its first n_b
