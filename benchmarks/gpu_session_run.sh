@@ -86,7 +86,7 @@ step tests_s21 200 bash -c "python3 -m pytest -q -n ${NPROC:-8} -p no:benchmark 
 step tests_s22 240 bash -c "python3 -m pytest -q -n ${NPROC:-8} -p no:benchmark proofs_tests/test_triton_fsb_build.py; python3 -m pytest -q -n ${NPROC:-8} -p no:benchmark -k 'cuda or gpu or fsb' proofs_tests/test_models.py proofs_tests/test_cache_gpu.py proofs_tests/test_triton_decode.py proofs_tests/test_cache_ragged.py proofs_tests/test_cache.py"
 step sanitize_s22 150 bash -c "compute-sanitizer --tool memcheck python3 benchmarks/sanitize_triton.py fsb_build decode && compute-sanitizer --tool racecheck python3 benchmarks/sanitize_triton.py fsb_build"
 step fsb_decode5 110 python3 benchmarks/fsb_decode_bench.py --contexts 65536 1048576 --out "$W/fsb_decode5.json"
-step tests_s22b 150 bash -c "python3 -m pytest -q -n ${NPROC:-8} -p no:benchmark proofs_tests/test_triton_fsb_build.py; python3 -m pytest -q -n ${NPROC:-8} -p no:benchmark -k 'cuda or gpu' proofs_tests/test_triton_decode.py proofs_tests/test_cache_gpu.py"
+step tests_s22b 170 bash -c "python3 -m pytest -q -n ${NPROC:-8} -p no:benchmark proofs_tests/test_triton_fsb_build.py; python3 -m pytest -q -n ${NPROC:-8} -p no:benchmark -k 'cuda or gpu' proofs_tests/test_triton_decode.py proofs_tests/test_cache_gpu.py proofs_tests/test_models.py"
 step attn_nf 150 python3 benchmarks/gpu_attention.py --providers triton_fsl sdpa_causal flex_swa512 triton_fs --shapes H16-D64 --modes fwd fwd+bwd --lengths 4096 65536 --budget-s 120 --rep-ms 30 --out "$W" --tag _s22
 step score_sweep 60 python3 benchmarks/score_tiles_sweep.py --out "$W/score_tiles.json"
 step memcheck_build 60 compute-sanitizer --tool memcheck python3 benchmarks/sanitize_triton.py fsb_build
