@@ -232,6 +232,10 @@ class TorchFsbDeviceState(TorchCacheState):
         builder = "triton" if self._fused else "torch"  # the fused step's boundaries: one launch per slot
         self.forest_all = ForestTable(B, Hkv, D, self.acc, self.device, builder=builder)
         self.forest_high = ForestTable(B, Hkv, D, self.acc, self.device, builder=builder)
+        if builder == "triton":  # compile the builds of every height now, not at a boundary mid-decode
+            from ..backends.triton.fsb_build import warm_up_builds
+
+            warm_up_builds(D, self.acc, self.device, cfg.leaf_order, self.acc != torch.float64)
 
     def buffers(self) -> dict:
         out = super().buffers()

@@ -38,7 +38,7 @@ import triton.language as tl
 
 from ._common import MAX_HEAD_DIM, same_device  # (importing _common also patches the interpreter for NumPy >= 2.4)
 
-__all__ = ["build_tree_slot"]
+__all__ = ["build_tree_slot", "warm_up_builds"]
 
 MAX_TREE_HEIGHT = 25
 LEAF_ORDERS = ("content", "position")
@@ -166,7 +166,7 @@ def _top_node(
     tl.store(CELL_T + node, tl.full([], -1, tl.int64))
 
 
-@triton.jit(do_not_specialize=["h", "lo"])
+@triton.jit(do_not_specialize=["N", "M", "lo", "h", "cell"])  # one compile per tile shape, not per size
 def _build_tree_kernel(
     MU,  # [R, N, D] table means (DT)
     RAD,  # [R, N] (DT)
@@ -358,6 +358,52 @@ def _build_tree_slot(
         OUT_SCALE=out_scale,
         num_warps=_NUM_WARPS if num_warps is None else num_warps,
     )
+
+
+_WARMED: set = set()
+
+
+def warm_up_builds(D: int, dtype: torch.dtype, device, leaf_order: str, outward: bool) -> None:
+    """Compile every variant of the build kernel that trees of any height use for these (D,
+    dtype, device, leaf order, outward), once per process: the chunk and top-block sizes are
+    compile-time constants equal to min(h, their cap), so heights 0 .. max cap + 1 cover every
+    tree (integer sizes are not specialized). A cache calls it at allocation, so that no block
+    boundary of a decode loop waits seconds for a compile (Triton's disk cache makes later
+    processes fast). Each launch builds nothing (`changed` all False)."""
+    device = torch.device(device)
+    key = (D, dtype, str(device), leaf_order, bool(outward))
+    if key in _WARMED:
+        return
+    D_P = triton.next_power_of_2(D)
+    heights, seen = [], set()
+    for h in range(MAX_TREE_HEIGHT + 1):
+        shape = (_log_chunk(h, D_P, dtype), _log_top_block(h, D_P, dtype), h > 0)
+        if shape not in seen:
+            seen.add(shape)
+            heights.append(h)
+    H = max(heights) + 1
+    if H not in heights:
+        heights.append(H)  # the first height with both caps reached and top programs present
+    for h in heights:
+        n = 1 << h
+        nodes = (2 << h) - 1
+        fields = {
+            "mu": torch.zeros(1, 1, nodes, D, dtype=dtype, device=device),
+            "rad": torch.zeros(1, 1, nodes, dtype=dtype, device=device),
+            "A": torch.zeros(1, 1, nodes, dtype=dtype, device=device),
+            "e": torch.zeros(1, 1, nodes, dtype=torch.int64, device=device),
+            "cell": torch.zeros(1, 1, nodes, dtype=torch.int64, device=device),
+        }
+        elems = {
+            "kbar": torch.zeros(1, 1, n, D, dtype=dtype, device=device),
+            "a": torch.zeros(1, 1, n, dtype=dtype, device=device),
+            "cells": torch.zeros(1, 1, n, dtype=torch.int64, device=device),
+            "codes": torch.zeros(1, 1, n, dtype=torch.int64, device=device),
+        }
+        first = torch.zeros(1, 1, dtype=torch.int64, device=device)
+        changed = torch.zeros(1, 1, dtype=torch.bool, device=device)
+        build_tree_slot(fields, 0, elems, first, changed, h, 1, leaf_order, outward)
+    _WARMED.add(key)
 
 
 def build_tree_slot(
