@@ -43,6 +43,7 @@
 #   sanitize_s22 memcheck + racecheck of the FS-B tree builder and the decode path (FS-B carries included)
 #   fsb_decode5  issue 12: fsb_decode_bench at 64k / 1M with the sync-free, one-launch-per-slot forest carries
 #   fsb_decode6  issue 12: fsb_decode_bench at 1M, the builder's kernels compiled at the cache's allocation
+#   boundary_probe issue 12: an FS-B block boundary in a CUDA-graph decode loop, isolated vs pipelined (fsb_boundary_probe.py)
 #   tests_s22b   the CUDA tests of the sync-free FS-B boundaries only (builder, decode, CUDA graph, caches)
 #   attn_nf      issues 10 / 11: triton FS-L / FS (check_finite=False) vs SDPA and Flex SWA-512, fwd and fwd+bwd, 4k / 64k
 #   score_sweep  issue 10: ScoreTiles variants of the scoring + top-K kernel (benchmarks/score_tiles_sweep.py)
@@ -88,6 +89,7 @@ step tests_s22 240 bash -c "python3 -m pytest -q -n ${NPROC:-8} -p no:benchmark 
 step sanitize_s22 150 bash -c "compute-sanitizer --tool memcheck python3 benchmarks/sanitize_triton.py fsb_build decode && compute-sanitizer --tool racecheck python3 benchmarks/sanitize_triton.py fsb_build"
 step fsb_decode5 110 python3 benchmarks/fsb_decode_bench.py --contexts 65536 1048576 --out "$W/fsb_decode5.json"
 step fsb_decode6 150 python3 benchmarks/fsb_decode_bench.py --contexts 1048576 --out "$W/fsb_decode6.json"
+step boundary_probe 95 python3 benchmarks/fsb_boundary_probe.py --T 65536 --out "$W/fsb_boundary_probe.json"
 step tests_s22b 170 bash -c "python3 -m pytest -q -n ${NPROC:-8} -p no:benchmark proofs_tests/test_triton_fsb_build.py; python3 -m pytest -q -n ${NPROC:-8} -p no:benchmark -k 'cuda or gpu' proofs_tests/test_triton_decode.py proofs_tests/test_cache_gpu.py proofs_tests/test_models.py"
 step attn_nf 150 python3 benchmarks/gpu_attention.py --providers triton_fsl sdpa_causal flex_swa512 triton_fs --shapes H16-D64 --modes fwd fwd+bwd --lengths 4096 65536 --budget-s 120 --rep-ms 30 --out "$W" --tag _s22
 step score_sweep 60 python3 benchmarks/score_tiles_sweep.py --out "$W/score_tiles.json"
