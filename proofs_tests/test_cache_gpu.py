@@ -1,4 +1,4 @@
-"""FreeSoloCache on CUDA: L6 against the oracle, FS-L decode without host synchronisation
+"""FreeSoloCache on CUDA: L6 against the oracle, L10 for the FS-B forests grown on the GPU, FS-L decode without host synchronisation
 (`torch.cuda.set_sync_debug_mode("error")`), and a decode step captured in a CUDA graph.
 
 Skipped on machines without a CUDA device (the reason is printed). Run on the GPU with
@@ -133,3 +133,60 @@ def test_cuda_prefill_equals_extend_paper_sizes():
     got = pre.extend(q[:, cut:], k[:, cut:], v[:, cut:])
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert torch.equal(pre.state.cell_ids.sort(-1).values, full.state.cell_ids.sort(-1).values)
+
+
+@pytest.mark.parametrize("leaf_order", ["content", "position"])
+def test_cuda_fsb_streaming_forests_equal_batch_construction(leaf_order):
+    """L10 for the GPU forests: the FS-B cache with the fused step on CUDA (its carries built by
+    the Triton tree builder, the high-norm rows picked on the device) holds, after a stream of
+    chunks of 1, 7 and 30 tokens, exactly the live trees of the torch backend's batch
+    construction over the state's own cells (float64 on the CPU): cells, e and A equal, mu and
+    rad within float32 rounding; every row's high-cell list equal to its cells with a_c > tau."""
+    from freesolo.backends.torch.fsb import build_node_table
+
+    from .test_cache import live_trees, make_cfg, split
+
+    B, T, Hq, Hkv, D = 2, 300, 4, 2, 64
+    q, k, v = random_qkv(6, B, T, Hq, Hkv, D)
+    cfg = make_cfg("fsb", k, leaf_order=leaf_order)
+    cache = FreeSoloCache(cfg, B, Hq, Hkv, D, backend="torch", dtype=torch.float32, device="cuda", decode_kernel="triton")
+    for sl in split(T, (1, 7, 30)):
+        cache.extend(cuda(q[:, sl]), cuda(k[:, sl]), cuda(v[:, sl]), check_finite=False)
+    state = cache.state
+    assert state.forest_all.builder == "triton"
+    C = (T - 1) // cfg.block * cfg.block // cfg.cell
+    kbar = state.cell_kbar[:, :, :C].double().cpu()
+    a = state.cell_a[:, :, :C].double().cpu()
+    codes = state.codes[:, :, :C].cpu()
+    cells = torch.arange(C).expand(B, Hkv, C)
+    tau = torch.as_tensor(cfg.tau_array(Hkv))
+    # the high-norm test as the state makes it: a_c in float64 from the stored (float32) tokens
+    k32 = cuda(k).double().cpu().permute(0, 2, 1, 3)[:, :, : C * cfg.cell].reshape(B, Hkv, C, cfg.cell, D)
+    a64 = (k32 * k32).sum(-1).sqrt().amax(3)  # (B, Hkv, C)
+    batch = build_node_table(kbar, a, cells, codes, C, cfg, outward=False)
+    checked = 0
+    for forest, rows in ((state.forest_all, None), (state.forest_high, "high")):
+        for b in range(B):
+            for g in range(Hkv):
+                if rows is None:
+                    table, n = batch, C
+                    tb, tg = b, g
+                else:
+                    high = torch.nonzero(a64[b, g] > tau[g]).flatten()
+                    n = len(high)
+                    assert torch.equal(state.high_cells[b, g, :n].cpu(), high)
+                    assert int(state.n_high[b, g]) == n
+                    sub = (x[b : b + 1, g : g + 1][:, :, high] for x in (kbar, a, cells, codes))
+                    table = build_node_table(*sub, n, cfg, outward=False)
+                    tb, tg = 0, 0
+                for h, size, src in live_trees(table, n):
+                    dst = forest.base(h)
+                    for name in ("cell", "e", "A"):
+                        got = getattr(forest, name)[b, g, dst : dst + size].cpu().to(getattr(table, name).dtype)
+                        assert torch.equal(got, getattr(table, name)[tb, tg, src : src + size]), (rows, b, g, h, name)
+                    for name in ("mu", "rad"):
+                        got = getattr(forest, name)[b, g, dst : dst + size].double().cpu()
+                        want = getattr(table, name)[tb, tg, src : src + size]
+                        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"{rows} {b} {g} h={h} {name}")
+                    checked += 1
+    assert checked > 4 * B * Hkv
