@@ -6,7 +6,8 @@ CUDA graph (B 1, H 16, D 64, bf16, default config) at context T and, for each bl
 
 - "isolated": after a device sync, the boundary call's host time, its GPU-event time, and its
   wall time up to a sync, plus whether the graph was captured again (buffer layout changed) and
-  the host time spent waiting on the pinned high-count copy's event;
+  the host time spent waiting on the pinned high-count copy's event (and, at a re-capture, the
+  buffers whose address moved);
 - "pipelined": no sync before (the host runs ahead of the GPU as in serving), GPU-event time.
 
     python benchmarks/fsb_boundary_probe.py --T 65536 --out $OUT/fsb_boundary_probe.json   # H200, ~40 s
@@ -90,6 +91,19 @@ def main() -> None:
         return out
 
     torch_fsb.TorchFsbDeviceState._high_counts_before = timed_before
+    from freesolo.streaming import torch_state
+
+    moved = []  # (length, names of the buffers whose address changed) at each re-capture
+    build = torch_state.DecodeGraph._build
+
+    def logged_build(self):
+        old = getattr(self, "layout", None)
+        build(self)
+        if old is not None:
+            names = list(self.state.buffers())
+            moved.append((self.state.length, [n for n, a, b in zip(names, old, self.layout) if a != b]))
+
+    torch_state.DecodeGraph._build = logged_build
     i = 0
 
     def token():
@@ -124,6 +138,7 @@ def main() -> None:
             t2 = time.perf_counter()
             rows.append(dict(mode=mode, length=cache.length, host_ms=1e3 * (t1 - t0), wall_ms=1e3 * (t2 - t0),
                              gpu_ms=e0.elapsed_time(e1) if cuda else None, recaptured=graph.layout != layout,
+                             moved=list(moved[-1][1]) if graph.layout != layout and moved else [],
                              event_wait_ms=sum(waits)))  # fmt: skip
             print(rows[-1], flush=True)
     summary = {}
@@ -134,7 +149,8 @@ def main() -> None:
             if cuda:
                 summary[mode]["gpu_ms"] = statistics.median(r["gpu_ms"] for r in sel)
     print("median (no re-capture):", summary)
-    write_json(args.out, dict(env=_versions(device), T=T, H=H, D=D, dtype=str(dtype), rows=rows, median=summary))
+    print("re-captures (length, moved buffers):", moved)
+    write_json(args.out, dict(env=_versions(device), T=T, H=H, D=D, dtype=str(dtype), rows=rows, median=summary, recaptures=moved))
 
 
 if __name__ == "__main__":

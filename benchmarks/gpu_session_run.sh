@@ -2,9 +2,9 @@
 # One H200 call that measures and checks what a session changed (run from the repository root with
 # $OUT set). Every step has its own timeout so that a slow step cannot starve the rest; everything
 # lands in $OUT/session.tar (the device returns at most 8 files) plus $OUT/summary.txt.
-# STEPS picks the steps (default: session 22's call: FS-B decode with the sync-free forest carries, their CUDA tests,
-# the attention same-run table without the finite check, the score-kernel sweep, the builder's memcheck, the FS-B
-# search alone at 256k / 1M; pass timeout_s 600, read summary.txt):
+# STEPS picks the steps (default: session 23's first call: the FS-B boundary probe (why a boundary in the CUDA-graph
+# loop costs 4x the eager one), the CUDA L10 test of the GPU-grown forests, racecheck of the tree builder, and FS-B
+# decode at 1M again; pass timeout_s 600, read summary.txt):
 #   tests_split  CUDA tests of the Triton forward / backward / API / L11-L12 with the split long kernel
 #                (FREESOLO_TRITON_LONG_BLOCK=64 FREESOLO_TRITON_MAXNREG=128: the proposed 16-bit default)
 #   sanitize     compute-sanitizer memcheck and racecheck of every Triton kernel (benchmarks/sanitize_triton.py)
@@ -44,6 +44,8 @@
 #   fsb_decode5  issue 12: fsb_decode_bench at 64k / 1M with the sync-free, one-launch-per-slot forest carries
 #   fsb_decode6  issue 12: fsb_decode_bench at 1M, the builder's kernels compiled at the cache's allocation
 #   boundary_probe issue 12: an FS-B block boundary in a CUDA-graph decode loop, isolated vs pipelined (fsb_boundary_probe.py)
+#   tests_l10    issue 12: the CUDA L10 test of the GPU-grown FS-B forests (+ the FS-B fused decode / graph tests)
+#   racecheck_build compute-sanitizer racecheck of the FS-B tree builder
 #   tests_s22b   the CUDA tests of the sync-free FS-B boundaries only (builder, decode, CUDA graph, caches)
 #   attn_nf      issues 10 / 11: triton FS-L / FS (check_finite=False) vs SDPA and Flex SWA-512, fwd and fwd+bwd, 4k / 64k
 #   score_sweep  issue 10: ScoreTiles variants of the scoring + top-K kernel (benchmarks/score_tiles_sweep.py)
@@ -55,7 +57,7 @@ W=/tmp/session_work
 rm -rf "$W"  # a warm machine keeps /tmp: start empty
 mkdir -p "$OUT" "$W"
 export PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=ci PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-STEPS=${STEPS:-"fsb_decode5 tests_s22b attn_nf score_sweep memcheck_build fsb_long2"}
+STEPS=${STEPS:-"boundary_probe tests_l10 racecheck_build fsb_decode6"}
 SPLIT=(env FREESOLO_TRITON_LONG_BLOCK=64 FREESOLO_TRITON_MAXNREG=128)
 step() {  # step NAME SECONDS COMMAND...: run with a timeout, log to $W/NAME.log, one summary line
   local name=$1 secs=$2; shift 2
@@ -90,6 +92,8 @@ step sanitize_s22 150 bash -c "compute-sanitizer --tool memcheck python3 benchma
 step fsb_decode5 110 python3 benchmarks/fsb_decode_bench.py --contexts 65536 1048576 --out "$W/fsb_decode5.json"
 step fsb_decode6 150 python3 benchmarks/fsb_decode_bench.py --contexts 1048576 --out "$W/fsb_decode6.json"
 step boundary_probe 95 python3 benchmarks/fsb_boundary_probe.py --T 65536 --out "$W/fsb_boundary_probe.json"
+step tests_l10 120 python3 -m pytest -q -p no:benchmark -k "fsb_streaming_forests or fsb_fused_decode or graph_fused" proofs_tests/test_cache_gpu.py proofs_tests/test_triton_decode.py
+step racecheck_build 90 compute-sanitizer --tool racecheck python3 benchmarks/sanitize_triton.py fsb_build
 step tests_s22b 170 bash -c "python3 -m pytest -q -n ${NPROC:-8} -p no:benchmark proofs_tests/test_triton_fsb_build.py; python3 -m pytest -q -n ${NPROC:-8} -p no:benchmark -k 'cuda or gpu' proofs_tests/test_triton_decode.py proofs_tests/test_cache_gpu.py proofs_tests/test_models.py"
 step attn_nf 150 python3 benchmarks/gpu_attention.py --providers triton_fsl sdpa_causal flex_swa512 triton_fs --shapes H16-D64 --modes fwd fwd+bwd --lengths 4096 65536 --budget-s 120 --rep-ms 30 --out "$W" --tag _s22
 step score_sweep 60 python3 benchmarks/score_tiles_sweep.py --out "$W/score_tiles.json"
