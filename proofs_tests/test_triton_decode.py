@@ -264,9 +264,10 @@ def test_decode_graph_bookkeeping_with_fused_step(monkeypatch, variant):
     """DecodeGraph over the fused step with each CUDA graph replaced by a direct call of the
     function it would capture: FS-L (step + boundary graphs, built before the steady state), FS
     (eager boundaries, re-capture when the archive grows from 16 to 32 slots) and FS-B (eager
-    forest carries, re-capture when a forest table gains a height at 16 cells and when the archive
-    grows) == eager torch decode. A fake graph checks at every replay that no buffer it would read
-    has moved since its capture (a real graph would read freed memory)."""
+    forest carries, re-capture only when the archive grows: its forest tables are sized for the
+    archive's capacity, so the carry to 16 cells at t = 64 moves nothing) == eager torch decode.
+    A fake graph checks at every replay that no buffer it would read has moved since its capture
+    (a real graph would read freed memory)."""
     from freesolo.streaming import torch_state
 
     class FakeGraph:
@@ -295,7 +296,7 @@ def test_decode_graph_bookkeeping_with_fused_step(monkeypatch, variant):
     if variant == "fsb":
         cfg = cfg.replace(beam=2, tau=3.0)
     B, Hq, Hkv, D = 1, 2, 1, 8
-    T0, T = (5, 19) if variant == "fsl" else (61, 75)  # FS / FS-B: 16 cells at t = 64, the archive grows at t = 72
+    T0, T = (5, 19) if variant == "fsl" else (61, 75)  # FS / FS-B: 16 cells at t = 64 (a carry to height 4), the archive grows at t = 72
     q, k, v, beta = tensors(7, B, T, Hq, Hkv, D)
     eager = FreeSoloCache(cfg, B, Hq, Hkv, D, backend="torch")
     eager.extend(q[:, :T0], k[:, :T0], v[:, :T0], beta=beta)
@@ -312,7 +313,7 @@ def test_decode_graph_bookkeeping_with_fused_step(monkeypatch, variant):
     assert torch.equal(graphed.state.cell_ids, eager.state.cell_ids)
     if variant != "fsl":
         assert graphed.state.cell_ids.shape[2] > capacity == 16, "the test must cross an archive growth"
-    expected_builds = {"fsl": [T0], "fs": [T0, 72], "fsb": [T0, 64, 72]}[variant]
+    expected_builds = {"fsl": [T0], "fs": [T0, 72], "fsb": [T0, 72]}[variant]
     assert builds == expected_builds, f"captures at token counts {builds}"
 
 
@@ -565,7 +566,7 @@ def test_cuda_fsb_fused_decode_has_no_host_sync():
 @pytest.mark.parametrize("variant", ["fsl", "fs", "fsb"])
 def test_cuda_graph_fused_decode(variant, monkeypatch):
     """CUDA graph of the fused step (FS-L: step + boundary graphs; FS / FS-B: step graph, eager
-    boundaries, re-captured when the archive grows or a forest table gains a height) == eager
+    boundaries, re-captured when the archive grows (with its forest tables)) == eager
     fused decode, no host sync in any step, boundaries included, but in a (re-)capture, same
     state afterwards."""
     from freesolo.streaming import torch_state

@@ -230,8 +230,12 @@ class TorchFsbDeviceState(TorchCacheState):
         self._n_high_event = None
         self.n_high_bound = 0  # host int >= max(n_high): the high forests' element count bound
         builder = "triton" if self._fused else "torch"  # the fused step's boundaries: one launch per slot
-        self.forest_all = ForestTable(B, Hkv, D, self.acc, self.device, builder=builder)
-        self.forest_high = ForestTable(B, Hkv, D, self.acc, self.device, builder=builder)
+        # Tables sized for the archive's capacity (a forest over <= slots elements needs at most
+        # slots.bit_length() heights) and grown with it in `_grow_store`: a captured decode step's
+        # buffers move only when the archive does, never at a forest's own carry.
+        heights = slots.bit_length()
+        self.forest_all = ForestTable(B, Hkv, D, self.acc, self.device, heights=heights, builder=builder)
+        self.forest_high = ForestTable(B, Hkv, D, self.acc, self.device, heights=heights, builder=builder)
         if builder == "triton":  # compile the builds of every height now, not at a boundary mid-decode
             from ..backends.triton.fsb_build import warm_up_builds
 
@@ -262,6 +266,8 @@ class TorchFsbDeviceState(TorchCacheState):
             high = torch.full((self.B, self.Hkv, new_slots + 1), -1, dtype=torch.int64, device=self.device)
             high[:, :, : slots + 1] = self.high_cells
             self.codes, self.high_cells = codes, high
+            for forest in (self.forest_all, self.forest_high):  # with the archive (see `allocate`)
+                forest._allocate(new_slots.bit_length())
 
     def _advance(self, tokens_k: torch.Tensor, tokens_v: torch.Tensor, n_avail: int) -> None:
         """Append the new cells to the archive, their codes and high-norm flags; grow both forests."""

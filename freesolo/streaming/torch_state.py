@@ -571,8 +571,8 @@ class DecodeGraph:
     the graph can be built at any T >= 1, and FS and FS-B are captured too: their step graph is
     replayed inside blocks; at a block boundary the archive append (`_boundary`: torch ops, FS-B
     with its forest carries; no host sync) runs eagerly before the replay, and
-    when a buffer the step reads is re-allocated there (the archive doubles, a forest table gains
-    a height: host-known) the step is captured again.
+    when a buffer the step reads is re-allocated there (the archive doubles, and FS-B's forest tables
+    with it: host-known) the step is captured again.
     """
 
     def __init__(self, state: TorchCacheState, beta: Optional[torch.Tensor] = None):
@@ -610,7 +610,7 @@ class DecodeGraph:
 
     def _layout(self) -> tuple:
         """Addresses of the state's buffers: a captured step reads these (FS / FS-B: they change
-        only when the archive or a forest table is re-allocated at a block boundary)."""
+        only when the archive, with FS-B's forest tables, is re-allocated at a block boundary)."""
         return tuple(x.data_ptr() for x in self.state.buffers().values())
 
     def _step(self) -> torch.Tensor:
@@ -661,7 +661,7 @@ class DecodeGraph:
         if self.archive:
             if state.length % state.cfg.block == 0:  # FS / FS-B: the block's cells, eagerly
                 state._boundary(state.length)
-                if self._layout() != self.layout:  # the archive or a forest table moved: capture again
+                if self._layout() != self.layout:  # the archive (and FS-B's forests) moved: capture again
                     self._build()
             self.graph.replay()
             out = self.out
