@@ -138,3 +138,21 @@ def off_grid_tau(k, cfg: FreeSoloConfig) -> tuple:
         above = above[above > tau[g] * (1 + 1e-9)]
         out.append(float((tau[g] + above[0]) / 2) if len(above) else float(tau[g] * (1 + 1e-6) + 1e-6))
     return tuple(out)
+
+
+def triton_kernel_tests() -> tuple:
+    """(CUDA, INTERPRETED, DEVICE, pytestmark) for a test module of Triton kernels: they run on a
+    CUDA device, or on the CPU under TRITON_INTERPRET=1 (the module sets it before triton is
+    imported on a machine without CUDA); otherwise every test of the module is skipped, saying why."""
+    import os
+
+    import pytest
+    import torch
+
+    cuda = torch.cuda.is_available()
+    interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    mark = pytest.mark.skipif(
+        not (cuda or interpreted),
+        reason="no CUDA device and TRITON_INTERPRET is not set: the Triton kernels cannot run here",
+    )
+    return cuda, interpreted, "cuda" if cuda else "cpu", mark

@@ -37,16 +37,10 @@ from freesolo.backends.torch._ops import rope_tables  # noqa: E402
 from freesolo.backends.triton.attention import AttentionTiles, attention_forward, tile_unions  # noqa: E402
 from freesolo.reference import oracle  # noqa: E402
 
-from .helpers import assert_close, random_qkv, rms_rel_error  # noqa: E402
+from .helpers import assert_close, random_qkv, rms_rel_error, triton_kernel_tests  # noqa: E402
 
-CUDA = torch.cuda.is_available()
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+CUDA, INTERPRETED, DEVICE, pytestmark = triton_kernel_tests()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (bf16 / fp16 / long T run on the H200)")
-pytestmark = pytest.mark.skipif(
-    not (CUDA or INTERPRETED),
-    reason="no CUDA device and TRITON_INTERPRET is not set: the Triton kernels cannot run here",
-)
-DEVICE = "cuda" if CUDA else "cpu"
 
 
 @pytest.fixture(autouse=True)

@@ -29,13 +29,9 @@ from freesolo.backends.torch.fsb import build_segments, level_offset, tree_nodes
 from freesolo.backends.triton.fsb_build import _build_tree_slot, build_tree_slot  # noqa: E402
 from freesolo.config import FreeSoloConfig  # noqa: E402
 
-CUDA = torch.cuda.is_available()
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-DEVICE = "cuda" if CUDA else "cpu"
-pytestmark = pytest.mark.skipif(
-    not (CUDA or INTERPRETED),
-    reason="no CUDA device and TRITON_INTERPRET is not set: the Triton kernels cannot run here",
-)
+from .helpers import triton_kernel_tests  # noqa: E402
+
+CUDA, INTERPRETED, DEVICE, pytestmark = triton_kernel_tests()
 
 CELL = 16
 SENTINEL = {"mu": -7.25, "rad": -3.5, "A": -9.75, "e": -12345, "cell": -6789}

@@ -38,13 +38,11 @@ from freesolo.backends.triton.fsb_audit import emulate_search, near_tie_audit  #
 from freesolo.backends.triton.fsb_search import MAX_BEAM, fsb_select_cells, trace_search  # noqa: E402
 from freesolo.reference.fsb import select_cells_fsb  # noqa: E402
 
-CUDA = torch.cuda.is_available()
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-DEVICE = "cuda" if CUDA else "cpu"
-pytestmark = pytest.mark.skipif(
-    not (CUDA or INTERPRETED),
-    reason="no CUDA device and TRITON_INTERPRET is not set: the Triton kernels cannot run here",
-)
+from .helpers import triton_kernel_tests  # noqa: E402
+
+CUDA, INTERPRETED, DEVICE, pytestmark = triton_kernel_tests()
+
+
 def torch_beams(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig) -> torch.Tensor:
     """The torch backend's beams on the same float32 tables: int64 [B, T, Hq, 2 * beam]."""
     B, T, Hq, D = q.shape

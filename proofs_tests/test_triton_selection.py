@@ -35,16 +35,10 @@ from freesolo.backends.triton.selection import cell_stats, fsl_candidates, selec
 from freesolo.reference import oracle  # noqa: E402
 from freesolo.reference.primitives import available_cells  # noqa: E402
 
-from .helpers import assert_selection_matches, random_qkv  # noqa: E402
+from .helpers import assert_selection_matches, random_qkv, triton_kernel_tests  # noqa: E402
 
-CUDA = torch.cuda.is_available()
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-DEVICE = "cuda" if CUDA else "cpu"
+CUDA, INTERPRETED, DEVICE, pytestmark = triton_kernel_tests()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (bf16 / fp16, D 64 / 128, long T run on the H200)")
-pytestmark = pytest.mark.skipif(
-    not (CUDA or INTERPRETED),
-    reason="no CUDA device and TRITON_INTERPRET is not set: the Triton kernels cannot run here",
-)
 # fp32 scores vs float64: |score| <= ~10 here, fp32 dot / erf errors are ~1e-6 of that.
 TOL32 = 1e-4
 
