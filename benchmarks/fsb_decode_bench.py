@@ -10,7 +10,7 @@ norms of the first 64k tokens): one cache per kind brought to T by `prefill` (st
 compared (fraction of (step, head) rows off by more than ROW_TOL: other selections, i.e. float32
 near-ties of the searches; below it the two steps differ only in bf16 rounding). Then the next
 steps one by one (in-block median, boundary mean) and, fused kind only, `--steps` more through
-`cache.decode_graph()` (the step in a CUDA graph; boundaries eager, one host sync each).
+`cache.decode_graph()` (the step in a CUDA graph; boundaries eager, without host sync since s22).
 SDPA: `scaled_dot_product_attention(q [1, H, 1, D], K [1, H, T, D], V)`, `triton.testing.do_bench`.
 
     python benchmarks/fsb_decode_bench.py --out benchmarks/results/fsb_decode.json   # H200, ~2 min
