@@ -197,6 +197,25 @@ def test_nothing_changed_leaves_table_untouched():
         assert torch.equal(fields[name], before[name]), name
 
 
+@pytest.mark.parametrize("check", [True, False])
+def test_first_host_equals_the_gather_path(check):
+    """One start for every row passed as a host int (the all-cells forest) sorts the codes from a
+    slice: the same slot, bit for bit, as the per-row gather; with check=False too (no input
+    checks: the ForestTable's calls). A start outside [0, M - 2^h] raises."""
+    h = 4
+    fields, lo, elems, first, changed = make_case(2, 3, 40, 12, h, torch.float32, seed=5)
+    first.fill_(9)
+    changed.fill_(True)
+    a = {k: v.clone() for k, v in fields.items()}
+    b = {k: v.clone() for k, v in fields.items()}
+    build_tree_slot(a, lo, elems, first, changed, h, CELL, "content", True)
+    build_tree_slot(b, lo, elems, first, changed, h, CELL, "content", True, first_host=9, check=check)
+    for name in fields:
+        assert torch.equal(a[name], b[name]), name
+    with pytest.raises(ValueError, match="first_host"):
+        build_tree_slot(b, lo, elems, first, changed, h, CELL, "content", True, first_host=40 - 15)
+
+
 def test_slot_at_table_start_and_end():
     """lo = 0 and a slot that ends at the table's last node."""
     h = 2

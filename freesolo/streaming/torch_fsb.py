@@ -92,6 +92,7 @@ class ForestTable:
         self.B, self.Hkv, self.D, self.dtype, self.device = B, Hkv, D, dtype, device
         self.builder = builder
         self.heights = 0
+        self._all_rows = torch.ones(B, Hkv, dtype=torch.bool, device=device)  # `changed` of a uniform growth
         self._allocate(heights)
 
     @staticmethod
@@ -131,8 +132,7 @@ class ForestTable:
             start = _tree_start(n_new, h)
             if start >= 0 and start != _tree_start(n_old, h):
                 first = torch.full((self.B, self.Hkv), start, dtype=torch.int64, device=self.device)
-                changed = torch.ones(self.B, self.Hkv, dtype=torch.bool, device=self.device)
-                self._build(elems, first, changed, h, cfg, outward)
+                self._build(elems, first, self._all_rows, h, cfg, outward, first_host=start)
 
     def grow_rows(self, elems: dict, old: torch.Tensor, new: torch.Tensor, heights: int, cfg, outward: bool) -> None:
         """Row (b, g) goes from old[b, g] to new[b, g] >= old elements (int64 [B, Hkv] on the
@@ -154,14 +154,18 @@ class ForestTable:
         for h in range(heights):
             self._build(elems, first[h], changed[h], h, cfg, outward)
 
-    def _build(self, elems: dict, first: torch.Tensor, changed: torch.Tensor, h: int, cfg, outward: bool) -> None:
+    def _build(self, elems: dict, first: torch.Tensor, changed: torch.Tensor, h: int, cfg, outward: bool,
+               first_host: Optional[int] = None) -> None:  # fmt: skip
         """Slot h := the trees over elements first .. first + 2^h - 1 of the (b, kv head) rows
-        where `changed` [B, Hkv] (bool) is True; first int64 [B, Hkv] (any value elsewhere)."""
+        where `changed` [B, Hkv] (bool) is True; first int64 [B, Hkv] (any value elsewhere;
+        first_host: the same start for every row, as a host int, when there is one)."""
         if self.builder == "triton":
             from ..backends.triton.fsb_build import build_tree_slot
 
             fields = {name: getattr(self, name) for name in _FIELDS}
-            build_tree_slot(fields, self.base(h), elems, first, changed, h, cfg.cell, cfg.leaf_order, outward)
+            # the table and the state's element buffers are made here, consistent: no checks per launch
+            build_tree_slot(fields, self.base(h), elems, first, changed, h, cfg.cell, cfg.leaf_order, outward,
+                            first_host=first_host, check=False)  # fmt: skip
             return
         M = elems["kbar"].shape[2]
         idx = (first.clamp(0, M - (1 << h))[..., None] + torch.arange(1 << h, device=self.device))  # (B, Hkv, 2^h)
@@ -252,9 +256,11 @@ class TorchFsbDeviceState(TorchCacheState):
         return out
 
     def memory_bytes(self) -> int:
-        """Bytes of the tensors held, the host copy of n_high included."""
-        host = self._n_high_host.numel() * self._n_high_host.element_size() if self.allocated else 0
-        return super().memory_bytes() + host
+        """Bytes of the tensors held, the host copy of n_high and the forests' row masks included."""
+        if not self.allocated:
+            return super().memory_bytes()
+        extra = [self._n_high_host, self.forest_all._all_rows, self.forest_high._all_rows]
+        return super().memory_bytes() + sum(t.numel() * t.element_size() for t in extra)
 
     def _grow_store(self, needed: int) -> None:
         slots = self.cell_ids.shape[2]

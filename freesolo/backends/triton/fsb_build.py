@@ -32,6 +32,8 @@ are int64. Accumulation in the table's dtype (float32 or float64).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -308,12 +310,17 @@ def _check(fields, lo, elems, first, changed, h, cell, leaf_order):
 
 
 def _build_tree_slot(
-    fields, lo, elems, first, changed, h, cell, leaf_order, outward, log_chunk=None, log_top_block=None, num_warps=None
-) -> None:
+    fields, lo, elems, first, changed, h, cell, leaf_order, outward, log_chunk=None, log_top_block=None, num_warps=None,
+    first_host=None, check=True,
+) -> None:  # fmt: skip
     """`build_tree_slot` with optional tile sizes: chunks of 2^log_chunk leaves, top blocks of
     2^log_top_block leaves (tests: small tiles exercise the top programs' block loops and masks
     on small trees), and num_warps."""
-    B, Hkv, N, M, D, dtype = _check(fields, lo, elems, first, changed, h, cell, leaf_order)
+    if check:
+        B, Hkv, N, M, D, dtype = _check(fields, lo, elems, first, changed, h, cell, leaf_order)
+    else:
+        B, Hkv, N, D = fields["mu"].shape
+        M, dtype = elems["kbar"].shape[2], fields["mu"].dtype
     R = B * Hkv
     if R == 0:
         return
@@ -324,7 +331,11 @@ def _build_tree_slot(
     first = first.contiguous()
     changed_u8 = changed.contiguous().view(torch.uint8)
     content = leaf_order == "content"
-    if content:
+    if content and first_host is not None:  # one start for every row: the codes' slice is a view
+        if not 0 <= first_host <= M - S:
+            raise ValueError(f"first_host={first_host} must be in [0, M - 2^h = {M - S}]")
+        perm = torch.sort(elems["codes"][:, :, first_host : first_host + S], dim=-1, stable=True).indices
+    elif content:
         # rows without a new tree (changed False) gather clamped indices: their perm is never read
         idx = (first.clamp(min=0)[..., None] + torch.arange(S, device=first.device)).clamp_(max=M - 1)
         perm = torch.sort(torch.gather(elems["codes"], 2, idx), dim=-1, stable=True).indices  # (B, Hkv, 2^h)
@@ -416,6 +427,8 @@ def build_tree_slot(
     cell: int,
     leaf_order: str,
     outward: bool,
+    first_host: Optional[int] = None,
+    check: bool = True,
 ) -> None:
     """Rebuild the tree slot [lo, lo + 2^(h+1) - 1) of every changed (b, kv head) row, in place.
 
@@ -432,10 +445,14 @@ def build_tree_slot(
     h: tree height in [0, 25]; cell: tokens per cell (e = min cell id * cell);
     leaf_order: "content" (stable sort by code) or "position"; outward: scale the radius of
         levels >= 1 by (1 + 8 eps(dtype)).
+    first_host: optional host int equal to every entry of `first` (the all-cells forest: one
+        count for every row): the codes are sorted from a slice, without the index gather.
+    check: validate the inputs (False: a caller that built them, e.g. `ForestTable`, skips the
+        ~50 us of host checks per launch).
 
     Equals `build_segments(part, h, cfg, outward)` (torch backend) on the 2^h elements at
     `first`, up to the rounding of mu and rad (pairwise / compensated sums; e, cell, A exact);
     rad covers the node's leaves about the stored mu. One kernel launch (plus, for "content",
     a gather of the codes and a stable sort); no host synchronisation.
     """
-    _build_tree_slot(fields, lo, elems, first, changed, h, cell, leaf_order, outward)
+    _build_tree_slot(fields, lo, elems, first, changed, h, cell, leaf_order, outward, first_host=first_host, check=check)
