@@ -204,7 +204,10 @@ def test_torch_fsb_forests_equal_batch_construction(leaf_order, builder, monkeyp
     if builder == "triton":
         pytest.importorskip("triton")
         if os.environ.get("TRITON_INTERPRET") != "1":  # this cache is on the CPU; CUDA: test_triton_fsb_build.py
-            pytest.skip("the Triton builder runs on CPU tensors only under TRITON_INTERPRET=1")
+            pytest.skip(
+                "this cache is on the CPU, where the Triton builder runs only under TRITON_INTERPRET=1; on CUDA "
+                "test_cache_gpu.py::test_cuda_fsb_streaming_forests_equal_batch_construction checks the same"
+            )
         init = torch_fsb.ForestTable.__init__
         monkeypatch.setattr(torch_fsb.ForestTable, "__init__", lambda self, *a, **kw: init(self, *a, **{**kw, "builder": "triton"}))
     B, T, Hq, Hkv, D = 2, 150, 2, 2, 8

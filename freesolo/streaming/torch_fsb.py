@@ -316,9 +316,12 @@ class TorchFsbDeviceState(TorchCacheState):
     def _high_counts_before(self) -> list:
         """n_high at the end of the previous boundary as host ints, row-major over (b, kv head).
 
-        On CUDA they were copied without blocking into pinned host memory at that boundary and
-        its event is waited on here: the copy finished long before (a decode loop runs a block
-        of steps in between), so the stream is not synchronized and the GPU queue keeps running."""
+        On CUDA they were copied without blocking into pinned host memory at that boundary, and
+        that copy's event is waited on here: the wait is for that event only, not the stream (no
+        sync the debug mode flags; the GPU queue behind it keeps running). Inside a decode loop
+        the event has normally completed a block of steps ago; if the host runs more than a
+        block ahead of the GPU, the host waits here until the GPU reaches the previous boundary
+        (measured by benchmarks/fsb_boundary_probe.py's event_wait_ms)."""
         if self._n_high_event is not None:
             self._n_high_event.synchronize()
         return self._n_high_host.tolist()
@@ -401,7 +404,8 @@ class TorchFsbDeviceState(TorchCacheState):
             return
         for name in ("codes", "high_cells", "n_high", "tau", "planes"):
             self._restore(self, name, state[name])
-        for forest, prefix, heights in zip((self.forest_all, self.forest_high), ("forest_all", "forest_high"), state["forest_heights"]):
+        forests = (self.forest_all, self.forest_high)
+        for forest, prefix, heights in zip(forests, ("forest_all", "forest_high"), state["forest_heights"]):
             forest.heights = int(heights)
             for name in _FIELDS:
                 self._restore(forest, name, state[f"{prefix}.{name}"])
