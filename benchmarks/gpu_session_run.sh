@@ -50,6 +50,8 @@
 #   attn_nf      issues 10 / 11: triton FS-L / FS (check_finite=False) vs SDPA and Flex SWA-512, fwd and fwd+bwd, 4k / 64k
 #   score_sweep  issue 10: ScoreTiles variants of the scoring + top-K kernel (benchmarks/score_tiles_sweep.py)
 #   memcheck_build  compute-sanitizer memcheck of the FS-B tree builder
+#   tests_sel    issue 10: CUDA tests of the Triton forward (the early-exit scoring + top-K kernel, s22)
+#   racecheck_score compute-sanitizer racecheck of the forward kernels (scoring + top-K included)
 #   fsb_long2    issue 12: the Triton FS-B search alone at 256k and 1M (sorted beam selection), last in the s22 call
 set -u
 OUT=${OUT:-/tmp/session_out}
@@ -57,7 +59,7 @@ W=/tmp/session_work
 rm -rf "$W"  # a warm machine keeps /tmp: start empty
 mkdir -p "$OUT" "$W"
 export PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=ci PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-STEPS=${STEPS:-"boundary_probe tests_l10 racecheck_build fsb_decode6"}
+STEPS=${STEPS:-"boundary_probe tests_l10 racecheck_build fsb_decode6 tests_sel racecheck_score"}
 SPLIT=(env FREESOLO_TRITON_LONG_BLOCK=64 FREESOLO_TRITON_MAXNREG=128)
 step() {  # step NAME SECONDS COMMAND...: run with a timeout, log to $W/NAME.log, one summary line
   local name=$1 secs=$2; shift 2
@@ -98,6 +100,8 @@ step tests_s22b 170 bash -c "python3 -m pytest -q -n ${NPROC:-8} -p no:benchmark
 step attn_nf 150 python3 benchmarks/gpu_attention.py --providers triton_fsl sdpa_causal flex_swa512 triton_fs --shapes H16-D64 --modes fwd fwd+bwd --lengths 4096 65536 --budget-s 120 --rep-ms 30 --out "$W" --tag _s22
 step score_sweep 60 python3 benchmarks/score_tiles_sweep.py --out "$W/score_tiles.json"
 step memcheck_build 60 compute-sanitizer --tool memcheck python3 benchmarks/sanitize_triton.py fsb_build
+step tests_sel 150 python3 -m pytest -q -n ${NPROC:-8} -p no:benchmark -k "cuda or gpu" proofs_tests/test_triton_attention.py proofs_tests/test_triton_backend.py
+step racecheck_score 120 compute-sanitizer --tool racecheck python3 benchmarks/sanitize_triton.py forward_backward
 step fsb_long2 90 python3 benchmarks/fsb_search_bench.py --providers triton --lengths 262144 1048576 --out "$W/fsb_search_long.json"
 step decode_tiles2 200 python3 benchmarks/gpu_decode.py --contexts 4096 1048576 --batches 1 32 --tiles single single_w4 split split64_w2 split64_w1 split32_w2 split32_w1 --out "$W" --name gpu_decode_tiles2
 step fsb_decode3 240 python3 benchmarks/fsb_decode_bench.py --contexts 4096 65536 1048576 --out "$W/fsb_decode.json"
