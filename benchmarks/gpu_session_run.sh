@@ -52,6 +52,7 @@
 #   memcheck_build  compute-sanitizer memcheck of the FS-B tree builder
 #   tests_sel    issue 10: CUDA tests of the Triton forward (the early-exit scoring + top-K kernel, s22)
 #   racecheck_score compute-sanitizer racecheck of the forward kernels (scoring + top-K included)
+#   host_probe   issues 10 / 11: host time per layer of a 4k triton FS-L forward (benchmarks/host_overhead_probe.py)
 #   fsb_long2    issue 12: the Triton FS-B search alone at 256k and 1M (sorted beam selection), last in the s22 call
 set -u
 OUT=${OUT:-/tmp/session_out}
@@ -59,7 +60,7 @@ W=/tmp/session_work
 rm -rf "$W"  # a warm machine keeps /tmp: start empty
 mkdir -p "$OUT" "$W"
 export PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=ci PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-STEPS=${STEPS:-"boundary_probe tests_l10 racecheck_build fsb_decode6 tests_sel racecheck_score"}
+STEPS=${STEPS:-"boundary_probe host_probe tests_l10 racecheck_build fsb_decode6 tests_sel racecheck_score"}
 SPLIT=(env FREESOLO_TRITON_LONG_BLOCK=64 FREESOLO_TRITON_MAXNREG=128)
 step() {  # step NAME SECONDS COMMAND...: run with a timeout, log to $W/NAME.log, one summary line
   local name=$1 secs=$2; shift 2
@@ -94,6 +95,7 @@ step sanitize_s22 150 bash -c "compute-sanitizer --tool memcheck python3 benchma
 step fsb_decode5 110 python3 benchmarks/fsb_decode_bench.py --contexts 65536 1048576 --out "$W/fsb_decode5.json"
 step fsb_decode6 150 python3 benchmarks/fsb_decode_bench.py --contexts 1048576 --out "$W/fsb_decode6.json"
 step boundary_probe 95 python3 benchmarks/fsb_boundary_probe.py --T 65536 --out "$W/fsb_boundary_probe.json"
+step host_probe 60 python3 benchmarks/host_overhead_probe.py --T 4096 65536 --out "$W/host_overhead.json"
 step tests_l10 120 python3 -m pytest -q -p no:benchmark -k "fsb_streaming_forests or fsb_fused_decode or graph_fused" proofs_tests/test_cache_gpu.py proofs_tests/test_triton_decode.py
 step racecheck_build 90 compute-sanitizer --tool racecheck python3 benchmarks/sanitize_triton.py fsb_build
 step tests_s22b 170 bash -c "python3 -m pytest -q -n ${NPROC:-8} -p no:benchmark proofs_tests/test_triton_fsb_build.py; python3 -m pytest -q -n ${NPROC:-8} -p no:benchmark -k 'cuda or gpu' proofs_tests/test_triton_decode.py proofs_tests/test_cache_gpu.py proofs_tests/test_models.py"

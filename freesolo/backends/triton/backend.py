@@ -189,10 +189,9 @@ def _beta32(beta: Optional[torch.Tensor], Hq: int, device) -> torch.Tensor:
 # ---- operators -----------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("freesolo::triton_forward", mutates_args=())
-def _forward_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, cfg_json: str
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _forward_impl(q, k, v, beta, cfg_json):
+    """The body of ``freesolo::triton_forward`` (a plain function, so that probes can time it
+    without the custom-op dispatch)."""
     from .attention import attention_forward
 
     cfg = config_from_json(cfg_json)
@@ -201,6 +200,13 @@ def _forward_op(
     cos, sin = rope_cos_sin(q.shape[1], q.shape[3], cfg.rope_theta, q.device)
     o, lse_loc, lse_long, rstd = attention_forward(q, k, v, idx, beta.to(torch.float32), cos, sin, cfg)
     return o, idx, lse_loc, lse_long, rstd
+
+
+@torch.library.custom_op("freesolo::triton_forward", mutates_args=())
+def _forward_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, cfg_json: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _forward_impl(q, k, v, beta, cfg_json)
 
 
 @_forward_op.register_fake
