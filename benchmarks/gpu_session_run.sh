@@ -2,9 +2,10 @@
 # One H200 call that measures and checks what a session changed (run from the repository root with
 # $OUT set). Every step has its own timeout so that a slow step cannot starve the rest; everything
 # lands in $OUT/session.tar (the device returns at most 8 files) plus $OUT/summary.txt.
-# STEPS picks the steps (default: session 23's first call: the FS-B boundary probe (why a boundary in the CUDA-graph
-# loop costs 4x the eager one), the CUDA L10 test of the GPU-grown forests, racecheck of the tree builder, and FS-B
-# decode at 1M again; pass timeout_s 600, read summary.txt):
+# STEPS picks the steps (default: session 23's first call: FS-B decode at 1M with the first replay timed apart, the
+# FS-B boundary probe, the host-overhead probe of the 4k forward, the CUDA L10 test of the GPU-grown forests,
+# racecheck of the tree builder, the forward's CUDA tests and the score / candidate sweep (new FS-L candidate kernel);
+# pass timeout_s 600, read summary.txt):
 #   tests_split  CUDA tests of the Triton forward / backward / API / L11-L12 with the split long kernel
 #                (FREESOLO_TRITON_LONG_BLOCK=64 FREESOLO_TRITON_MAXNREG=128: the proposed 16-bit default)
 #   sanitize     compute-sanitizer memcheck and racecheck of every Triton kernel (benchmarks/sanitize_triton.py)
@@ -60,7 +61,7 @@ W=/tmp/session_work
 rm -rf "$W"  # a warm machine keeps /tmp: start empty
 mkdir -p "$OUT" "$W"
 export PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=ci PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-STEPS=${STEPS:-"boundary_probe host_probe tests_l10 racecheck_build fsb_decode6 tests_sel racecheck_score"}
+STEPS=${STEPS:-"fsb_decode6 boundary_probe host_probe tests_l10 racecheck_build tests_sel score_sweep"}
 SPLIT=(env FREESOLO_TRITON_LONG_BLOCK=64 FREESOLO_TRITON_MAXNREG=128)
 step() {  # step NAME SECONDS COMMAND...: run with a timeout, log to $W/NAME.log, one summary line
   local name=$1 secs=$2; shift 2

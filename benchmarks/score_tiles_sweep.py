@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from gpu_attention import _versions, bench_ms, plot_bars, smoke_or_gpu, write_results  # noqa: E402 (benchmarks/ is this script's folder)
 
 import freesolo  # noqa: E402
-from freesolo.backends.triton.selection import ScoreTiles, score_tiles, select_cells  # noqa: E402
+from freesolo.backends.triton.selection import ScoreTiles, cell_stats, fsl_candidates, score_tiles, select_cells  # noqa: E402
 
 __all__ = ["VARIANTS", "main"]
 
@@ -45,6 +45,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", nargs="+", default=["fsl:4096", "fsl:65536", "fs:16384"], help="variant:T")
     ap.add_argument("--rep-ms", type=int, default=50)
+    ap.add_argument("--chunks", type=int, nargs="*", default=[16, 32, 64, 128], help="FS-L scan steps (cells) timed alone")
     ap.add_argument("--out", required=True)
     ap.add_argument("--dry-run", action="store_true", help="tiny CPU smoke test (interpreter)")
     args = ap.parse_args()
@@ -63,6 +64,19 @@ def main() -> None:
         k = torch.randn(1, T, H, D, device=device, dtype=dtype, generator=gen)
         default = score_tiles(cfg, D, dtype)
         reference = select_cells(q, k, cfg, tiles=default)
+        if variant == "fsl":  # the stages before scoring, alone: cell statistics, then the candidates by scan step
+            _, amax = cell_stats(k, cfg.cell)
+            stages = {"cell_stats": lambda: cell_stats(k, cfg.cell)}
+            first = fsl_candidates(amax, T, cfg)
+            for chunk in args.chunks if not args.dry_run else [2, 4]:
+                got = fsl_candidates(amax, T, cfg, chunk=chunk)
+                same = bool(torch.equal(got.sort(dim=-1).values, first.sort(dim=-1).values))
+                stages[f"fsl_candidates chunk {chunk}"] = (lambda c=chunk: fsl_candidates(amax, T, cfg, chunk=c), same)
+            for name, item in stages.items():
+                fn, same = item if isinstance(item, tuple) else (item, True)
+                ms = bench_ms(fn, device, args.rep_ms)
+                results.append(dict(variant=variant, T=T, tiles=name, stage=True, ms=ms, equal_to_default=same, is_default=False))
+                print(f"{variant} T={T:>7} {name:<24} {ms:8.3f} ms  equal={same}", flush=True)
         for name, tiles in variants.items():
             got = select_cells(q, k, cfg, tiles=tiles)
             equal = bool(torch.equal(got, reference))

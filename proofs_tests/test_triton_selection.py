@@ -122,6 +122,8 @@ def test_cell_stats_match_float64(B, T, Hkv, D, cell):
         (97, 4, 4, 4, 2, True, 2),  # block == cell: one cell leaves the recent window per block
         (150, 2, 32, 3, 1, True, 4),  # 16 cells per block, several scan steps per block
         (63, 4, 8, 64, 2, False, 16),  # pool larger than every older set
+        (200, 4, 12, 3, 2, True, 8),  # 3 cells per block: blocks straddle scan steps
+        (300, 4, 8, 5, 3, True, 16),  # odd recent window, 8 blocks per scan step
     ],
     ids=lambda x: str(x),
 )

@@ -9,10 +9,12 @@ The kernels, launched in this order by `select_cells`:
    per (b, kv head) runs the streaming form of §5 over the older cells, `chunk` cells per step
    with the pool in registers (cells compete with the kept pool on (a_c desc, c desc), losers are
    dropped for ever; the pool keeps its members' ranks so a step costs O(P * chunk), never a
-   scan of older cells), recording the pool at chunk boundaries; then one program per query
-   block completes its pool from the last boundary, in parallel. Linear in T, sequential depth
-   C / chunk. Writes cand int32 [B, Hkv, nblocks, P + W]: the pool's P slots (unordered, -1 for
-   an empty slot), then the W recent cells [m_j, n_j) (-1 past n_j).
+   scan of older cells), recording the pool at chunk boundaries; then one program per (chunk,
+   b, kv head), all in parallel, continues the same stream from its chunk's recorded pool
+   through the query blocks whose older cells end in that chunk (a block adds at most Bq / s
+   cells), writing each block's pool. Linear in T, sequential depth C / chunk (+ chunk / (Bq / s)).
+   Writes cand int32 [B, Hkv, nblocks, P + W]: the pool's P slots (unordered, -1 for an empty
+   slot), then the W recent cells [m_j, n_j) (-1 past n_j).
 3. `_score_topk_kernel`: one program per (b, query head, tile of BLOCK_M queries inside one query
    block). Streams over the block's candidates in chunks of BLOCK_N (FS: every available cell
    [0, n_j), FS-L: the P + W cand entries), scores [BLOCK_M, BLOCK_N] in fp32
@@ -119,6 +121,35 @@ def _cell_stats_kernel(
 
 
 @triton.jit
+def _pool_merge(pool_a, pool_c, pool_r, live, new_a, new_c, POOL: tl.constexpr):
+    """One step of the streaming pool (spec §5): the new cells (`new_a` / `new_c` [N]; padding
+    lanes with a = _PAD_A and distinct c below every real cell) compete with the pool's members
+    (`pool_a` / `pool_c` / `pool_r` [P_PAD]: key and rank in (a desc, c desc) order; lanes where
+    `live` is False are never members) on (a desc, c desc); the union's best POOL stay. Keys are
+    distinct, so ranks are a permutation. Costs O(P_PAD * N + N^2): no scan of older cells."""
+    # beats[x, y]: new y beats pool x on (a desc, c desc)
+    beats = (new_a[None, :] > pool_a[:, None]) | ((new_a[None, :] == pool_a[:, None]) & (new_c[None, :] > pool_c[:, None]))
+    beats = beats & live[:, None]
+    union_r_pool = pool_r + tl.reduce(beats.to(tl.int32), 1, _SUM)  # [P_PAD] rank in pool + new
+    beaten_by_pool = tl.reduce((live[:, None] & ~beats).to(tl.int32), 0, _SUM)  # [N]
+    nn_beats = (new_a[None, :] > new_a[:, None]) | ((new_a[None, :] == new_a[:, None]) & (new_c[None, :] > new_c[:, None]))
+    union_r_new = beaten_by_pool + tl.reduce(nn_beats.to(tl.int32), 1, _SUM)  # [N]
+    dropped = live & (union_r_pool >= POOL)
+    survives = union_r_new < POOL
+    # the k-th dropped slot (in slot order) takes the k-th surviving new cell
+    drop_k = tl.associative_scan(dropped.to(tl.int32), 0, _SUM) - 1
+    surv_k = tl.associative_scan(survives.to(tl.int32), 0, _SUM) - 1
+    take = dropped[:, None] & survives[None, :] & (drop_k[:, None] == surv_k[None, :])  # [P_PAD, N]
+    take_a = tl.reduce(tl.where(take, new_a[None, :], 0.0), 1, _SUM)
+    take_c = tl.reduce(tl.where(take, new_c[None, :], 0), 1, _SUM)
+    take_r = tl.reduce(tl.where(take, union_r_new[None, :], 0), 1, _SUM)
+    pool_a = tl.where(dropped, take_a, pool_a)
+    pool_c = tl.where(dropped, take_c, pool_c)
+    pool_r = tl.where(dropped, take_r, union_r_pool)
+    return pool_a, pool_c, pool_r
+
+
+@triton.jit
 def _fsl_pool_scan_kernel(
     AMAX,  # fp32 [B, Hkv, C]
     BASE,  # int32 [B, Hkv, NCHUNKS + 1, POOL]: BASE[t] = top-P of cells [0, t * CHUNK), -1 = empty
@@ -146,29 +177,7 @@ def _fsl_pool_scan_kernel(
         new_ok = new_c < M_LAST
         new_a = tl.load(a_base + new_c, mask=new_ok, other=_PAD_A)
         new_c = tl.where(new_ok, new_c, -2 - P_PAD - new_i)  # padding: distinct, below everything
-        # beats[x, y]: new y beats pool x on (a desc, c desc)
-        beats = (new_a[None, :] > pool_a[:, None]) | (
-            (new_a[None, :] == pool_a[:, None]) & (new_c[None, :] > pool_c[:, None])
-        )
-        beats = beats & live[:, None]
-        union_r_pool = pool_r + tl.reduce(beats.to(tl.int32), 1, _SUM)  # [P_PAD] rank in pool + new
-        beaten_by_pool = tl.reduce((live[:, None] & ~beats).to(tl.int32), 0, _SUM)  # [CHUNK]
-        nn_beats = (new_a[None, :] > new_a[:, None]) | (
-            (new_a[None, :] == new_a[:, None]) & (new_c[None, :] > new_c[:, None])
-        )
-        union_r_new = beaten_by_pool + tl.reduce(nn_beats.to(tl.int32), 1, _SUM)  # [CHUNK]
-        dropped = live & (union_r_pool >= POOL)
-        survives = union_r_new < POOL
-        # the k-th dropped slot (in slot order) takes the k-th surviving new cell
-        drop_k = tl.associative_scan(dropped.to(tl.int32), 0, _SUM) - 1
-        surv_k = tl.associative_scan(survives.to(tl.int32), 0, _SUM) - 1
-        take = dropped[:, None] & survives[None, :] & (drop_k[:, None] == surv_k[None, :])  # [P_PAD, CHUNK]
-        take_a = tl.reduce(tl.where(take, new_a[None, :], 0.0), 1, _SUM)
-        take_c = tl.reduce(tl.where(take, new_c[None, :], 0), 1, _SUM)
-        take_r = tl.reduce(tl.where(take, union_r_new[None, :], 0), 1, _SUM)
-        pool_a = tl.where(dropped, take_a, pool_a)
-        pool_c = tl.where(dropped, take_c, pool_c)
-        pool_r = tl.where(dropped, take_r, union_r_pool)
+        pool_a, pool_c, pool_r = _pool_merge(pool_a, pool_c, pool_r, live, new_a, new_c, POOL)
         tl.store(base_rows + (t + 1) * POOL + slot, tl.where(pool_a >= 0.0, pool_c, -1).to(tl.int32), mask=live)
 
 
@@ -181,47 +190,46 @@ def _fsl_cand_kernel(
     NBLOCKS,
     NCHUNKS,
     POOL: tl.constexpr,
+    P_PAD: tl.constexpr,
     RECENT: tl.constexpr,
     CELLS_PER_BLOCK: tl.constexpr,  # Bq / s
+    NEW_PAD: tl.constexpr,  # next power of two >= CELLS_PER_BLOCK (cells added per block at most)
     CHUNK: tl.constexpr,
-    U_TILE: tl.constexpr,
     R_PAD: tl.constexpr,
 ):
-    j = tl.program_id(0).to(tl.int64)  # query block
+    t = tl.program_id(0).to(tl.int64)  # chunk: the query blocks j with m_j // CHUNK == t
     pid = tl.program_id(1).to(tl.int64)  # b * Hkv + g
-    n_j = j * CELLS_PER_BLOCK
-    m_j = tl.maximum(n_j - RECENT, 0)  # older cells [0, m_j)
-    t = m_j // CHUNK
     x0 = t * CHUNK
-    n_union = POOL + (m_j - x0)  # top-P of [0, m_j) = top-P(BASE[t] + cells [x0, m_j))
     amax_row = AMAX + pid * C
-    base_row = BASE + (pid * (NCHUNKS + 1) + t) * POOL
-    row = CAND + (pid * NBLOCKS + j) * (POOL + RECENT)
-    u_off = tl.arange(0, U_TILE).to(tl.int64)
-    n_valid = 0
-    # union member u: base pool slot u (u < POOL), else cell x0 + u - POOL; (cell, a, valid)
-    for u0 in range(0, n_union, U_TILE):
-        ux = u0 + u_off
-        cx = tl.where(ux < POOL, tl.load(base_row + ux, mask=ux < POOL, other=-1).to(tl.int64), x0 + ux - POOL)
-        okx = (ux < n_union) & (cx >= 0)
-        ax = tl.load(amax_row + tl.where(okx, cx, 0), mask=okx, other=0.0)
-        rank = tl.zeros([U_TILE], dtype=tl.int32)
-        for v0 in range(0, n_union, U_TILE):
-            uy = v0 + u_off
-            cy = tl.where(uy < POOL, tl.load(base_row + uy, mask=uy < POOL, other=-1).to(tl.int64), x0 + uy - POOL)
-            oky = (uy < n_union) & (cy >= 0)
-            ay = tl.load(amax_row + tl.where(oky, cy, 0), mask=oky, other=0.0)
-            beats = (ay[None, :] > ax[:, None]) | ((ay[None, :] == ax[:, None]) & (cy[None, :] > cx[:, None]))
-            rank += tl.reduce((beats & oky[None, :]).to(tl.int32), 1, _SUM)  # [U_TILE]: members beating x
-        # ranks of the valid members are 0 .. n_valid-1 (distinct keys): the P best fill slots 0 .. P-1
-        tl.store(row + rank, cx.to(tl.int32), mask=okx & (rank < POOL))
-        n_valid += tl.reduce(okx.to(tl.int32), 0, _SUM)
-    for s0 in range(0, POOL, U_TILE):
-        slots = s0 + u_off
-        tl.store(row + slots, tl.full([U_TILE], -1, tl.int32), mask=(slots >= n_valid) & (slots < POOL))
+    slot = tl.arange(0, P_PAD)
+    live = slot < POOL
+    # The pool of BASE[t] (top-P of cells [0, x0)) with its ranks; empty slots as in the scan.
+    c_base = tl.load(BASE + (pid * (NCHUNKS + 1) + t) * POOL + slot, mask=live, other=-1).to(tl.int64)
+    member = live & (c_base >= 0)
+    pool_a = tl.where(member, tl.load(amax_row + tl.where(member, c_base, 0), mask=member, other=0.0), _EMPTY_A)
+    pool_c = tl.where(member, c_base, -1 - slot)
+    beats = (pool_a[None, :] > pool_a[:, None]) | ((pool_a[None, :] == pool_a[:, None]) & (pool_c[None, :] > pool_c[:, None]))
+    pool_r = tl.reduce((beats & live[None, :]).to(tl.int32), 1, _SUM)  # [P_PAD] members beating x
+    new_i = tl.arange(0, NEW_PAD)
     r_off = tl.arange(0, R_PAD)
-    rc = m_j + r_off
-    tl.store(row + POOL + r_off, tl.where(rc < n_j, rc, -1).to(tl.int32), mask=r_off < RECENT)
+    # Blocks of this chunk: m_j = max(0, j * CPB - RECENT) in [x0, x0 + CHUNK).
+    j_lo = tl.where(t == 0, 0, (x0 + RECENT + CELLS_PER_BLOCK - 1) // CELLS_PER_BLOCK)
+    j_hi = tl.minimum((x0 + CHUNK + RECENT + CELLS_PER_BLOCK - 1) // CELLS_PER_BLOCK, NBLOCKS)
+    prev = x0  # the pool holds the top-P of cells [0, prev)
+    for j in range(j_lo, j_hi):
+        n_j = j * CELLS_PER_BLOCK
+        m_j = tl.maximum(n_j - RECENT, 0)  # older cells [0, m_j); m_j - prev <= CELLS_PER_BLOCK
+        if m_j > prev:
+            new_c = prev + new_i
+            new_ok = new_c < m_j
+            new_a = tl.load(amax_row + new_c, mask=new_ok, other=_PAD_A)
+            new_c = tl.where(new_ok, new_c, -2 - P_PAD - new_i)
+            pool_a, pool_c, pool_r = _pool_merge(pool_a, pool_c, pool_r, live, new_a, new_c, POOL)
+            prev = m_j
+        row = CAND + (pid * NBLOCKS + j) * (POOL + RECENT)
+        tl.store(row + slot, tl.where(pool_a >= 0.0, pool_c, -1).to(tl.int32), mask=live)
+        rc = m_j + r_off
+        tl.store(row + POOL + r_off, tl.where(rc < n_j, rc, -1).to(tl.int32), mask=r_off < RECENT)
 
 
 @triton.jit
@@ -438,10 +446,12 @@ def fsl_candidates(amax: torch.Tensor, T: int, cfg: FreeSoloConfig, chunk: Optio
        kept pool on (a_c desc, c desc), losers dropped for ever; the pool keeps its members' ranks
        so a step costs O(P * chunk)); it records the pool at every chunk boundary,
        BASE[t] = top-P of cells [0, t * chunk). Sequential depth: C / chunk steps (not T / Bq).
-    2. `_fsl_cand_kernel`, one program per (query block j, b, kv head), all in parallel: with
-       m_j = max(0, n_j - W) and t = m_j // chunk, pool_j = top-P of BASE[t] + cells
-       [t * chunk, m_j) (top-P of a union is associative), by ranks in that union of at most
-       P + chunk - 1 members; then the W recent cells [m_j, n_j).
+    2. `_fsl_cand_kernel`, one program per (chunk t, b, kv head), all in parallel: it loads
+       BASE[t] (with the members' ranks) and continues the stream through the query blocks j
+       with t = m_j // chunk, m_j = max(0, n_j - W): block j adds the cells [m_{j-1}, m_j) (at
+       most Bq / s, one `_pool_merge` step) and stores pool_j = top-P of [0, m_j) (top-P of a
+       union is associative), then the W recent cells [m_j, n_j). O(P * Bq / s) per block
+       (the s22 kernel ranked BASE[t] + up to chunk cells per block: O((P + chunk)^2)).
 
     Args:
         amax: fp32 [B, Hkv, C] max key norms (from `cell_stats`).
@@ -468,7 +478,7 @@ def fsl_candidates(amax: torch.Tensor, T: int, cfg: FreeSoloConfig, chunk: Optio
     P_PAD = triton.next_power_of_2(P)
     warps = max(1, min(8, P_PAD * chunk // 512))  # P 64, chunk 64: 8 warps, 194 registers on sm_90
     _fsl_pool_scan_kernel[(B * Hkv,)](amax, base, C, m_last, nchunks, POOL=P, P_PAD=P_PAD, CHUNK=chunk, num_warps=warps)
-    _fsl_cand_kernel[(nblocks, B * Hkv)](
+    _fsl_cand_kernel[(nchunks + 1, B * Hkv)](
         amax,
         base,
         cand,
@@ -476,12 +486,13 @@ def fsl_candidates(amax: torch.Tensor, T: int, cfg: FreeSoloConfig, chunk: Optio
         nblocks,
         nchunks,
         POOL=P,
+        P_PAD=P_PAD,
         RECENT=W,
         CELLS_PER_BLOCK=cpb,
+        NEW_PAD=max(2, triton.next_power_of_2(cpb)),
         CHUNK=chunk,
-        U_TILE=64,
         R_PAD=triton.next_power_of_2(W),
-        num_warps=4,
+        num_warps=min(warps, 4),
     )
     return cand
 
