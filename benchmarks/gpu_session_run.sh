@@ -2,10 +2,9 @@
 # One H200 call that measures and checks what a session changed (run from the repository root with
 # $OUT set). Every step has its own timeout so that a slow step cannot starve the rest; everything
 # lands in $OUT/session.tar (the device returns at most 8 files) plus $OUT/summary.txt.
-# STEPS picks the steps (default: session 23's first call: FS-B decode at 1M with the first replay timed apart, the
-# FS-B boundary probe, the host-overhead probe of the 4k forward, the CUDA L10 test of the GPU-grown forests,
-# racecheck of the tree builder, the forward's CUDA tests and the score / candidate sweep (new FS-L candidate kernel);
-# pass timeout_s 600, read summary.txt):
+# STEPS picks the steps (default: session 23's second call: FS-B decode at 1M with the wall clock per step, the
+# attention peers at 4k / 16k / 64k with the new FS-L candidate kernel, the candidate sweep at 1M, the CUDA tests of
+# L11 / L12 / models, and the sanitizers on the forward / backward; pass timeout_s 600, read summary.txt):
 #   tests_split  CUDA tests of the Triton forward / backward / API / L11-L12 with the split long kernel
 #                (FREESOLO_TRITON_LONG_BLOCK=64 FREESOLO_TRITON_MAXNREG=128: the proposed 16-bit default)
 #   sanitize     compute-sanitizer memcheck and racecheck of every Triton kernel (benchmarks/sanitize_triton.py)
@@ -54,6 +53,12 @@
 #   tests_sel    issue 10: CUDA tests of the Triton forward (the early-exit scoring + top-K kernel, s22)
 #   racecheck_score compute-sanitizer racecheck of the forward kernels (scoring + top-K included)
 #   host_probe   issues 10 / 11: host time per layer of a 4k triton FS-L forward (benchmarks/host_overhead_probe.py)
+#   fsb_decode7  issue 12: FS-B decode at 1M, 400 steps (3 boundaries in the CUDA-graph phase), wall clock per step
+#   attention_s23 issues 10 / 11: gpu_attention fwd and fwd+bwd at 4k / 16k / 64k, triton FS-L / FS (per-chunk FS-L
+#                candidate kernel, scan step 32) vs SDPA, Flex SWA-512 and fla NSA (needs fla_install first)
+#   score_1m     issue 10: the score / candidate sweep at 64k and 1M, scan steps 32 and 64
+#   tests_fwd    CUDA tests of L11 / L12 and the models (the new candidate kernel inside the triton backend)
+#   sanitize_fwd memcheck + racecheck of the forward / backward kernels (the new candidate kernel included)
 #   fsb_long2    issue 12: the Triton FS-B search alone at 256k and 1M (sorted beam selection), last in the s22 call
 set -u
 OUT=${OUT:-/tmp/session_out}
@@ -61,7 +66,7 @@ W=/tmp/session_work
 rm -rf "$W"  # a warm machine keeps /tmp: start empty
 mkdir -p "$OUT" "$W"
 export PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=ci PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-STEPS=${STEPS:-"fsb_decode6 boundary_probe host_probe tests_l10 racecheck_build tests_sel score_sweep"}
+STEPS=${STEPS:-"fsb_decode7 fla_install attention_s23 score_1m tests_fwd sanitize_fwd"}
 SPLIT=(env FREESOLO_TRITON_LONG_BLOCK=64 FREESOLO_TRITON_MAXNREG=128)
 step() {  # step NAME SECONDS COMMAND...: run with a timeout, log to $W/NAME.log, one summary line
   local name=$1 secs=$2; shift 2
@@ -105,6 +110,12 @@ step score_sweep 60 python3 benchmarks/score_tiles_sweep.py --out "$W/score_tile
 step memcheck_build 60 compute-sanitizer --tool memcheck python3 benchmarks/sanitize_triton.py fsb_build
 step tests_sel 150 python3 -m pytest -q -n ${NPROC:-8} -p no:benchmark -k "cuda or gpu" proofs_tests/test_triton_attention.py proofs_tests/test_triton_backend.py
 step racecheck_score 120 compute-sanitizer --tool racecheck python3 benchmarks/sanitize_triton.py forward_backward
+step fsb_decode7 150 python3 benchmarks/fsb_decode_bench.py --contexts 1048576 --steps 400 --out "$W/fsb_decode7.json"
+step fla_install 60 python3 -m pip install --no-deps --no-index .whl/fla_core-0.6.0-py3-none-any.whl
+step attention_s23 200 python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fs sdpa_causal flex_swa512 fla_nsa --shapes H16-D64 --modes fwd fwd+bwd --lengths 4096 16384 65536 --budget-s 180 --rep-ms 30 --out "$W" --tag _s23
+step score_1m 100 python3 benchmarks/score_tiles_sweep.py --cases fsl:65536 fsl:1048576 --chunks 32 64 --out "$W/score_tiles_1m.json"
+step tests_fwd 150 python3 -m pytest -q -n ${NPROC:-8} -p no:benchmark -k "cuda or gpu" proofs_tests/test_row_independence.py proofs_tests/test_packed.py proofs_tests/test_models.py proofs_tests/test_triton_selection.py
+step sanitize_fwd 200 bash -c "compute-sanitizer --tool memcheck python3 benchmarks/sanitize_triton.py forward_backward && compute-sanitizer --tool racecheck python3 benchmarks/sanitize_triton.py forward_backward"
 step fsb_long2 90 python3 benchmarks/fsb_search_bench.py --providers triton --lengths 262144 1048576 --out "$W/fsb_search_long.json"
 step decode_tiles2 200 python3 benchmarks/gpu_decode.py --contexts 4096 1048576 --batches 1 32 --tiles single single_w4 split split64_w2 split64_w1 split32_w2 split32_w1 --out "$W" --name gpu_decode_tiles2
 step fsb_decode3 240 python3 benchmarks/fsb_decode_bench.py --contexts 4096 65536 1048576 --out "$W/fsb_decode.json"
@@ -112,7 +123,6 @@ step fwd_sweep 200 python3 benchmarks/triton_forward_ab.py --sweep-only --out "$
 step bwd_sweep 300 python3 benchmarks/triton_backward_bench.py --lengths 65536 --sweep-only --rep 30 --out "$W/triton_backward_sweep.json"
 step fsb_decode4 120 python3 benchmarks/fsb_decode_bench.py --contexts 65536 1048576 --out "$W/fsb_decode4.json"
 step bwd_bars 220 python3 benchmarks/triton_backward_bench.py --lengths 4096 65536 --no-profile --rep 30 --out "$W/triton_backward_bars.json"
-step fla_install 60 python3 -m pip install --no-deps --no-index .whl/fla_core-0.6.0-py3-none-any.whl
 step attention 260 python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fs sdpa_causal flex_swa512 fla_nsa --shapes H16-D64 --modes fwd fwd+bwd --lengths 4096 16384 65536 --budget-s 190 --rep-ms 30 --out "$W" --tag _s21_nsa
 step fsb_prefill2 120 python3 benchmarks/fsb_search_bench.py --providers triton --lengths 65536 262144 1048576 --out "$W/fsb_search_sort.json"
 step decode_full 140 python3 benchmarks/gpu_decode.py --contexts 4096 65536 1048576 --tiles default single --out "$W" --name gpu_decode_s21

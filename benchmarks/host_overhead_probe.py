@@ -120,7 +120,7 @@ def main() -> None:
         text = io.StringIO()
         pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(30)
         print(text.getvalue())
-    write_json(args.out, dict(meta=_versions(), calls=args.calls, records=records))
+    write_json(args.out, dict(meta=_versions(dev), calls=args.calls, records=records))
 
 
 if __name__ == "__main__":
