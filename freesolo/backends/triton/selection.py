@@ -433,11 +433,12 @@ def cell_stats(k: torch.Tensor, cell: Union[int, FreeSoloConfig]) -> Tuple[torch
 
 
 def pool_chunk(pool: int) -> int:
-    """Cells merged per step of the sequential pool scan: 32 for pools up to 64, then fewer
+    """Cells merged per step of the sequential pool scan: 64 for pools up to 64, then fewer
     (the step holds [pool, chunk] comparisons in registers). The pools do not depend on it.
-    H200 (bf16, H 16, P 64, s23 `score_tiles_sweep.py`): scan + candidates at 64k 0.161 ms with
-    32, 0.187 with 64, 0.291 with 16 (the per-chunk candidate kernel walks chunk / (Bq / s) blocks)."""
-    return max(16, min(32, 2048 // triton.next_power_of_2(pool)))
+    H200 (bf16, H 16, P 64, s23 `score_tiles_sweep.py`, scan + per-chunk candidate kernel): at 64k
+    0.187 / 0.148 ms with 64 in two calls against 0.161 / 0.160 with 32 (0.291 with 16); at 1M
+    2.21 ms with 64, 2.39 with 32 (results/session_2026-12-02_s23/)."""
+    return max(16, min(64, 4096 // triton.next_power_of_2(pool)))
 
 
 def fsl_candidates(amax: torch.Tensor, T: int, cfg: FreeSoloConfig, chunk: Optional[int] = None) -> torch.Tensor:
