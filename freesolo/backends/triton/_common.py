@@ -18,9 +18,11 @@ import triton.language as tl
 __all__ = [
     "MAX_HEAD_DIM",
     "NEG_BIG",
+    "cdiv",
     "check_head_dim",
     "load_halves",
     "load_rope",
+    "next_pow2",
     "padded_dims",
     "rope_halves",
     "rope_rotate",
@@ -75,6 +77,18 @@ def _interpreter_numpy2_compat() -> None:
 _interpreter_numpy2_compat()
 
 
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (n >= 1; 0 for n = 0), as `triton.next_power_of_2`: host code
+    uses this one because triton 3.6's is a constexpr function whose call from plain Python costs
+    about 5 us (argument unwrapping), and a forward made ~20 such calls (s23 host profile)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for ints, b > 0 (`triton.cdiv` without its constexpr-function call cost)."""
+    return -(-a // b)
+
+
 def check_head_dim(D: int) -> None:
     """ValueError unless D is even and 2 <= D <= MAX_HEAD_DIM (RoPE needs two halves)."""
     if D % 2 != 0 or D < 2 or D > MAX_HEAD_DIM:
@@ -84,7 +98,7 @@ def check_head_dim(D: int) -> None:
 def padded_dims(D: int) -> tuple[int, int]:
     """(D_P, HALF_P): D and D/2 rounded up to powers of two, at least 16 (tl.dot's minimum width)."""
     check_head_dim(D)
-    return max(16, triton.next_power_of_2(D)), max(16, triton.next_power_of_2(D // 2))
+    return max(16, next_pow2(D)), max(16, next_pow2(D // 2))
 
 
 @triton.jit
@@ -153,7 +167,7 @@ def rope_rotate(x, cos, sin):
     R = B * T * H
     half_p = padded_dims(D)[1]
     block_r = max(8, 2048 // half_p)  # rows per program: 4 fp32 tiles [block_r, HALF_P] in registers
-    _rope_rows_kernel[(triton.cdiv(R, block_r),)](
+    _rope_rows_kernel[(cdiv(R, block_r),)](
         x, out, cos, sin, R, T, H, HALF=D // 2, HALF_P=half_p, BLOCK_R=block_r
     )
     return out

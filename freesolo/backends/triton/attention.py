@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import NEG_BIG, padded_dims, rope_rotate
+from ._common import NEG_BIG, next_pow2, padded_dims, rope_rotate
 
 __all__ = [
     "ENV_LONG_BLOCK",
@@ -509,7 +509,7 @@ def tile_unions(idx: torch.Tensor, block_m: int, use_kernel: bool | None = None)
         union = torch.empty(B * Hq, NT, block_m * K, dtype=torch.int32, device=idx.device)
         count = torch.empty(B * Hq, NT, dtype=torch.int32, device=idx.device)
         if union.numel():
-            u_p = triton.next_power_of_2(block_m * K)
+            u_p = next_pow2(block_m * K)
             _tile_union_kernel[(NT, B * Hq)](
                 idx, union, count, T, Hq, NT, KSEL=K, BLOCK_M=block_m, U_MAX=block_m * K, U_P=u_p,
                 num_warps=4 if u_p >= 256 else 1,
@@ -605,8 +605,8 @@ def launch_forward(q, k, v, idx, union, count, beta, cos, sin, cfg, tiles: Atten
     lse_long = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
     rstd = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
     qk_scale = LOG2E / math.sqrt(D)
-    common = dict(D=D, D_P=d_p, CELL=cfg.cell, CELL_P=max(16, triton.next_power_of_2(cfg.cell)), KSEL=K,
-                  K_P=triton.next_power_of_2(K), PREFETCH=tiles.prefetch)  # fmt: skip
+    common = dict(D=D, D_P=d_p, CELL=cfg.cell, CELL_P=max(16, next_pow2(cfg.cell)), KSEL=K,
+                  K_P=next_pow2(K), PREFETCH=tiles.prefetch)  # fmt: skip
     split = tiles.long_block > 0
     if split:
         long_term = torch.empty(B, T, Hq, D, dtype=torch.float32, device=q.device)

@@ -69,7 +69,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import rope_rotate
+from ._common import cdiv, next_pow2, rope_rotate
 
 __all__ = [
     "LONG_MODES",
@@ -1089,7 +1089,7 @@ def default_bwd_tiles(D: int, dtype: torch.dtype, device: torch.device) -> BwdTi
 
 
 def _pow2(x: int, floor: int = 1) -> int:
-    return max(floor, triton.next_power_of_2(max(1, int(x))))
+    return max(floor, next_pow2(max(1, int(x))))
 
 
 def inverted_selection(idx: torch.Tensor, num_kv_heads: int, cell: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1221,7 +1221,7 @@ def _long_branch_cells(
                 q, k, v, lse_long, slots, offsets, work_cell, work_seg, parts, T, t0, tc, C, ncells, scale,
                 num_warps=tiles.num_warps_long, **common,
             )  # fmt: skip
-        _bwd_long_rows_kernel[(triton.cdiv(nr, tiles.block_rows),)](
+        _bwd_long_rows_kernel[(cdiv(nr, tiles.block_rows),)](
             do, o, idx, parts, beta, rstd, d_olong, delta_loc, delta_long, dbeta_part, T, t0, tc, nr, **rows
         )  # fmt: skip
         if ncells:
@@ -1240,7 +1240,7 @@ def _long_branch_cells(
                     HKV=Hkv, D=D, CELL=s, num_warps=4, **blocks,
                 )  # fmt: skip
         if not one_chunk:
-            _bwd_sum_parts_kernel[(triton.cdiv(nr, tiles.block_rows),)](idx, parts, dq_long, T, t0, tc, nr, **rows)
+            _bwd_sum_parts_kernel[(cdiv(nr, tiles.block_rows),)](idx, parts, dq_long, T, t0, tc, nr, **rows)
     return (parts, K) if one_chunk else (dq_long, 0)
 
 
@@ -1341,7 +1341,7 @@ def attention_backward(
         dq_long = torch.empty(B, T, Hq, D, **f32)
     if tiles.long_mode == "gather" and B * T * Hq > 0:
         bq = tiles.block_q
-        _bwd_long_query_kernel[(triton.cdiv(B * T, bq), Hq)](
+        _bwd_long_query_kernel[(cdiv(B * T, bq), Hq)](
             do,
             q,
             k,
@@ -1472,14 +1472,14 @@ def attention_backward(
         qr, kr = rope_rotate(q, cos, sin), rope_rotate(k, cos, sin)
     else:
         qr, kr = q, k
-    _bwd_local_dkdv_kernel[(triton.cdiv(T, bn), B * Hkv)](
+    _bwd_local_dkdv_kernel[(cdiv(T, bn), B * Hkv)](
         do, qr, kr, v, cos, sin, lse_loc, delta_loc, dk_long, dv_long, dk, dv, T, w, scale,
         BLOCK_M=bm, BLOCK_N=bn, HAS_LONG=has_long, NUM_M=num_m, PREROT=tiles.prerotate, **common,
     )
     bm, bn = tiles.q_block_m, tiles.q_block_n
     # key tiles seen by a query tile [m0, m0+bm): t in [m0-w+1, m0+bm-1], tiles ending at floor((m0+bm-1)/bn)*bn
     num_n = (bn - 1 + bm - 1 + w - 1) // bn + 1
-    _bwd_local_dq_kernel[(triton.cdiv(T, bm), B * Hq)](
+    _bwd_local_dq_kernel[(cdiv(T, bm), B * Hq)](
         do, qr, kr, v, cos, sin, lse_loc, delta_loc, dq_long, idx, dq, T, w, scale,
         BLOCK_M=bm, BLOCK_N=bn, NUM_N=num_n, PREROT=tiles.prerotate, LONG_PARTS=long_parts, **common,
     )

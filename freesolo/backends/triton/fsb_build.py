@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import MAX_HEAD_DIM, same_device  # (importing _common also patches the interpreter for NumPy >= 2.4)
+from ._common import MAX_HEAD_DIM, next_pow2, same_device  # (importing _common also patches the interpreter for NumPy >= 2.4)
 
 __all__ = ["build_tree_slot", "warm_up_builds"]
 
@@ -324,7 +324,7 @@ def _build_tree_slot(
     R = B * Hkv
     if R == 0:
         return
-    D_P = triton.next_power_of_2(D)
+    D_P = next_pow2(D)
     c = _log_chunk(h, D_P, dtype) if log_chunk is None else min(int(log_chunk), h)
     tb = _log_top_block(h, D_P, dtype) if log_top_block is None else min(int(log_top_block), h)
     S = 1 << h
@@ -385,7 +385,7 @@ def warm_up_builds(D: int, dtype: torch.dtype, device, leaf_order: str, outward:
     key = (D, dtype, str(device), leaf_order, bool(outward))
     if key in _WARMED:
         return
-    D_P = triton.next_power_of_2(D)
+    D_P = next_pow2(D)
     heights, seen = [], set()
     for h in range(MAX_TREE_HEIGHT + 1):
         shape = (_log_chunk(h, D_P, dtype), _log_top_block(h, D_P, dtype), h > 0)

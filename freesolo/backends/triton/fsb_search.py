@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from ...config import FreeSoloConfig
-from ._common import same_device  # (importing _common also patches the interpreter's loop bounds for NumPy >= 2.4)
+from ._common import next_pow2, same_device  # (importing _common also patches the interpreter's loop bounds for NumPy >= 2.4)
 
 __all__ = ["MAX_BEAM", "MAX_FOREST_CELLS", "TRACE_LEVELS", "decode_select_cells", "fsb_select_cells", "trace_search"]
 
@@ -414,7 +414,7 @@ def _run(q, k, cfg: FreeSoloConfig, return_found: bool, num_warps: int, trace):
 
     if T // cfg.block * cfg.block // cfg.cell == 0:
         return result()  # no query block has an available cell
-    WP = triton.next_power_of_2(cfg.beam)
+    WP = next_pow2(cfg.beam)
     rows = range(B) if trace is None else [trace[0]]
     for b in rows:  # one row at a time: its tables are built from its own keys (L12)
         tables, high_prefix = build_row_forests(k4[b : b + 1], cfg, outward=True)
@@ -426,8 +426,8 @@ def _run(q, k, cfg: FreeSoloConfig, return_found: bool, num_warps: int, trace):
             -1 if trace is None else trace[1], -1 if trace is None else trace[2],
             T, max(N, 1), high_prefix.shape[-1], tables.base.shape[1], G,
             float(D**-0.5), float(cfg.radius_weight), float(2 * cfg.cell), D,
-            BLOCK_D=triton.next_power_of_2(D), CELL=cfg.cell, QBLOCK=cfg.block, W=cfg.beam, WP=WP,
-            K=K, KP=triton.next_power_of_2(K), FOUND=return_found, TRACE=trace is not None,
+            BLOCK_D=next_pow2(D), CELL=cfg.cell, QBLOCK=cfg.block, W=cfg.beam, WP=WP,
+            K=K, KP=next_pow2(K), FOUND=return_found, TRACE=trace is not None,
             TRACE_LEVELS=TRACE_LEVELS, num_warps=num_warps,
         )  # fmt: skip
     return result()
@@ -465,7 +465,7 @@ def decode_select_cells(state, qg: torch.Tensor, out=None, num_warps: int = 1) -
     q_rows = qg.reshape(B, Hkv * G, D)  # a view for a step's q [B, 1, Hq, D]: read in place, no copy
     if q_rows.stride(-1) != 1:
         q_rows = q_rows.contiguous()
-    WP = triton.next_power_of_2(cfg.beam)
+    WP = next_pow2(cfg.beam)
     found = torch.empty(B * Hkv * G, 2, WP, dtype=torch.int64, device=state.device)
     _fsb_decode_search_kernel[(B * Hkv * G, 2)](
         q_rows, state.pos,
@@ -473,11 +473,11 @@ def decode_select_cells(state, qg: torch.Tensor, out=None, num_warps: int = 1) -
         state.n_high, state.sigma.reshape(-1), state.lam.reshape(-1), found,
         q_rows.stride(0), q_rows.stride(1), fa.mu.shape[2], fh.mu.shape[2], Hkv, G,
         float(D**-0.5), float(cfg.radius_weight), float(2 * cfg.cell), D,
-        BLOCK_D=triton.next_power_of_2(D), CELL=cfg.cell, QBLOCK=cfg.block, W=cfg.beam, WP=WP, num_warps=num_warps,
+        BLOCK_D=next_pow2(D), CELL=cfg.cell, QBLOCK=cfg.block, W=cfg.beam, WP=WP, num_warps=num_warps,
     )  # fmt: skip
     _fsb_decode_rerank_kernel[(B * Hkv * G,)](
         q_rows, state.cell_k, found, out, q_rows.stride(0), q_rows.stride(1), state.cell_k.shape[2], Hkv, G,
-        float(D**-0.5), D, BLOCK_D=triton.next_power_of_2(D), CELL=cfg.cell, WP=WP, K=K,
-        KP=triton.next_power_of_2(K), num_warps=num_warps,
+        float(D**-0.5), D, BLOCK_D=next_pow2(D), CELL=cfg.cell, WP=WP, K=K,
+        KP=next_pow2(K), num_warps=num_warps,
     )  # fmt: skip
     return out

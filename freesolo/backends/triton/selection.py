@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from ...config import FreeSoloConfig
-from . import _common  # noqa: F401  (its import patches the interpreter's dynamic loop bounds for NumPy >= 2.4)
+from ._common import cdiv, next_pow2  # (importing _common also patches the interpreter's dynamic loop bounds for NumPy >= 2.4)
 
 __all__ = [
     "MAX_POOL",
@@ -412,10 +412,10 @@ def cell_stats(k: torch.Tensor, cell: Union[int, FreeSoloConfig]) -> Tuple[torch
     amax = torch.empty((B, Hkv, C), dtype=torch.float32, device=k.device)
     if C == 0 or B * Hkv == 0:
         return kbar, amax
-    BLOCK_D = triton.next_power_of_2(D)
-    BLOCK_T = min(triton.next_power_of_2(cell), max(1, 4096 // BLOCK_D))
+    BLOCK_D = next_pow2(D)
+    BLOCK_T = min(next_pow2(cell), max(1, 4096 // BLOCK_D))
     cells_per_prog = max(1, min(64, 8192 // (BLOCK_T * BLOCK_D)))
-    grid = (triton.cdiv(C, cells_per_prog), B * Hkv)
+    grid = (cdiv(C, cells_per_prog), B * Hkv)
     _cell_stats_kernel[grid](
         k,
         kbar,
@@ -438,7 +438,7 @@ def pool_chunk(pool: int) -> int:
     H200 (bf16, H 16, P 64, s23 `score_tiles_sweep.py`, scan + per-chunk candidate kernel): at 64k
     0.187 / 0.148 ms with 64 in two calls against 0.161 / 0.160 with 32 (0.291 with 16); at 1M
     2.21 ms with 64, 2.39 with 32 (results/session_2026-12-02_s23/)."""
-    return max(16, min(64, 4096 // triton.next_power_of_2(pool)))
+    return max(16, min(64, 4096 // next_pow2(pool)))
 
 
 def fsl_candidates(amax: torch.Tensor, T: int, cfg: FreeSoloConfig, chunk: Optional[int] = None) -> torch.Tensor:
@@ -465,7 +465,7 @@ def fsl_candidates(amax: torch.Tensor, T: int, cfg: FreeSoloConfig, chunk: Optio
         then the recent cells [max(0, n_j - W), n_j) (-1 past n_j).
     """
     B, Hkv, C = amax.shape
-    nblocks = triton.cdiv(T, cfg.block)
+    nblocks = cdiv(T, cfg.block)
     P, W = cfg.pool, cfg.recent
     cpb = cfg.block // cfg.cell
     chunk = chunk or pool_chunk(P)
@@ -476,9 +476,9 @@ def fsl_candidates(amax: torch.Tensor, T: int, cfg: FreeSoloConfig, chunk: Optio
         return cand
     amax = amax.contiguous()
     m_last = max(0, (nblocks - 1) * cpb - W)
-    nchunks = triton.cdiv(m_last, chunk)
+    nchunks = cdiv(m_last, chunk)
     base = torch.empty((B, Hkv, nchunks + 1, P), dtype=torch.int32, device=amax.device)
-    P_PAD = triton.next_power_of_2(P)
+    P_PAD = next_pow2(P)
     warps = max(1, min(8, P_PAD * chunk // 512))  # P 64, chunk 64: 8 warps, 194 registers on sm_90
     _fsl_pool_scan_kernel[(B * Hkv,)](amax, base, C, m_last, nchunks, POOL=P, P_PAD=P_PAD, CHUNK=chunk, num_warps=warps)
     _fsl_cand_kernel[(nchunks + 1, B * Hkv)](
@@ -492,9 +492,9 @@ def fsl_candidates(amax: torch.Tensor, T: int, cfg: FreeSoloConfig, chunk: Optio
         P_PAD=P_PAD,
         RECENT=W,
         CELLS_PER_BLOCK=cpb,
-        NEW_PAD=max(2, triton.next_power_of_2(cpb)),
+        NEW_PAD=max(2, next_pow2(cpb)),
         CHUNK=chunk,
-        R_PAD=triton.next_power_of_2(W),
+        R_PAD=next_pow2(W),
         num_warps=min(warps, 4),
     )
     return cand
@@ -514,7 +514,7 @@ class ScoreTiles:
 def score_tiles(cfg: FreeSoloConfig, D: int, dtype: torch.dtype) -> ScoreTiles:
     """Default tiles: BLOCK_M = the query block (16..64), BLOCK_N = 32, 4 warps (about 128 registers
     per thread on sm_90, no spills, for D 64 / 128 and every dtype)."""
-    block_m = min(64, max(16, triton.next_power_of_2(cfg.block)))
+    block_m = min(64, max(16, next_pow2(cfg.block)))
     return ScoreTiles(block_m, 32, 4)
 
 
@@ -554,7 +554,7 @@ def select_cells(
     Hkv = k.shape[2]
     K = cfg.top_k
     fsl = cfg.variant == "fsl"
-    nblocks = triton.cdiv(T, cfg.block)
+    nblocks = cdiv(T, cfg.block)
     C = T // cfg.cell
     if B * T * Hq == 0 or nblocks <= 1 or C == 0:
         return torch.full((B, T, Hq, K), -1, dtype=torch.int64, device=q.device)
@@ -564,8 +564,8 @@ def select_cells(
     sigma, lam = head_params(cfg, Hq, q.device)
     idx = torch.empty((B, T, Hq, K), dtype=torch.int64, device=q.device)
     tiles = tiles or score_tiles(cfg, D, q.dtype)
-    BLOCK_M, BLOCK_N, BLOCK_D = tiles.block_m, tiles.block_n, max(16, triton.next_power_of_2(D))
-    tiles_per_block = triton.cdiv(cfg.block, BLOCK_M)
+    BLOCK_M, BLOCK_N, BLOCK_D = tiles.block_m, tiles.block_n, max(16, next_pow2(D))
+    tiles_per_block = cdiv(cfg.block, BLOCK_M)
     grid = (nblocks * tiles_per_block, B * Hq)
     _score_topk_kernel[grid](
         q,
@@ -587,7 +587,7 @@ def select_cells(
         QBLOCK=cfg.block,
         TILES_PER_BLOCK=tiles_per_block,
         TOP_K=K,
-        K_PAD=max(2, triton.next_power_of_2(K)),
+        K_PAD=max(2, next_pow2(K)),
         FSL=fsl,
         N_CAND=max(n_cand, 1),
         SPLIT_DOT=q.dtype in (torch.float16, torch.bfloat16),
