@@ -159,6 +159,30 @@ def test_torch_compile_fullgraph():
     assert_close(qt.grad.cpu().numpy(), q2.grad.cpu().numpy(), 1e-6, "dq")
 
 
+@pytest.mark.parametrize("variant", ["fsl", "fs"])
+def test_eager_path_equals_operator_path(variant):
+    """Eager calls skip the custom-op dispatch (`_EagerAttention`, the same bodies): output and
+    every gradient (q, k, v, beta) equal those of `torch.ops.freesolo.triton_forward` bit for bit."""
+    from freesolo.backends.triton.backend import config_to_json
+
+    B, T, Hq, Hkv, D = 1, 70, 2, 1, 8
+    q, k, v = random_qkv(5, B, T, Hq, Hkv, D)
+    cfg = _cfg(variant, k)
+    results = []
+    for path in ("operator", "eager"):
+        qt, kt, vt = _tensors(q, k, v, grad=True)
+        beta = torch.full((Hq,), 0.7, device=DEVICE, requires_grad=True)
+        if path == "operator":
+            o = torch.ops.freesolo.triton_forward(qt, kt, vt, beta, config_to_json(cfg))[0]
+        else:
+            o = freesolo.freesolo_attention(qt, kt, vt, cfg, beta=beta, backend="triton")
+        (o * torch.linspace(-1, 1, D, device=DEVICE)).sum().backward()
+        results.append([o.detach(), qt.grad, kt.grad, vt.grad, beta.grad])
+    for name, a, b in zip(("o", "dq", "dk", "dv", "dbeta"), *results):
+        assert a is not None and b is not None, name
+        assert torch.equal(a, b), f"{name}: eager path differs from the operator path"
+
+
 def test_opcheck_forward():
     """torch.library.opcheck: schema, fake tensor and autograd registration are consistent."""
     from freesolo.backends.triton.backend import config_to_json

@@ -8,6 +8,9 @@ tracing and a registered autograd formula):
 - ``freesolo::triton_backward(do, q, k, v, o, idx, beta, lse_loc, lse_long, rstd, cfg_json,
   deterministic) -> (dq, dk, dv, dbeta)``: gradients of spec §8 (none through the selection).
 
+Eager calls (`triton_attention` outside torch.compile) run the same bodies through
+`_EagerAttention`, an autograd.Function, without the operators' dispatch (host time at short T).
+
 Shapes: q [B, T, Hq, D], k / v [B, T, Hkv, D], beta fp32 [Hq], o [B, T, Hq, D] (q's dtype),
 idx int64 [B, T, Hq, K] (-1 padded), lse_loc / lse_long / rstd fp32 [B, Hq, T].
 
@@ -234,6 +237,18 @@ def _forward_fake(q, k, v, beta, cfg_json):
     return o, idx, stat, torch.empty_like(stat), torch.empty_like(stat)
 
 
+def _backward_impl(do, q, k, v, o, idx, beta, lse_loc, lse_long, rstd, cfg_json, deterministic_sum):
+    """The body of ``freesolo::triton_backward`` (also called directly by the eager autograd path)."""
+    from .attention_bwd import attention_backward
+
+    cfg = config_from_json(cfg_json)
+    cos, sin = rope_cos_sin(q.shape[1], q.shape[3], cfg.rope_theta, q.device)
+    return attention_backward(
+        do.contiguous(), q, k, v, o, idx, beta.to(torch.float32), lse_loc, lse_long, rstd, cos, sin, cfg,
+        deterministic=deterministic_sum,
+    )
+
+
 @torch.library.custom_op("freesolo::triton_backward", mutates_args=())
 def _backward_op(
     do: torch.Tensor,
@@ -249,14 +264,7 @@ def _backward_op(
     cfg_json: str,
     deterministic_sum: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    from .attention_bwd import attention_backward
-
-    cfg = config_from_json(cfg_json)
-    cos, sin = rope_cos_sin(q.shape[1], q.shape[3], cfg.rope_theta, q.device)
-    dq, dk, dv, dbeta = attention_backward(
-        do.contiguous(), q, k, v, o, idx, beta.to(torch.float32), lse_loc, lse_long, rstd, cos, sin, cfg,
-        deterministic=deterministic_sum,
-    )
+    dq, dk, dv, dbeta = _backward_impl(do, q, k, v, o, idx, beta, lse_loc, lse_long, rstd, cfg_json, deterministic_sum)
     return dq, dk, dv, dbeta
 
 
@@ -273,15 +281,37 @@ def _setup_context(ctx, inputs, output):
     ctx.deterministic_sum = is_deterministic()
 
 
-def _backward(ctx, do, _didx, _dlse_loc, _dlse_long, _drstd):
+def _grads(ctx, do, backward):
+    """(dq, dk, dv, dbeta, None) from the tensors `_setup_context` saved; `backward` is the
+    backward operator (traced under torch.compile) or its body `_backward_impl` (eager)."""
     q, k, v, beta, o, idx, lse_loc, lse_long, rstd = ctx.saved_tensors
-    dq, dk, dv, dbeta = torch.ops.freesolo.triton_backward(
-        do, q, k, v, o, idx, beta, lse_loc, lse_long, rstd, ctx.cfg_json, ctx.deterministic_sum
-    )
+    dq, dk, dv, dbeta = backward(do, q, k, v, o, idx, beta, lse_loc, lse_long, rstd, ctx.cfg_json, ctx.deterministic_sum)
     return dq, dk, dv, dbeta.to(beta.dtype), None
 
 
+def _backward(ctx, do, _didx, _dlse_loc, _dlse_long, _drstd):
+    return _grads(ctx, do, torch.ops.freesolo.triton_backward)
+
+
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerAttention(torch.autograd.Function):
+    """The eager twin of the operators' autograd registration: the same bodies (`_forward_impl`,
+    `_backward_impl`), the same saved tensors, without the two custom-op dispatches, which cost
+    about 130 us of host time per forward on the H200's host (s23 `host_overhead_probe.py`: 885
+    us through the op against 756 for its body at 4k). `triton_attention` uses the operators
+    while torch.compile traces (one opaque node, fake tensors) and this class otherwise."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, beta, cfg_json):
+        output = _forward_impl(q, k, v, beta, cfg_json)
+        _setup_context(ctx, (q, k, v, beta, cfg_json), output)
+        return output[0]
+
+    @staticmethod
+    def backward(ctx, do):
+        return _grads(ctx, do, _backward_impl)
 
 
 # ---- public functions ----------------------------------------------------------------------------
@@ -298,8 +328,10 @@ def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: Fre
         o [B, T, Hq, D] in q's dtype.
     """
     b = _beta32(beta, q.shape[2], q.device) if beta is None else beta
-    o, _idx, _lse_loc, _lse_long, _rstd = torch.ops.freesolo.triton_forward(q, k, v, b, config_to_json(cfg))
-    return o
+    if torch.compiler.is_compiling():
+        o, _idx, _lse_loc, _lse_long, _rstd = torch.ops.freesolo.triton_forward(q, k, v, b, config_to_json(cfg))
+        return o
+    return _EagerAttention.apply(q, k, v, b, config_to_json(cfg))
 
 
 def triton_select_cells(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig) -> torch.Tensor:
