@@ -2,9 +2,8 @@
 # One H200 call that measures and checks what a session changed (run from the repository root with
 # $OUT set). Every step has its own timeout so that a slow step cannot starve the rest; everything
 # lands in $OUT/session.tar (the device returns at most 8 files) plus $OUT/summary.txt.
-# STEPS picks the steps (default: session 23's fourth call: the host-time probe and the attention peers after the
-# host-time cuts, then the CUDA tests of the forward / backward / API / L11-L12 / models and of the FS-B builder /
-# decode / caches (every launch's host code changed); pass timeout_s 600, read summary.txt):
+# STEPS picks the steps (default: session 23's fifth call: triton FS-L against flex_fsl and SDPA at 16k / 64k, same
+# run; pass timeout_s 600, read summary.txt):
 #   tests_split  CUDA tests of the Triton forward / backward / API / L11-L12 with the split long kernel
 #                (FREESOLO_TRITON_LONG_BLOCK=64 FREESOLO_TRITON_MAXNREG=128: the proposed 16-bit default)
 #   sanitize     compute-sanitizer memcheck and racecheck of every Triton kernel (benchmarks/sanitize_triton.py)
@@ -62,6 +61,8 @@
 #   attention_128k issue 10: the forward at 128k (triton FS-L / FS, SDPA, Flex SWA-512, fla NSA; peak memory)
 #   attn_s23b    issues 10 / 11: triton FS-L / FS vs SDPA and Flex SWA-512, fwd and fwd+bwd, 4k / 16k / 64k, after the
 #                host-time cuts (plain-Python next_pow2 / cdiv, cached config string, eager autograd.Function path)
+#   flex_fsl     issue 10: triton FS-L vs FS-L written with FlexAttention over the torch backend's selection, and SDPA,
+#                forward at 16k / 64k, same run
 #   fsb_long2    issue 12: the Triton FS-B search alone at 256k and 1M (sorted beam selection), last in the s22 call
 set -u
 OUT=${OUT:-/tmp/session_out}
@@ -69,7 +70,7 @@ W=/tmp/session_work
 rm -rf "$W"  # a warm machine keeps /tmp: start empty
 mkdir -p "$OUT" "$W"
 export PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=ci PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-STEPS=${STEPS:-"host_probe attn_s23b tests_split tests_s22b"}
+STEPS=${STEPS:-"flex_fsl"}
 SPLIT=(env FREESOLO_TRITON_LONG_BLOCK=64 FREESOLO_TRITON_MAXNREG=128)
 step() {  # step NAME SECONDS COMMAND...: run with a timeout, log to $W/NAME.log, one summary line
   local name=$1 secs=$2; shift 2
@@ -118,6 +119,7 @@ step fla_install 60 python3 -m pip install --no-deps --no-index .whl/fla_core-0.
 step attention_s23 200 python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fs sdpa_causal flex_swa512 fla_nsa --shapes H16-D64 --modes fwd fwd+bwd --lengths 4096 16384 65536 --budget-s 180 --rep-ms 30 --out "$W" --tag _s23
 step attention_128k 150 python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fs sdpa_causal flex_swa512 fla_nsa --shapes H16-D64 --modes fwd --lengths 131072 --budget-s 130 --rep-ms 30 --out "$W" --tag _s23_128k
 step attn_s23b 150 python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fs sdpa_causal flex_swa512 --shapes H16-D64 --modes fwd fwd+bwd --lengths 4096 16384 65536 --budget-s 130 --rep-ms 30 --out "$W" --tag _s23b
+step flex_fsl 150 python3 benchmarks/gpu_attention.py --providers triton_fsl flex_fsl sdpa_causal --shapes H16-D64 --modes fwd --lengths 16384 65536 --budget-s 130 --rep-ms 30 --out "$W" --tag _s23_flex_fsl
 step score_1m 100 python3 benchmarks/score_tiles_sweep.py --cases fsl:65536 fsl:1048576 --chunks 32 64 --out "$W/score_tiles_1m.json"
 step tests_fwd 150 python3 -m pytest -q -n ${NPROC:-8} -p no:benchmark -k "cuda or gpu" proofs_tests/test_row_independence.py proofs_tests/test_packed.py proofs_tests/test_models.py proofs_tests/test_triton_selection.py
 step sanitize_fwd 200 bash -c "compute-sanitizer --tool memcheck python3 benchmarks/sanitize_triton.py forward_backward && compute-sanitizer --tool racecheck python3 benchmarks/sanitize_triton.py forward_backward"
