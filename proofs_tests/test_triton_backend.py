@@ -183,6 +183,22 @@ def test_eager_path_equals_operator_path(variant):
         assert torch.equal(a, b), f"{name}: eager path differs from the operator path"
 
 
+def test_host_size_helpers_equal_triton():
+    """`_common.next_pow2` / `cdiv` (plain Python: triton 3.6's are constexpr functions, slow on the
+    host) give exactly triton.next_power_of_2 / triton.cdiv on every size a launcher uses."""
+    import triton
+
+    from freesolo.backends.triton._common import cdiv, next_pow2
+
+    for n in range(0, 5000):
+        assert next_pow2(n) == triton.next_power_of_2(n), n
+    for n in (2**20 - 1, 2**20, 2**20 + 1, 2**31 - 1, 2**31, 2**40 + 3):
+        assert next_pow2(n) == triton.next_power_of_2(n), n
+    for a in range(0, 300):
+        for b in (1, 2, 3, 7, 16, 32, 64, 100):
+            assert cdiv(a, b) == triton.cdiv(a, b), (a, b)
+
+
 def test_opcheck_forward():
     """torch.library.opcheck: schema, fake tensor and autograd registration are consistent."""
     from freesolo.backends.triton.backend import config_to_json
