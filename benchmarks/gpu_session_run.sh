@@ -2,8 +2,9 @@
 # One H200 call that measures and checks what a session changed (run from the repository root with
 # $OUT set). Every step has its own timeout so that a slow step cannot starve the rest; everything
 # lands in $OUT/session.tar (the device returns at most 8 files) plus $OUT/summary.txt.
-# STEPS picks the steps (default: session 23's fifth call: triton FS-L against flex_fsl and SDPA at 16k / 64k, same
-# run; pass timeout_s 600, read summary.txt):
+# STEPS picks the steps (default: the s23 baseline for the next session's first call: the CUDA tests of the Triton
+# forward / backward / API / L11-L12 / models and of the FS-B builder / decode / caches, the host-time probe and the
+# attention peers at 4k / 16k / 64k; pass timeout_s 600, read summary.txt):
 #   tests_split  CUDA tests of the Triton forward / backward / API / L11-L12 with the split long kernel
 #                (FREESOLO_TRITON_LONG_BLOCK=64 FREESOLO_TRITON_MAXNREG=128: the proposed 16-bit default)
 #   sanitize     compute-sanitizer memcheck and racecheck of every Triton kernel (benchmarks/sanitize_triton.py)
@@ -70,7 +71,7 @@ W=/tmp/session_work
 rm -rf "$W"  # a warm machine keeps /tmp: start empty
 mkdir -p "$OUT" "$W"
 export PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=ci PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-STEPS=${STEPS:-"flex_fsl"}
+STEPS=${STEPS:-"tests_split tests_s22b host_probe attn_s23b"}
 SPLIT=(env FREESOLO_TRITON_LONG_BLOCK=64 FREESOLO_TRITON_MAXNREG=128)
 step() {  # step NAME SECONDS COMMAND...: run with a timeout, log to $W/NAME.log, one summary line
   local name=$1 secs=$2; shift 2
