@@ -64,6 +64,10 @@
 #                host-time cuts (plain-Python next_pow2 / cdiv, cached config string, eager autograd.Function path)
 #   flex_fsl     issue 10: triton FS-L vs FS-L written with FlexAttention over the torch backend's selection, and SDPA,
 #                forward at 16k / 64k, same run
+#   tests_into_out issue 10: the CUDA tests of the Triton forward / backward / API / L11-L12 / models with
+#                FREESOLO_TRITON_LONG_INTO_OUT=1 (the long term written into o: opt-in since s23, not yet run on a GPU)
+#   into_out_ab  issue 10: triton FS-L forward at 64k / 128k with and without FREESOLO_TRITON_LONG_INTO_OUT=1 (time and
+#                peak memory, SDPA in both runs)
 #   fsb_long2    issue 12: the Triton FS-B search alone at 256k and 1M (sorted beam selection), last in the s22 call
 set -u
 OUT=${OUT:-/tmp/session_out}
@@ -121,6 +125,8 @@ step attention_s23 200 python3 benchmarks/gpu_attention.py --providers triton_fs
 step attention_128k 150 python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fs sdpa_causal flex_swa512 fla_nsa --shapes H16-D64 --modes fwd --lengths 131072 --budget-s 130 --rep-ms 30 --out "$W" --tag _s23_128k
 step attn_s23b 150 python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fs sdpa_causal flex_swa512 --shapes H16-D64 --modes fwd fwd+bwd --lengths 4096 16384 65536 --budget-s 130 --rep-ms 30 --out "$W" --tag _s23b
 step flex_fsl 150 python3 benchmarks/gpu_attention.py --providers triton_fsl flex_fsl sdpa_causal --shapes H16-D64 --modes fwd --lengths 16384 65536 --budget-s 130 --rep-ms 30 --out "$W" --tag _s23_flex_fsl
+step tests_into_out 200 env FREESOLO_TRITON_LONG_INTO_OUT=1 python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k "cuda or gpu" proofs_tests/test_triton_attention.py proofs_tests/test_triton_backend.py proofs_tests/test_triton_backward.py proofs_tests/test_row_independence.py proofs_tests/test_packed.py proofs_tests/test_models.py
+step into_out_ab 150 bash -c "python3 benchmarks/gpu_attention.py --providers triton_fsl sdpa_causal --shapes H16-D64 --modes fwd --lengths 65536 131072 --budget-s 60 --rep-ms 30 --out $W --tag _buffer && FREESOLO_TRITON_LONG_INTO_OUT=1 python3 benchmarks/gpu_attention.py --providers triton_fsl sdpa_causal --shapes H16-D64 --modes fwd --lengths 65536 131072 --budget-s 60 --rep-ms 30 --out $W --tag _into_out"
 step score_1m 100 python3 benchmarks/score_tiles_sweep.py --cases fsl:65536 fsl:1048576 --chunks 32 64 --out "$W/score_tiles_1m.json"
 step tests_fwd 150 python3 -m pytest -q -n ${NPROC:-8} -p no:benchmark -k "cuda or gpu" proofs_tests/test_row_independence.py proofs_tests/test_packed.py proofs_tests/test_models.py proofs_tests/test_triton_selection.py
 step sanitize_fwd 200 bash -c "compute-sanitizer --tool memcheck python3 benchmarks/sanitize_triton.py forward_backward && compute-sanitizer --tool racecheck python3 benchmarks/sanitize_triton.py forward_backward"

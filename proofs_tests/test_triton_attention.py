@@ -325,6 +325,22 @@ def test_long_block_equals_fused_path():
             assert_close(x[fin], y[fin], 1e-6, f"long_block={long_block} {name}")
 
 
+def test_long_into_out_equals_fp32_buffer():
+    """AttentionTiles.long_into_out (the long kernel writes its term into o, the window kernel adds
+    o_loc there) gives the same bits as the fp32 hand-over buffer for float32 inputs, every output
+    and statistic; it needs the separate long kernel."""
+    cfg = _cfg(variant="fsl", top_k=3)
+    q, k, v = random_qkv(12, 2, 90, 4, 2, 16)
+    beta = np.array([1.0, -0.5, 0.25, 2.0])
+    idx = _selection(q, k, cfg)
+    for long_block in (16, 64):
+        ref = _run(q, k, v, idx, beta, cfg, tiles=AttentionTiles(32, 32, 1, 1, long_block=long_block))
+        got = _run(q, k, v, idx, beta, cfg, tiles=AttentionTiles(32, 32, 1, 1, long_block=long_block, long_into_out=True))
+        _bitwise_equal(got, ref, f"long_into_out, long_block={long_block}")
+    with pytest.raises(ValueError, match="long_into_out"):
+        AttentionTiles(32, 32, 1, 1, long_into_out=True)
+
+
 def test_tiles_switches():
     """AttentionTiles validates long_block / maxnreg; the environment switches reach default_tiles;
     launch_forward refuses a union computed for other tile rows."""
@@ -343,6 +359,11 @@ def test_tiles_switches():
         assert (tiles.long_block, tiles.maxnreg, tiles.union_rows) == (16, None, 16)  # no cap for fp32
         assert tiles.block_m == base.block_m
         assert att.default_tiles(16, torch.bfloat16, torch.device(DEVICE)).maxnreg == 128
+        assert not tiles.long_into_out
+        mp.setenv(att.ENV_LONG_INTO_OUT, "1")
+        assert att.default_tiles(16, torch.float32, torch.device(DEVICE)).long_into_out
+        mp.setenv(att.ENV_LONG_BLOCK, "0")  # the fused kernel has no hand-over: the switch does not apply
+        assert not att.default_tiles(16, torch.float32, torch.device(DEVICE)).long_into_out
         mp.setenv(att.ENV_LONG_BLOCK, "x")
         with pytest.raises(ValueError, match=att.ENV_LONG_BLOCK):
             att.default_tiles(16, torch.float32, torch.device(DEVICE))

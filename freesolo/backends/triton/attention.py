@@ -50,6 +50,7 @@ from ._common import NEG_BIG, next_pow2, padded_dims, rope_rotate
 
 __all__ = [
     "ENV_LONG_BLOCK",
+    "ENV_LONG_INTO_OUT",
     "ENV_MAXNREG",
     "AttentionTiles",
     "attention_forward",
@@ -203,7 +204,7 @@ def _long_fwd_kernel(
     UNION,  # int32 [B * Hq, NT, U_MAX]: sorted cells of each tile of BLOCK_M queries, -1 padded
     NUNION,  # int32 [B * Hq, NT]
     BETA,  # fp32 [Hq]
-    LONG_TERM,  # fp32 [B, T, Hq, D] (out): beta_h * rmsnorm(o_long)
+    LONG_TERM,  # fp32 [B, T, Hq, D] (out): beta_h * rmsnorm(o_long); or O itself (long_into_out)
     LSE_LONG,  # fp32 [B, Hq, T] (out)
     RSTD,  # fp32 [B, Hq, T] (out)
     T,
@@ -244,7 +245,7 @@ def _long_fwd_kernel(
         D, D_P, CELL, CELL_P, KSEL, K_P, BLOCK_M, PREFETCH,
     )  # fmt: skip
     long_term, lse_long, rstd = _long_finish(acc, l_j, m_j, BETA + h, eps, D)
-    tl.store(LONG_TERM + rows, long_term, mask=mask)
+    tl.store(LONG_TERM + rows, long_term.to(LONG_TERM.dtype.element_ty), mask=mask)
     stat = (b * Hq + h) * T + offs_m
     tl.store(LSE_LONG + stat, lse_long, mask=row_ok)
     tl.store(RSTD + stat, rstd, mask=row_ok)
@@ -260,7 +261,7 @@ def _attention_fwd_kernel(
     UNION,  # int32 [B * Hq, NT, U_MAX]: sorted cells of each tile, -1 padded (HAS_LONG)
     NUNION,  # int32 [B * Hq, NT]: cells in each tile's union (HAS_LONG)
     BETA,  # fp32 [Hq]
-    LONG_TERM,  # fp32 [B, T, Hq, D]: beta_h * rmsnorm(o_long) of `_long_fwd_kernel` (not HAS_LONG)
+    LONG_TERM,  # fp32 [B, T, Hq, D]: beta_h * rmsnorm(o_long) of `_long_fwd_kernel` (not HAS_LONG); or O (long_into_out)
     COS,  # fp32 [T, HALF]
     SIN,  # fp32 [T, HALF]
     O,  # [B, T, Hq, D], q's dtype
@@ -361,7 +362,7 @@ def _attention_fwd_kernel(
         tl.store(LSE_LONG + stat, lse_long, mask=row_ok)
         tl.store(RSTD + stat, rstd, mask=row_ok)
     else:  # beta_h * rmsnorm(o_long), fp32, written by _long_fwd_kernel
-        long_term = tl.load(LONG_TERM + o_offs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        long_term = tl.load(LONG_TERM + o_offs, mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
     out = o_loc + long_term
     tl.store(O + o_offs, out.to(dtype), mask=row_ok[:, None] & d_ok[None, :])
     tl.store(LSE_LOC + stat, lse_loc, mask=row_ok)
@@ -425,12 +426,21 @@ class AttentionTiles:
     # register cap per thread for the window kernel (ptxas -maxrregcount; GPU only). The default
     # bf16 D 64 tiles use 129 registers x 256 threads: one program per SM; 128 fits two.
     maxnreg: Optional[int] = None
+    # long_block > 0 only. False: the long kernel hands beta_h * rmsnorm(o_long) over in an fp32
+    # [B, T, Hq, D] buffer. True (opt-in, s23, not yet measured on the GPU): it writes it into the
+    # output `o` itself, in q's dtype, and the window kernel adds its o_loc there (each program reads
+    # and rewrites only its own rows): no fp32 buffer (0.5 GiB at 128k, H 16, D 64) and half the
+    # traffic, but for 16-bit dtypes the long term is rounded once more (to q's dtype) before the
+    # sum. float32: the same bits either way.
+    long_into_out: bool = False
 
     def __post_init__(self):
         if self.long_block and (self.long_block < 16 or self.long_block & (self.long_block - 1)):
             raise ValueError(f"long_block={self.long_block} must be 0 or a power of two >= 16")
         if self.maxnreg is not None and not 24 <= self.maxnreg <= 255:
             raise ValueError(f"maxnreg={self.maxnreg} must be None or in [24, 255]")
+        if self.long_into_out and not self.long_block:
+            raise ValueError("long_into_out=True needs the separate long kernel (long_block > 0)")
 
     @property
     def union_rows(self) -> int:
@@ -442,6 +452,7 @@ class AttentionTiles:
 # FREESOLO_TRITON_LONG_BLOCK=16 (AttentionTiles.long_block; 0 = the fused kernel), FREESOLO_TRITON_MAXNREG=128 (0 = no cap).
 ENV_LONG_BLOCK = "FREESOLO_TRITON_LONG_BLOCK"
 ENV_MAXNREG = "FREESOLO_TRITON_MAXNREG"
+ENV_LONG_INTO_OUT = "FREESOLO_TRITON_LONG_INTO_OUT"  # 1: AttentionTiles.long_into_out (split kernels only)
 
 
 def _env_int(name: str) -> Optional[int]:
@@ -456,8 +467,8 @@ def _env_int(name: str) -> Optional[int]:
 
 def default_tiles(D: int, dtype: torch.dtype, device: torch.device) -> AttentionTiles:
     """Tile sizes by head dim and dtype (see AttentionTiles). On the CPU (interpreter) small tiles.
-    The environment variables ENV_LONG_BLOCK / ENV_MAXNREG override long_block / maxnreg
-    (process-wide, read at each call; they never depend on B or T). ENV_MAXNREG applies to 16-bit
+    The environment variables ENV_LONG_BLOCK / ENV_MAXNREG / ENV_LONG_INTO_OUT override long_block /
+    maxnreg / long_into_out (process-wide, read at each call; they never depend on B or T). ENV_MAXNREG applies to 16-bit
     dtypes only (fp32 D 128 at 128 registers spills ~1.2 kB per thread on sm_90)."""
     tiles = _base_tiles(D, dtype, device)
     long_block, maxnreg = _env_int(ENV_LONG_BLOCK), _env_int(ENV_MAXNREG)
@@ -465,6 +476,9 @@ def default_tiles(D: int, dtype: torch.dtype, device: torch.device) -> Attention
         tiles = dataclasses.replace(tiles, long_block=long_block)
     if maxnreg is not None and dtype != torch.float32:
         tiles = dataclasses.replace(tiles, maxnreg=maxnreg or None)
+    into_out = _env_int(ENV_LONG_INTO_OUT)
+    if into_out is not None and tiles.long_block:
+        tiles = dataclasses.replace(tiles, long_into_out=bool(into_out))
     return tiles
 
 
@@ -609,7 +623,7 @@ def launch_forward(q, k, v, idx, union, count, beta, cos, sin, cfg, tiles: Atten
                   K_P=next_pow2(K), PREFETCH=tiles.prefetch)  # fmt: skip
     split = tiles.long_block > 0
     if split:
-        long_term = torch.empty(B, T, Hq, D, dtype=torch.float32, device=q.device)
+        long_term = o if tiles.long_into_out else torch.empty(B, T, Hq, D, dtype=torch.float32, device=q.device)
         _long_fwd_kernel[(NU, B * Hq)](
             q, k, v, idx, union, count, beta, long_term, lse_long, rstd, T, Hq, Hkv, NU, qk_scale, cfg.eps,
             BLOCK_M=rows, U_MAX=rows * K, num_warps=tiles.long_warps, num_stages=1, **common,
