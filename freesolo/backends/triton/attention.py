@@ -245,7 +245,7 @@ def _long_fwd_kernel(
         D, D_P, CELL, CELL_P, KSEL, K_P, BLOCK_M, PREFETCH,
     )  # fmt: skip
     long_term, lse_long, rstd = _long_finish(acc, l_j, m_j, BETA + h, eps, D)
-    tl.store(LONG_TERM + rows, long_term.to(LONG_TERM.dtype.element_ty), mask=mask)
+    tl.store(LONG_TERM + rows, long_term, mask=mask)  # tl.store casts to LONG_TERM's dtype (q's with long_into_out)
     stat = (b * Hq + h) * T + offs_m
     tl.store(LSE_LONG + stat, lse_long, mask=row_ok)
     tl.store(RSTD + stat, rstd, mask=row_ok)
@@ -362,7 +362,7 @@ def _attention_fwd_kernel(
         tl.store(LSE_LONG + stat, lse_long, mask=row_ok)
         tl.store(RSTD + stat, rstd, mask=row_ok)
     else:  # beta_h * rmsnorm(o_long), fp32, written by _long_fwd_kernel
-        long_term = tl.load(LONG_TERM + o_offs, mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        long_term = tl.load(LONG_TERM + o_offs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # + fp32 o_loc: fp32 sum
     out = o_loc + long_term
     tl.store(O + o_offs, out.to(dtype), mask=row_ok[:, None] & d_ok[None, :])
     tl.store(LSE_LOC + stat, lse_loc, mask=row_ok)
