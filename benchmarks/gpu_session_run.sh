@@ -2,9 +2,9 @@
 # One H200 call that measures and checks what a session changed (run from the repository root with
 # $OUT set). Every step has its own timeout so that a slow step cannot starve the rest; everything
 # lands in $OUT/session.tar (the device returns at most 8 files) plus $OUT/summary.txt.
-# STEPS picks the steps (default: the s23 baseline for the next session's first call: the CUDA tests of the Triton
-# forward / backward / API / L11-L12 / models and of the FS-B builder / decode / caches, the host-time probe and the
-# attention peers at 4k / 16k / 64k; pass timeout_s 600, read summary.txt):
+# STEPS picks the steps (default: the s24 check: the CUDA tests of the Triton forward / backward / selection / API /
+# L11-L12 / models, the scoring-kernel switches, the attention peers at 4k ... 128k and the per-kernel profile;
+# pass timeout_s 600, read summary.txt):
 #   tests_split  CUDA tests of the Triton forward / backward / API / L11-L12 with the split long kernel
 #                (FREESOLO_TRITON_LONG_BLOCK=64 FREESOLO_TRITON_MAXNREG=128: the proposed 16-bit default)
 #   sanitize     compute-sanitizer memcheck and racecheck of every Triton kernel (benchmarks/sanitize_triton.py)
@@ -68,6 +68,11 @@
 #                FREESOLO_TRITON_LONG_INTO_OUT=1 (the long term written into o: opt-in since s23, not yet run on a GPU)
 #   into_out_ab  issue 10: triton FS-L forward at 64k / 128k with and without FREESOLO_TRITON_LONG_INTO_OUT=1 (time and
 #                peak memory, SDPA in both runs)
+#   tests_s24    the CUDA tests of the Triton forward / backward / selection / API / L11-L12 / models with the s24
+#                defaults (long term into o, rotated keys per chunk of query tiles, int32 selections, erf skip)
+#   score_s24    issue 10: ScoreTiles with / without erf_skip and count_rounds at FS-L 64k, FS 16k / 64k
+#   attn_s24     issues 10 / 11: triton FS-L / FS vs SDPA and Flex SWA-512, fwd at 4k ... 128k (peak memory),
+#                fwd+bwd at 4k / 16k / 64k
 #   fsb_long2    issue 12: the Triton FS-B search alone at 256k and 1M (sorted beam selection), last in the s22 call
 set -u
 OUT=${OUT:-/tmp/session_out}
@@ -75,7 +80,7 @@ W=/tmp/session_work
 rm -rf "$W"  # a warm machine keeps /tmp: start empty
 mkdir -p "$OUT" "$W"
 export PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=ci PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-STEPS=${STEPS:-"tests_split tests_s22b host_probe attn_s23b"}
+STEPS=${STEPS:-"tests_s24 score_s24 attn_s24 profile_fwd"}
 SPLIT=(env FREESOLO_TRITON_LONG_BLOCK=64 FREESOLO_TRITON_MAXNREG=128)
 step() {  # step NAME SECONDS COMMAND...: run with a timeout, log to $W/NAME.log, one summary line
   local name=$1 secs=$2; shift 2
@@ -130,6 +135,9 @@ step into_out_ab 150 bash -c "python3 benchmarks/gpu_attention.py --providers tr
 step score_1m 100 python3 benchmarks/score_tiles_sweep.py --cases fsl:65536 fsl:1048576 --chunks 32 64 --out "$W/score_tiles_1m.json"
 step tests_fwd 150 python3 -m pytest -q -n ${NPROC:-8} -p no:benchmark -k "cuda or gpu" proofs_tests/test_row_independence.py proofs_tests/test_packed.py proofs_tests/test_models.py proofs_tests/test_triton_selection.py
 step sanitize_fwd 200 bash -c "compute-sanitizer --tool memcheck python3 benchmarks/sanitize_triton.py forward_backward && compute-sanitizer --tool racecheck python3 benchmarks/sanitize_triton.py forward_backward"
+step tests_s24 260 python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k "cuda or gpu" proofs_tests/test_triton_attention.py proofs_tests/test_triton_backend.py proofs_tests/test_triton_backward.py proofs_tests/test_triton_selection.py proofs_tests/test_row_independence.py proofs_tests/test_packed.py proofs_tests/test_models.py
+step score_s24 120 python3 benchmarks/score_tiles_sweep.py --cases fsl:65536 fs:16384 fs:65536 --chunks --out "$W/score_tiles_s24.json"
+step attn_s24 240 bash -c "python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fs sdpa_causal flex_swa512 --shapes H16-D64 --modes fwd --lengths 4096 16384 65536 131072 --budget-s 110 --rep-ms 30 --out $W --tag _s24_fwd && python3 benchmarks/gpu_attention.py --providers triton_fsl sdpa_causal flex_swa512 --shapes H16-D64 --modes fwd+bwd --lengths 4096 16384 65536 --budget-s 90 --rep-ms 30 --out $W --tag _s24_bwd"
 step fsb_long2 90 python3 benchmarks/fsb_search_bench.py --providers triton --lengths 262144 1048576 --out "$W/fsb_search_long.json"
 step decode_tiles2 200 python3 benchmarks/gpu_decode.py --contexts 4096 1048576 --batches 1 32 --tiles single single_w4 split split64_w2 split64_w1 split32_w2 split32_w1 --out "$W" --name gpu_decode_tiles2
 step fsb_decode3 240 python3 benchmarks/fsb_decode_bench.py --contexts 4096 65536 1048576 --out "$W/fsb_decode.json"

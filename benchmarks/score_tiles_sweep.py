@@ -12,6 +12,7 @@ the default's bit for bit (same keys, same tie rule; only the schedule differs).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -29,15 +30,15 @@ from freesolo.backends.triton.selection import ScoreTiles, cell_stats, fsl_candi
 
 __all__ = ["VARIANTS", "main"]
 
-VARIANTS = {  # name -> ScoreTiles (block_m, block_n, num_warps, early_exit)
-    "m64n32w4": ScoreTiles(64, 32, 4, True),
+VARIANTS = {  # name -> ScoreTiles (block_m, block_n, num_warps, early_exit, count_rounds, erf_skip)
+    # (s22 / s23 also swept block_n 64 / 128, block_m 32 / 128 and 8 warps: all slower at 64k and 1M,
+    # results/session_2026-12-02_s23/call2/score_tiles_1m.json)
+    "m64n32w4": ScoreTiles(64, 32, 4, True),  # the default since s24 (erf_skip)
+    "m64n32w4-noerfskip": ScoreTiles(64, 32, 4, True, erf_skip=False),  # the s22 / s23 default
+    "m64n32w4-count": ScoreTiles(64, 32, 4, False, count_rounds=True),
+    "m64n32w4-count-noerfskip": ScoreTiles(64, 32, 4, False, count_rounds=True, erf_skip=False),
     "m64n32w4-noexit": ScoreTiles(64, 32, 4, False),
-    "m64n128w4-noexit": ScoreTiles(64, 128, 4, False),
-    "m64n128w8-noexit": ScoreTiles(64, 128, 8, False),
-    "m32n128w4-noexit": ScoreTiles(32, 128, 4, False),
-    "m64n64w4-noexit": ScoreTiles(64, 64, 4, False),
-    "m128n32w8-noexit": ScoreTiles(128, 32, 8, False),
-    "m64n128w4": ScoreTiles(64, 128, 4, True),
+    "m128n32w8": ScoreTiles(128, 32, 8, True),
 }
 
 
@@ -51,7 +52,7 @@ def main() -> None:
     args = ap.parse_args()
     device, dtype = smoke_or_gpu(args.dry_run)
     H, D = (2, 16) if args.dry_run else (16, 64)
-    variants = VARIANTS if not args.dry_run else {n: ScoreTiles(16, min(t.block_n, 32), t.num_warps, t.early_exit) for n, t in list(VARIANTS.items())[:3]}
+    variants = VARIANTS if not args.dry_run else {n: dataclasses.replace(t, block_m=16, block_n=16) for n, t in list(VARIANTS.items())[:4]}
     results = []
     for case in args.cases:
         variant, T = case.split(":")
@@ -82,7 +83,8 @@ def main() -> None:
             equal = bool(torch.equal(got, reference))
             ms = bench_ms(lambda: select_cells(q, k, cfg, tiles=tiles), device, args.rep_ms)
             row = dict(variant=variant, T=T, tiles=name, block_m=tiles.block_m, block_n=tiles.block_n,
-                       num_warps=tiles.num_warps, early_exit=tiles.early_exit, ms=ms, equal_to_default=equal,
+                       num_warps=tiles.num_warps, early_exit=tiles.early_exit, count_rounds=tiles.count_rounds,
+                       erf_skip=tiles.erf_skip, ms=ms, equal_to_default=equal,
                        is_default=tiles == default)  # fmt: skip
             results.append(row)
             print(f"{variant} T={T:>7} {name:<20} {ms:8.3f} ms  equal={equal}", flush=True)

@@ -341,6 +341,28 @@ def test_long_into_out_equals_fp32_buffer():
         AttentionTiles(32, 32, 1, 1, long_into_out=True)
 
 
+@pytest.mark.parametrize("long_block", [0, 16])
+def test_rotation_chunks_do_not_change_bits(monkeypatch, long_block):
+    """The window kernel runs once per chunk of query tiles over that chunk's rotated keys
+    (`rotation_chunk_tiles`): with one 32-query tile per chunk (the window spans 3 chunks; B 2,
+    GQA, T not a multiple of the tile) every output and statistic has the bits of one launch over
+    all keys rotated at once."""
+    from freesolo.backends.triton import attention as att
+
+    cfg = _cfg(variant="fsl", window=80, top_k=3)
+    q, k, v = random_qkv(21, 2, 150, 4, 2, 16)
+    beta = np.array([1.0, -0.5, 0.25, 2.0])
+    idx = _selection(q, k, cfg)
+    tiles = AttentionTiles(32, 32, 1, 1, long_block=long_block)
+    ref = _run(q, k, v, idx, beta, cfg, tiles=tiles)
+    assert att.rotation_chunk_tiles(2, 2, 16, 4, 32) > -(-150 // 32)  # the reference is one launch
+    monkeypatch.setattr(att, "ROTATION_CHUNK_BYTES", 1)
+    monkeypatch.setattr(att, "ROTATION_CHUNK_MIN_POSITIONS", 32)
+    assert att.rotation_chunk_tiles(2, 2, 16, 4, 32) == 1
+    got = _run(q, k, v, idx, beta, cfg, tiles=tiles)
+    _bitwise_equal(got, ref, f"one tile per rotation chunk, long_block={long_block}")
+
+
 def test_tiles_switches():
     """AttentionTiles validates long_block / maxnreg; the environment switches reach default_tiles;
     launch_forward refuses a union computed for other tile rows."""
@@ -359,7 +381,9 @@ def test_tiles_switches():
         assert (tiles.long_block, tiles.maxnreg, tiles.union_rows) == (16, None, 16)  # no cap for fp32
         assert tiles.block_m == base.block_m
         assert att.default_tiles(16, torch.bfloat16, torch.device(DEVICE)).maxnreg == 128
-        assert not tiles.long_into_out
+        assert tiles.long_into_out  # the default of the split kernels
+        mp.setenv(att.ENV_LONG_INTO_OUT, "0")
+        assert not att.default_tiles(16, torch.float32, torch.device(DEVICE)).long_into_out
         mp.setenv(att.ENV_LONG_INTO_OUT, "1")
         assert att.default_tiles(16, torch.float32, torch.device(DEVICE)).long_into_out
         mp.setenv(att.ENV_LONG_BLOCK, "0")  # the fused kernel has no hand-over: the switch does not apply

@@ -224,6 +224,55 @@ def test_exact_score_ties_prefer_larger_cell(variant):
             assert idx[0, i, 0].tolist() == expected, (i, idx[0, i, 0].tolist(), expected)
 
 
+@pytest.mark.parametrize("variant", ["fs", "fsl"])
+def test_score_kernel_switches_give_equal_selections(variant):
+    """ScoreTiles.erf_skip (prior 1.0 without erf where every argument of a chunk is >= ERF_ONE)
+    and count_rounds (top-K rounds counted per chunk) change no selected cell: bitwise against the
+    kernel without them, on a config whose chunks are some skipped, some not (sigma 4, cell 4:
+    erf is skipped from 8 tokens before the tile on; 16-cell chunks)."""
+    from freesolo.backends.triton.selection import ERF_ONE, ScoreTiles
+
+    cfg = _cfg(variant, pool=12, recent=4, top_k=3, sigma=(4.0, 0.25), lam=(1.0, 3.0))
+    assert 4.0 / (2 * cfg.cell) * 8 >= ERF_ONE  # head 0 skips chunks 2 cells before its tile
+    q, k, _ = random_qkv(29, 1, 230, 2, 1, 16)
+    qt, kt = (torch.as_tensor(x, dtype=torch.float32, device=DEVICE) for x in (q, k))
+    base = select_cells(qt, kt, cfg, tiles=ScoreTiles(16, 16, 1, early_exit=True, erf_skip=False))
+    assert (base[0, 16:] >= 0).all()
+    for tiles in (ScoreTiles(16, 16, 1, early_exit=True, erf_skip=True),
+                  ScoreTiles(16, 16, 1, count_rounds=True, erf_skip=True),
+                  ScoreTiles(16, 16, 1, early_exit=False, count_rounds=True, erf_skip=False)):  # fmt: skip
+        assert torch.equal(select_cells(qt, kt, cfg, tiles=tiles), base), tiles
+    assert select_cells(qt, kt, cfg, out_dtype=torch.int32).dtype == torch.int32
+    with pytest.raises(TypeError, match="out_dtype"):
+        select_cells(qt, kt, cfg, out_dtype=torch.float32)
+
+
+@needs_cuda
+def test_cuda_erf_is_one_from_erf_one_on():
+    """The premise of ScoreTiles.erf_skip on the device: the compiled tl.math.erf returns exactly
+    1.0 for every float32 x in [ERF_ONE, 8) (all 2^21 of them) and for a sweep of larger x."""
+    import triton
+    import triton.language as tl
+
+    from freesolo.backends.triton.selection import ERF_ONE
+
+    @triton.jit
+    def erf_kernel(X, Y, N, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(X + offs, mask=offs < N, other=0.0)
+        tl.store(Y + offs, tl.math.erf(x), mask=offs < N)
+
+    lo = np.float32(ERF_ONE).view(np.int32)
+    hi = np.float32(8.0).view(np.int32)
+    dense = np.arange(lo, hi, dtype=np.int32).view(np.float32)
+    sweep = np.geomspace(8.0, 3.0e38, 100000).astype(np.float32)
+    x = torch.from_numpy(np.concatenate([dense, sweep, [np.float32(np.inf)]])).cuda()
+    y = torch.empty_like(x)
+    erf_kernel[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), BLOCK=1024)
+    bad = (y != 1.0).nonzero()
+    assert bad.numel() == 0, f"erf(x) != 1.0 at x = {x[bad[:5, 0]].tolist()} -> {y[bad[:5, 0]].tolist()}"
+
+
 def test_fewer_candidates_than_k_pad_with_minus_one():
     """Block 1 of a block-8 / cell-4 config has 2 available cells: top_k = 4 lists 2 cells then -1, -1."""
     cfg = _cfg("fs", top_k=4)

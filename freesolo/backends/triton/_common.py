@@ -131,13 +131,14 @@ def rope_halves(x_lo, x_hi, cos, sin):
 
 @triton.jit
 def _rope_rows_kernel(
-    X,  # [R, D] rows of a contiguous [B, T, H, D] tensor, R = B * T * H
-    OUT,  # [R, D], X's dtype
-    COS,  # fp32 [T, HALF]
+    X,  # rows of a [B, T, H, D] tensor, contiguous inside a batch row (batch stride X_BATCH elements)
+    OUT,  # [R, D] contiguous [B, T, H, D], X's dtype
+    COS,  # fp32 [T, HALF] (the table rows of positions 0..T-1 of X)
     SIN,  # fp32 [T, HALF]
     R,
     T,
     H,
+    X_BATCH,
     HALF: tl.constexpr,
     HALF_P: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -145,7 +146,8 @@ def _rope_rows_kernel(
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = r < R
     pos = (r // H) % T
-    x_lo, x_hi = load_halves(X + r[:, None] * (2 * HALF) + tl.arange(0, HALF_P)[None, :], row_ok, HALF, HALF_P)
+    x_row = (r // (T * H)) * X_BATCH + (r % (T * H)) * (2 * HALF)  # int64 element offset of row r in X
+    x_lo, x_hi = load_halves(X + x_row[:, None] + tl.arange(0, HALF_P)[None, :], row_ok, HALF, HALF_P)
     c, s = load_rope(COS, SIN, pos, row_ok, HALF, HALF_P)
     y_lo, y_hi = rope_halves(x_lo, x_hi, c, s)
     d = tl.arange(0, HALF_P)
@@ -155,19 +157,34 @@ def _rope_rows_kernel(
     tl.store(ptrs + HALF, y_hi.to(OUT.dtype.element_ty), mask=mask)
 
 
-def rope_rotate(x, cos, sin):
-    """Half-split RoPE of a contiguous x [B, T, H, D] at positions 0..T-1 -> [B, T, H, D] in x's dtype
+def rope_rotate(x, cos, sin, out=None):
+    """Half-split RoPE of x [B, T, H, D] at positions 0..T-1 -> [B, T, H, D] in x's dtype
     (rotation in fp32, one rounding to x's dtype: the same values as rotating inside a kernel).
-    cos, sin: fp32 [T, D/2] (`freesolo.backends.torch._ops.rope_tables`)."""
+
+    Args:
+        x: [B, T, H, D], contiguous inside each batch row (a time slice x[:, t0:t1] of a contiguous
+            tensor qualifies: its rows keep the full tensor's batch stride).
+        cos, sin: fp32 [T, D/2] (`freesolo.backends.torch._ops.rope_tables`; rows t0:t1 of the
+            tables for such a slice, i.e. the positions of x's rows).
+        out: optional contiguous [B, T, H, D] buffer of x's dtype (a view of a larger buffer is fine);
+            default a new tensor.
+    """
     import torch
 
     B, T, H, D = x.shape
     check_head_dim(D)
-    out = torch.empty_like(x)
+    if x.stride()[1:] != (H * D, D, 1):
+        raise ValueError(f"x must be contiguous inside each batch row, got strides {x.stride()}")
+    if out is None:
+        out = torch.empty(B, T, H, D, dtype=x.dtype, device=x.device)
+    elif tuple(out.shape) != (B, T, H, D) or out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {x.dtype} [{B}, {T}, {H}, {D}], got {out.dtype} {tuple(out.shape)}")
     R = B * T * H
+    if R == 0:
+        return out
     half_p = padded_dims(D)[1]
     block_r = max(8, 2048 // half_p)  # rows per program: 4 fp32 tiles [block_r, HALF_P] in registers
     _rope_rows_kernel[(cdiv(R, block_r),)](
-        x, out, cos, sin, R, T, H, HALF=D // 2, HALF_P=half_p, BLOCK_R=block_r
+        x, out, cos, sin, R, T, H, x.stride(0) if B > 1 else T * H * D, HALF=D // 2, HALF_P=half_p, BLOCK_R=block_r
     )
     return out

@@ -1,7 +1,8 @@
 """Fused FreeSolo forward in Triton: local RoPE window + sparse NoPE readout + RMSNorm + beta (spec §2, §7).
 
-Host side (`attention_forward`): the keys are rotated once (`_common.rope_rotate`, fp32 math, one
-rounding to the input dtype), the cells selected by each tile of BLOCK_M queries are gathered
+Host side (`attention_forward`): the keys are rotated (`_common.rope_rotate`, fp32 math, one
+rounding to the input dtype) one chunk of query tiles at a time into a reused buffer (the
+forward never holds a rotated copy of all of k; `rotation_chunk_tiles`), the cells selected by each tile of BLOCK_M queries are gathered
 into a sorted, deduplicated, fixed-width list (`tile_unions`: one Triton launch on CUDA), then one
 fused kernel runs. One program per (query tile, batch row b, query head h); kv head
 g = h // (Hq // Hkv). The program
@@ -56,6 +57,9 @@ __all__ = [
     "attention_forward",
     "default_tiles",
     "launch_forward",
+    "ROTATION_CHUNK_BYTES",
+    "ROTATION_CHUNK_MIN_POSITIONS",
+    "rotation_chunk_tiles",
     "tile_unions",
 ]
 
@@ -255,7 +259,7 @@ def _long_fwd_kernel(
 def _attention_fwd_kernel(
     Q,  # [B, T, Hq, D]
     K,  # [B, T, Hkv, D] unrotated keys (long branch)
-    KR,  # [B, T, Hkv, D] rotated keys (local branch, `_common.rope_rotate`)
+    KR,  # [B, KR_T, Hkv, D] rotated keys of positions KR_START.. (local branch, `_common.rope_rotate`)
     V,  # [B, T, Hkv, D]
     IDX,  # int32 / int64 [B, T, Hq, KSEL], -1 padded
     UNION,  # int32 [B * Hq, NT, U_MAX]: sorted cells of each tile, -1 padded (HAS_LONG)
@@ -272,6 +276,9 @@ def _attention_fwd_kernel(
     Hq,
     Hkv,
     NT,
+    TILE0,  # the query tile of program 0 (a launch covers the tiles TILE0 .. TILE0 + grid[0] - 1)
+    KR_T,  # positions per batch row in KR
+    KR_START,  # the position of KR's first row (every key tile the launch's tiles read lies in KR)
     W,
     qk_scale,  # scale * log2(e)
     eps,
@@ -289,7 +296,7 @@ def _attention_fwd_kernel(
     WINDOW_PHASES: tl.constexpr,
     HAS_LONG: tl.constexpr,  # the long loop here (else LONG_TERM is read)
 ):
-    pid_m = tl.program_id(0).to(tl.int64)
+    pid_m = tl.program_id(0).to(tl.int64) + TILE0
     pid_bh = tl.program_id(1).to(tl.int64)
     b = pid_bh // Hq
     h = pid_bh % Hq
@@ -326,7 +333,7 @@ def _attention_fwd_kernel(
     full_lo = tl.maximum(((m0 + BLOCK_M - W + BLOCK_N - 1) // BLOCK_N) * BLOCK_N, lo)  # n0 >= i_max - W + 1
     full_hi = tl.maximum(((m0 + 1) // BLOCK_N) * BLOCK_N, full_lo)  # n0 + BLOCK_N - 1 <= m0
     hi = tl.minimum(m0 + BLOCK_M, T)
-    kr_base = KR + (b * T * Hkv + g) * D
+    kr_base = KR + ((b * KR_T - KR_START) * Hkv + g) * D  # rotated key of position t: kr_base + t * kv_stride
     if WINDOW_PHASES:
         acc, l_i, m_i = _window_steps(
             acc, l_i, m_i, qr, m0, kr_base, v_base, lo, tl.minimum(full_lo, hi), T, W, kv_stride, qk_scale,
@@ -426,12 +433,13 @@ class AttentionTiles:
     # register cap per thread for the window kernel (ptxas -maxrregcount; GPU only). The default
     # bf16 D 64 tiles use 129 registers x 256 threads: one program per SM; 128 fits two.
     maxnreg: Optional[int] = None
-    # long_block > 0 only. False: the long kernel hands beta_h * rmsnorm(o_long) over in an fp32
-    # [B, T, Hq, D] buffer. True (opt-in, s23, not yet measured on the GPU): it writes it into the
-    # output `o` itself, in q's dtype, and the window kernel adds its o_loc there (each program reads
-    # and rewrites only its own rows): no fp32 buffer (0.5 GiB at 128k, H 16, D 64) and half the
-    # traffic, but for 16-bit dtypes the long term is rounded once more (to q's dtype) before the
-    # sum. float32: the same bits either way.
+    # long_block > 0 only. True (`default_tiles` sets it whenever long_block > 0): the long kernel
+    # writes beta_h * rmsnorm(o_long) into the output `o` itself, in q's dtype, and the window
+    # kernel adds its o_loc there (each program reads and rewrites only its own rows). False: it
+    # hands the term over in an fp32 [B, T, Hq, D] buffer (0.5 GiB at 128k, H 16, D 64). For 16-bit
+    # dtypes the long term is rounded once more (to q's dtype) before the sum; float32: the same
+    # bits either way. H200 (s24 call1, bf16 H16 D64): FS-L forward 2.39 -> 2.34 ms at 64k, peak
+    # 1.117 -> 0.617 GiB at 128k; the CUDA forward / backward / API / L11-L12 / model tests pass.
     long_into_out: bool = False
 
     def __post_init__(self):
@@ -452,7 +460,7 @@ class AttentionTiles:
 # FREESOLO_TRITON_LONG_BLOCK=16 (AttentionTiles.long_block; 0 = the fused kernel), FREESOLO_TRITON_MAXNREG=128 (0 = no cap).
 ENV_LONG_BLOCK = "FREESOLO_TRITON_LONG_BLOCK"
 ENV_MAXNREG = "FREESOLO_TRITON_MAXNREG"
-ENV_LONG_INTO_OUT = "FREESOLO_TRITON_LONG_INTO_OUT"  # 1: AttentionTiles.long_into_out (split kernels only)
+ENV_LONG_INTO_OUT = "FREESOLO_TRITON_LONG_INTO_OUT"  # 0: the fp32 hand-over buffer instead of o (split kernels only)
 
 
 def _env_int(name: str) -> Optional[int]:
@@ -467,7 +475,8 @@ def _env_int(name: str) -> Optional[int]:
 
 def default_tiles(D: int, dtype: torch.dtype, device: torch.device) -> AttentionTiles:
     """Tile sizes by head dim and dtype (see AttentionTiles). On the CPU (interpreter) small tiles.
-    The environment variables ENV_LONG_BLOCK / ENV_MAXNREG / ENV_LONG_INTO_OUT override long_block /
+    With long_block > 0 the long term goes into o (long_into_out). The environment variables
+    ENV_LONG_BLOCK / ENV_MAXNREG / ENV_LONG_INTO_OUT (0: the fp32 buffer) override long_block /
     maxnreg / long_into_out (process-wide, read at each call; they never depend on B or T). ENV_MAXNREG applies to 16-bit
     dtypes only (fp32 D 128 at 128 registers spills ~1.2 kB per thread on sm_90)."""
     tiles = _base_tiles(D, dtype, device)
@@ -477,8 +486,8 @@ def default_tiles(D: int, dtype: torch.dtype, device: torch.device) -> Attention
     if maxnreg is not None and dtype != torch.float32:
         tiles = dataclasses.replace(tiles, maxnreg=maxnreg or None)
     into_out = _env_int(ENV_LONG_INTO_OUT)
-    if into_out is not None and tiles.long_block:
-        tiles = dataclasses.replace(tiles, long_into_out=bool(into_out))
+    if tiles.long_block:
+        tiles = dataclasses.replace(tiles, long_into_out=True if into_out is None else bool(into_out))
     return tiles
 
 
@@ -542,6 +551,21 @@ def tile_unions(idx: torch.Tensor, block_m: int, use_kernel: bool | None = None)
     return torch.where(x == big, -1, x).contiguous(), count.contiguous()
 
 
+# Bytes of rotated keys the forward holds at once (`rotation_chunk_tiles`): with H 16, D 64, bf16
+# and B 1, 16384 positions; at 128k the forward's peak is then o + 0.03 GiB of keys + the saved
+# statistics, against o + 0.25 GiB with every key rotated at once.
+ROTATION_CHUNK_BYTES = 32 << 20
+ROTATION_CHUNK_MIN_POSITIONS = 4096
+
+
+def rotation_chunk_tiles(B: int, Hkv: int, D: int, element_size: int, block_m: int) -> int:
+    """Query tiles per window-kernel launch: as many as keep the chunk's rotated keys within
+    ROTATION_CHUNK_BYTES, at least ROTATION_CHUNK_MIN_POSITIONS positions' worth (few launches at
+    any shape). Depends on the shape only; a query's bits do not depend on it (see `launch_forward`)."""
+    positions = max(ROTATION_CHUNK_MIN_POSITIONS, ROTATION_CHUNK_BYTES // max(1, B * Hkv * D * element_size))
+    return max(1, positions // block_m)
+
+
 def _check_inputs(q, k, v, idx, beta, cos, sin, cfg) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q, k, v must be [B, T, H, D], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
@@ -599,8 +623,9 @@ def attention_forward(q, k, v, idx, beta, cos, sin, cfg, tiles: AttentionTiles |
 def launch_forward(q, k, v, idx, union, count, beta, cos, sin, cfg, tiles: AttentionTiles):
     """The kernel launches of `attention_forward` on validated inputs and
     `tile_unions(idx, tiles.union_rows)` (exposed so that benchmarks can time the kernels apart
-    from the union's sort): RoPE of k, then the fused kernel, or (tiles.long_block > 0) the long
-    kernel and then the window kernel."""
+    from the union's sort): the fused kernel, or (tiles.long_block > 0) the long kernel and then
+    the window kernel, the window kernel once per chunk of query tiles (`rotation_chunk_tiles`)
+    after the RoPE of that chunk's keys."""
     B, T, Hq, D = q.shape
     Hkv = k.shape[2]
     d_p, _ = padded_dims(D)
@@ -613,7 +638,6 @@ def launch_forward(q, k, v, idx, union, count, beta, cos, sin, cfg, tiles: Atten
             f"union {tuple(union.shape)} / count {tuple(count.shape)} must come from tile_unions(idx, {rows}): "
             f"[{B * Hq}, {NU}, {rows * K}] / [{B * Hq}, {NU}]"
         )
-    kr = rope_rotate(k, cos, sin)  # (B, T, Hkv, D) rotated keys of the window
     o = torch.empty_like(q)
     lse_loc = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
     lse_long = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
@@ -631,11 +655,25 @@ def launch_forward(q, k, v, idx, union, count, beta, cos, sin, cfg, tiles: Atten
     else:
         long_term = o  # not read
     extra = {} if tiles.maxnreg is None else {"maxnreg": tiles.maxnreg}
-    _attention_fwd_kernel[(NT, B * Hq)](
-        q, k, kr, v, idx, union, count, beta, long_term, cos, sin, o, lse_loc, lse_long, rstd,
-        T, Hq, Hkv, NT, cfg.window, qk_scale, cfg.eps,
-        HALF=D // 2, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, U_MAX=rows * K,
-        WINDOW_PHASES=tiles.window_phases, HAS_LONG=not split,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **common, **extra,
-    )  # fmt: skip
+    # The window reads rotated keys. They are made per chunk of query tiles into one reused buffer
+    # (the chunk's keys plus the window before it), so that the forward never holds a rotated copy
+    # of all of k (0.25 GiB at 128k, H 16, D 64, bf16). The values are the same whatever the
+    # chunking (rotation is per row), and so are a query's bits (spec L12).
+    tiles_per_chunk = rotation_chunk_tiles(B, Hkv, D, q.element_size(), tiles.block_m)
+    span = tiles_per_chunk * tiles.block_m + cfg.window + 2 * tiles.block_n  # positions a chunk's window reads
+    kr_buf = torch.empty(B * min(T, span) * Hkv * D, dtype=k.dtype, device=k.device)
+    for tile0 in range(0, NT, tiles_per_chunk):
+        n_tiles = min(tiles_per_chunk, NT - tile0)
+        first = tile0 * tiles.block_m
+        start = max(0, first - cfg.window - tiles.block_n)  # <= the first key tile any query of the chunk reads
+        stop = min(T, first + n_tiles * tiles.block_m + tiles.block_n)  # > the last key any of its tiles loads
+        kr = kr_buf[: B * (stop - start) * Hkv * D].view(B, stop - start, Hkv, D)  # contiguous [B, stop - start, Hkv, D]
+        rope_rotate(k[:, start:stop], cos[start:stop], sin[start:stop], out=kr)
+        _attention_fwd_kernel[(n_tiles, B * Hq)](
+            q, k, kr, v, idx, union, count, beta, long_term, cos, sin, o, lse_loc, lse_long, rstd,
+            T, Hq, Hkv, NT, tile0, stop - start, start, cfg.window, qk_scale, cfg.eps,
+            HALF=D // 2, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, U_MAX=rows * K,
+            WINDOW_PHASES=tiles.window_phases, HAS_LONG=not split,
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages, **common, **extra,
+        )  # fmt: skip
     return o, lse_loc, lse_long, rstd

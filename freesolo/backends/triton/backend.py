@@ -12,7 +12,7 @@ Eager calls (`triton_attention` outside torch.compile) run the same bodies throu
 `_EagerAttention`, an autograd.Function, without the operators' dispatch (host time at short T).
 
 Shapes: q [B, T, Hq, D], k / v [B, T, Hkv, D], beta fp32 [Hq], o [B, T, Hq, D] (q's dtype),
-idx int64 [B, T, Hq, K] (-1 padded), lse_loc / lse_long / rstd fp32 [B, Hq, T].
+idx int32 [B, T, Hq, K] (-1 padded; int32 since s24: half the saved bytes), lse_loc / lse_long / rstd fp32 [B, Hq, T].
 
 Devices: CUDA tensors in float16 / bfloat16 / float32. With ``TRITON_INTERPRET=1`` (Triton's
 interpreter) the backend also accepts CPU float32 tensors: that is how CI tests the kernels.
@@ -170,19 +170,19 @@ def fsb_search_mode(device: torch.device) -> str:
     return mode
 
 
-def _select(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig) -> torch.Tensor:
-    """int64 [B, T, Hq, K]: FS / FS-L by the Triton kernels, FS-B by the search `fsb_search_mode` names."""
+def _select(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig, out_dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """out_dtype [B, T, Hq, K]: FS / FS-L by the Triton kernels, FS-B by the search `fsb_search_mode` names."""
     if cfg.variant == "fsb":
         if fsb_search_mode(q.device) == "triton":
             from .fsb_search import fsb_select_cells
 
-            return fsb_select_cells(q, k, cfg)
+            return fsb_select_cells(q, k, cfg).to(out_dtype)
         from ..torch.backend import select_cells as torch_select
 
-        return torch_select(q, k, cfg)
+        return torch_select(q, k, cfg).to(out_dtype)
     from .selection import select_cells as triton_select
 
-    return triton_select(q, k, cfg)
+    return triton_select(q, k, cfg, out_dtype=out_dtype)
 
 
 _ONES: dict = {}
@@ -214,7 +214,7 @@ def _forward_impl(q, k, v, beta, cfg_json):
 
     cfg = config_from_json(cfg_json)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    idx = _select(q, k, cfg)
+    idx = _select(q, k, cfg, torch.int32)  # saved for the backward: int32 (half the bytes of int64)
     cos, sin = rope_cos_sin(q.shape[1], q.shape[3], cfg.rope_theta, q.device)
     o, lse_loc, lse_long, rstd = attention_forward(q, k, v, idx, beta.to(torch.float32), cos, sin, cfg)
     return o, idx, lse_loc, lse_long, rstd
@@ -232,7 +232,7 @@ def _forward_fake(q, k, v, beta, cfg_json):
     cfg = config_from_json(cfg_json)
     B, T, Hq, D = q.shape
     o = torch.empty_like(q)
-    idx = q.new_empty((B, T, Hq, cfg.top_k), dtype=torch.int64)
+    idx = q.new_empty((B, T, Hq, cfg.top_k), dtype=torch.int32)
     stat = q.new_empty((B, Hq, T), dtype=torch.float32)
     return o, idx, stat, torch.empty_like(stat), torch.empty_like(stat)
 

@@ -44,6 +44,7 @@ from ...config import FreeSoloConfig
 from ._common import cdiv, next_pow2  # (importing _common also patches the interpreter's dynamic loop bounds for NumPy >= 2.4)
 
 __all__ = [
+    "ERF_ONE",
     "MAX_POOL",
     "ScoreTiles",
     "cell_stats",
@@ -73,6 +74,10 @@ _SUM = tl.standard._sum_combine
 _EMPTY = tl.constexpr(((-8388608) ^ 0x7FFFFFFF) << 32)
 _INT64_MAX = tl.constexpr(2**63 - 1)
 _INT64_MIN = tl.constexpr(-(2**63))
+# erf(x) is exactly 1.0 in fp32 from here on (erfc(4) = 1.5e-8 < 2^-25, half an ulp below 1.0):
+# the scoring kernel skips erf for a chunk whose every prior argument reaches it (ScoreTiles.erf_skip).
+ERF_ONE = 4.0
+_ERF_ONE = tl.constexpr(ERF_ONE)
 
 
 # ---- kernels ---------------------------------------------------------------------------------
@@ -252,7 +257,7 @@ def _score_topk_kernel(
     CAND,  # int32 [B, Hkv, NBLOCKS, N_CAND] (FS-L) or a dummy (FS)
     SIGMA,  # fp32 [Hq]
     LAM,  # fp32 [Hq]
-    IDX,  # int64 [B, T, Hq, TOP_K] contiguous
+    IDX,  # int64 / int32 [B, T, Hq, TOP_K] contiguous (tl.store casts the int64 cells)
     T,
     C,
     NBLOCKS,
@@ -273,6 +278,8 @@ def _score_topk_kernel(
     N_CAND: tl.constexpr,
     SPLIT_DOT: tl.constexpr,
     EARLY_EXIT: tl.constexpr,
+    COUNT_ROUNDS: tl.constexpr,
+    ERF_SKIP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -301,6 +308,7 @@ def _score_topk_kernel(
     lam = tl.load(LAM + h)
     coef = sigma / (2.0 * CELL)
     i_f = i.to(tl.float32)
+    i_f0 = (j * QBLOCK + tile * BLOCK_M).to(tl.float32)  # the tile's first (smallest) query position
     kv_row = (b * HKV + g) * C  # first cell row of (b, g) in KBAR / AMAX
     n_j = j * (QBLOCK // CELL)  # available cells
     # Running top-K per query: an unordered set of TOP_K distinct keys (see _EMPTY) in lanes
@@ -340,7 +348,20 @@ def _score_topk_kernel(
         else:
             dot = tl.dot(q, tl.trans(kb), input_precision="ieee")  # [BLOCK_M, BLOCK_N] fp32
         dist = i_f[:, None] - (c_safe * CELL).to(tl.float32)[None, :]
-        score = scale * dot + lam * a[None, :] * tl.math.erf(coef * dist)
+        if ERF_SKIP:
+            # erf(x) rounds to exactly 1.0 in fp32 for x >= ERF_ONE (a CUDA test checks the
+            # compiled erf on every fp32 x in [ERF_ONE, 8) and a sweep past it). coef * dist is
+            # monotone in dist, so when the chunk's smallest x reaches ERF_ONE every prior factor is
+            # 1.0 and erf is not evaluated: the same bits, most chunks (sigma 4: every cell 2 cells
+            # or more before the query) skip it.
+            x_min = coef * (i_f0 - (tl.reduce(c_safe, 0, _MAX) * CELL).to(tl.float32))
+            if (coef > 0.0) & (x_min >= _ERF_ONE):
+                prior = tl.full([BLOCK_M, BLOCK_N], 1.0, tl.float32)
+            else:
+                prior = tl.math.erf(coef * dist)
+        else:
+            prior = tl.math.erf(coef * dist)
+        score = scale * dot + lam * a[None, :] * prior
         score = score + 0.0  # -0.0 -> +0.0: equal scores get equal keys
         bits = score.to(tl.int32, bitcast=True)
         bits = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # integer order == float order
@@ -352,12 +373,20 @@ def _score_topk_kernel(
         # round runs with per-row reductions only (a round where a row does not improve leaves
         # its top-K as it is: same result).
         cmax = tl.reduce(key, 1, _MAX)  # [BLOCK_M]
-        for r in tl.static_range(TOP_K):
-            if EARLY_EXIT:
-                if tl.reduce((cmax > kth).to(tl.int32), 0, _MAX) > 0:
-                    top, kth, key, cmax = _topk_round(top, kth, key, cmax)
-            else:
+        if COUNT_ROUNDS:
+            # as many rounds as the most keys any row has above its K-th key (at most TOP_K): a
+            # row improves in at most that many rounds; one cross-row reduction per chunk
+            better = tl.reduce((key > kth[:, None]).to(tl.int32), 1, _SUM)
+            n_rounds = tl.minimum(tl.reduce(better, 0, _MAX), TOP_K)
+            for r in range(0, n_rounds):
                 top, kth, key, cmax = _topk_round(top, kth, key, cmax)
+        else:
+            for r in tl.static_range(TOP_K):
+                if EARLY_EXIT:
+                    if tl.reduce((cmax > kth).to(tl.int32), 0, _MAX) > 0:
+                        top, kth, key, cmax = _topk_round(top, kth, key, cmax)
+                else:
+                    top, kth, key, cmax = _topk_round(top, kth, key, cmax)
     # sort: lane r of the output = the r-th largest key (keys are distinct), decoded to its cell
     top = tl.where(k_lane[None, :] < TOP_K, top, _INT64_MIN)
     cell_out = tl.full([BLOCK_M, K_PAD], -1, tl.int64)
@@ -509,6 +538,10 @@ class ScoreTiles:
     block_n: int  # candidate cells scored per step (power of two >= 16)
     num_warps: int = 4
     early_exit: bool = True  # skip a top-K round when no row of the tile improves (a cross-row reduction)
+    # run per chunk as many rounds as the most keys a row has above its K-th key (one cross-row
+    # reduction per chunk instead of one per round; early_exit is then not used). Same result.
+    count_rounds: bool = False
+    erf_skip: bool = True  # a chunk whose prior arguments all reach ERF_ONE takes prior 1.0 without erf (same bits)
 
 
 def score_tiles(cfg: FreeSoloConfig, D: int, dtype: torch.dtype) -> ScoreTiles:
@@ -537,7 +570,11 @@ def head_params(cfg: FreeSoloConfig, Hq: int, device: torch.device) -> Tuple[tor
 
 
 def select_cells(
-    q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig, tiles: Optional[ScoreTiles] = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cfg: FreeSoloConfig,
+    tiles: Optional[ScoreTiles] = None,
+    out_dtype: torch.dtype = torch.int64,
 ) -> torch.Tensor:
     """FS / FS-L selection (spec §3-§5, §7) by the Triton kernels.
 
@@ -546,10 +583,14 @@ def select_cells(
             on CUDA, or CPU float32 under TRITON_INTERPRET=1). Scores are computed in fp32.
         cfg: variant "fs" or "fsl"; sigma / lam scalars or per query head [Hq].
         tiles: scoring tile sizes (default `score_tiles(cfg, D, q.dtype)`; benchmarks sweep them).
+        out_dtype: torch.int64 (default) or torch.int32 (half the bytes: the triton forward keeps
+            its selections in int32 for the backward).
     Returns:
-        int64 [B, T, Hq, top_k]: cells by descending score (ties: larger c first), -1 padded.
+        out_dtype [B, T, Hq, top_k]: cells by descending score (ties: larger c first), -1 padded.
     """
     _check_inputs(q, k, cfg)
+    if out_dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"out_dtype {out_dtype} must be torch.int32 or torch.int64")
     B, T, Hq, D = q.shape
     Hkv = k.shape[2]
     K = cfg.top_k
@@ -557,12 +598,12 @@ def select_cells(
     nblocks = cdiv(T, cfg.block)
     C = T // cfg.cell
     if B * T * Hq == 0 or nblocks <= 1 or C == 0:
-        return torch.full((B, T, Hq, K), -1, dtype=torch.int64, device=q.device)
+        return torch.full((B, T, Hq, K), -1, dtype=out_dtype, device=q.device)
     kbar, amax = cell_stats(k, cfg.cell)
     n_cand = cfg.pool + cfg.recent if fsl else 0
     cand = fsl_candidates(amax, T, cfg) if fsl else torch.empty(1, dtype=torch.int32, device=q.device)
     sigma, lam = head_params(cfg, Hq, q.device)
-    idx = torch.empty((B, T, Hq, K), dtype=torch.int64, device=q.device)
+    idx = torch.empty((B, T, Hq, K), dtype=out_dtype, device=q.device)
     tiles = tiles or score_tiles(cfg, D, q.dtype)
     BLOCK_M, BLOCK_N, BLOCK_D = tiles.block_m, tiles.block_n, max(16, next_pow2(D))
     tiles_per_block = cdiv(cfg.block, BLOCK_M)
@@ -592,6 +633,8 @@ def select_cells(
         N_CAND=max(n_cand, 1),
         SPLIT_DOT=q.dtype in (torch.float16, torch.bfloat16),
         EARLY_EXIT=tiles.early_exit,
+        COUNT_ROUNDS=tiles.count_rounds,
+        ERF_SKIP=tiles.erf_skip,
         BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N,
         BLOCK_D=BLOCK_D,
