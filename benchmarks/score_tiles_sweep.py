@@ -39,6 +39,13 @@ VARIANTS = {  # name -> ScoreTiles (block_m, block_n, num_warps, early_exit, cou
     "m64n32w4-count-noerfskip": ScoreTiles(64, 32, 4, False, count_rounds=True, erf_skip=False),
     "m64n32w4-noexit": ScoreTiles(64, 32, 4, False),
     "m128n32w8": ScoreTiles(128, 32, 8, True),
+    "m32n32w2": ScoreTiles(32, 32, 2, True),
+    "m32n32w2-noexit": ScoreTiles(32, 32, 2, False),
+    "m32n32w4": ScoreTiles(32, 32, 4, True),
+    "m64n32w8": ScoreTiles(64, 32, 8, True),
+    "m64n16w4": ScoreTiles(64, 16, 4, True),
+    "m64n16w4-noexit": ScoreTiles(64, 16, 4, False),
+    "m32n16w2": ScoreTiles(32, 16, 2, True),
 }
 
 

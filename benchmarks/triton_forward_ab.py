@@ -65,6 +65,14 @@ SWEEP = {
     "win64x64w8s3": dict(long_block=64, long_warps=4, maxnreg=128, block_m=64, block_n=64, num_warps=8, num_stages=3),
     "win64x128w8s2": dict(long_block=64, long_warps=4, maxnreg=128, block_m=64, block_n=128, num_warps=8, num_stages=2),
     "win128x128w8s2": dict(long_block=64, long_warps=4, maxnreg=128, block_m=128, block_n=128, num_warps=8, num_stages=2),
+    # s24: the long kernel writing into o (the default since s24) by tile rows and warps
+    "long64w4-into": dict(long_block=64, long_warps=4, maxnreg=128, long_into_out=True),  # the s24 default
+    "long64w2-into": dict(long_block=64, long_warps=2, maxnreg=128, long_into_out=True),
+    "long32w2-into": dict(long_block=32, long_warps=2, maxnreg=128, long_into_out=True),
+    "long32w4-into": dict(long_block=32, long_warps=4, maxnreg=128, long_into_out=True),
+    "long16w1-into": dict(long_block=16, long_warps=1, maxnreg=128, long_into_out=True),
+    "long16w2-into": dict(long_block=16, long_warps=2, maxnreg=128, long_into_out=True),
+    "long64w4-into-noprefetch": dict(long_block=64, long_warps=4, maxnreg=128, long_into_out=True, prefetch=False),
 }
 
 
@@ -103,7 +111,7 @@ def kernels_call(q, k, v, idx, cfg, tiles):
     return lambda: att.launch_forward(q, k, v, idx, union, count, beta, cos, sin, cfg, tiles)
 
 
-def sweep(rep: int) -> dict:
+def sweep(rep: int, names=None) -> dict:
     """Kernel time (unions precomputed) of old and every SWEEP configuration, FS-L, 64k, H16 D64."""
     T, (Hq, Hkv, D) = 65536, SHAPES["H16-D64"]
     cfg = freesolo.FreeSoloConfig(variant="fsl")
@@ -114,6 +122,8 @@ def sweep(rep: int) -> dict:
     rows = {"old": {"tiles": dataclasses.asdict(old), "kernels_ms": _bench(kernels_call(q, k, v, idx, cfg, old), rep)}}
     print(f"sweep T={T} FS-L H16-D64 kernels (unions precomputed): old {rows['old']['kernels_ms']:.3f} ms", flush=True)
     for name, change in SWEEP.items():
+        if names and name not in names:
+            continue
         tiles = dataclasses.replace(old, **change)
         try:
             fn = kernels_call(q, k, v, idx, cfg, tiles)
@@ -161,6 +171,7 @@ def main(argv=None):
     ap.add_argument("--new", default=None, choices=list(SWEEP), help="new configuration (default: the sweep's fastest)")
     ap.add_argument("--skip-sweep", action="store_true", help="no sweep (needs --new)")
     ap.add_argument("--sweep-only", action="store_true", help="only the sweep at 64k")
+    ap.add_argument("--sweep-names", nargs="+", default=None, choices=list(SWEEP), help="sweep these only (default: all)")
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--variants", nargs="+", default=["fsl", "fs"])
     ap.add_argument("--out", default=None, help="JSON output path")
@@ -176,7 +187,7 @@ def main(argv=None):
     print(f"GPU: {env['gpu']} | torch {env['torch']} | triton {env['triton']} | commit {env['git_commit']}", flush=True)
     if args.skip_sweep and not args.new:
         sys.exit("--skip-sweep needs --new NAME")
-    payload["sweep"] = {} if args.skip_sweep else sweep(args.rep)
+    payload["sweep"] = {} if args.skip_sweep else sweep(args.rep, args.sweep_names)
     ok = {n: r["kernels_ms"] for n, r in payload["sweep"].items() if n != "old" and "kernels_ms" in r}
     new_name = args.new or (min(ok, key=ok.get) if ok else None)
     if new_name is None:
