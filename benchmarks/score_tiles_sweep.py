@@ -33,7 +33,7 @@ __all__ = ["VARIANTS", "main"]
 VARIANTS = {  # name -> ScoreTiles (block_m, block_n, num_warps, early_exit, count_rounds, erf_skip)
     # (s22 / s23 also swept block_n 64 / 128, block_m 32 / 128 and 8 warps: all slower at 64k and 1M,
     # results/session_2026-12-02_s23/call2/score_tiles_1m.json)
-    "m64n32w4": ScoreTiles(64, 32, 4, True),  # the default since s24 (erf_skip)
+    "m64n32w4": ScoreTiles(64, 32, 4, True),  # the FS default (erf_skip since s24)
     "m64n32w4-noerfskip": ScoreTiles(64, 32, 4, True, erf_skip=False),  # the s22 / s23 default
     "m64n32w4-count": ScoreTiles(64, 32, 4, False, count_rounds=True),
     "m64n32w4-count-noerfskip": ScoreTiles(64, 32, 4, False, count_rounds=True, erf_skip=False),
@@ -44,7 +44,7 @@ VARIANTS = {  # name -> ScoreTiles (block_m, block_n, num_warps, early_exit, cou
     "m32n32w4": ScoreTiles(32, 32, 4, True),
     "m64n32w8": ScoreTiles(64, 32, 8, True),
     "m64n16w4": ScoreTiles(64, 16, 4, True),
-    "m64n16w4-noexit": ScoreTiles(64, 16, 4, False),
+    "m64n16w4-noexit": ScoreTiles(64, 16, 4, False),  # the FS-L default since s24
     "m32n16w2": ScoreTiles(32, 16, 2, True),
 }
 

@@ -79,7 +79,7 @@ SWEEP = {
 def old_tiles(D: int, dtype) -> att.AttentionTiles:
     """The configuration before issue 10: fused long loop, no register cap."""
     base = att.default_tiles(D, dtype, torch.device("cuda"))
-    return dataclasses.replace(base, long_block=0, maxnreg=None, long_warps=4)
+    return dataclasses.replace(base, long_block=0, maxnreg=None, long_warps=4, long_into_out=False)
 
 
 @contextlib.contextmanager

@@ -545,9 +545,14 @@ class ScoreTiles:
 
 
 def score_tiles(cfg: FreeSoloConfig, D: int, dtype: torch.dtype) -> ScoreTiles:
-    """Default tiles: BLOCK_M = the query block (16..64), BLOCK_N = 32, 4 warps (about 128 registers
-    per thread on sm_90, no spills, for D 64 / 128 and every dtype)."""
+    """Default tiles: BLOCK_M = the query block (16..64), 4 warps (about 128 registers per thread on
+    sm_90, no spills, for D 64 / 128 and every dtype). FS: 32 cells per step with the top-K rounds'
+    early exit; FS-L (72 candidates): 16 per step without it. H200 (bf16 H16 D64, select_cells at
+    64k, s24 sweep results/session_2026-12-02_s24/call3/score_tiles_s24b.json): FS-L 0.783 ms ->
+    0.719 ms; FS 3.73 ms is the best of the sweep (block_m 32, 16 cells, 2 / 8 warps: slower)."""
     block_m = min(64, max(16, next_pow2(cfg.block)))
+    if cfg.variant == "fsl":
+        return ScoreTiles(block_m, 16, 4, early_exit=False)
     return ScoreTiles(block_m, 32, 4)
 
 
