@@ -75,6 +75,8 @@
 #                fwd+bwd at 4k / 16k / 64k
 #   sweep_s24    issue 10: score kernel tiles (block_m 32 / 64, block_n 16 / 32, warps 2 ... 8) at FS-L / FS 64k,
 #                and the long kernel's rows / warps with the long term written into o (triton_forward_ab --sweep-only)
+#   attn_final   issues 10 / 11: the s24 final figures, same run: triton FS-L / FS, SDPA, Flex SWA-512 and fla NSA,
+#                fwd at 4k ... 128k (peak memory), fwd+bwd at 4k / 16k / 64k (needs fla_install first)
 #   fsb_long2    issue 12: the Triton FS-B search alone at 256k and 1M (sorted beam selection), last in the s22 call
 set -u
 OUT=${OUT:-/tmp/session_out}
@@ -128,6 +130,7 @@ step tests_sel 150 python3 -m pytest -q -n ${NPROC:-8} -p no:benchmark -k "cuda 
 step racecheck_score 120 compute-sanitizer --tool racecheck python3 benchmarks/sanitize_triton.py forward_backward
 step fsb_decode7 150 python3 benchmarks/fsb_decode_bench.py --contexts 1048576 --steps 400 --out "$W/fsb_decode7.json"
 step fla_install 60 python3 -m pip install --no-deps --no-index .whl/fla_core-0.6.0-py3-none-any.whl
+step attn_final 260 bash -c "python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fs sdpa_causal flex_swa512 fla_nsa --shapes H16-D64 --modes fwd --lengths 4096 16384 65536 131072 --budget-s 140 --rep-ms 30 --out $W --tag _s24_final_fwd && python3 benchmarks/gpu_attention.py --providers triton_fsl sdpa_causal flex_swa512 fla_nsa --shapes H16-D64 --modes fwd+bwd --lengths 4096 16384 65536 --budget-s 100 --rep-ms 30 --out $W --tag _s24_final_bwd"
 step attention_s23 200 python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fs sdpa_causal flex_swa512 fla_nsa --shapes H16-D64 --modes fwd fwd+bwd --lengths 4096 16384 65536 --budget-s 180 --rep-ms 30 --out "$W" --tag _s23
 step attention_128k 150 python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fs sdpa_causal flex_swa512 fla_nsa --shapes H16-D64 --modes fwd --lengths 131072 --budget-s 130 --rep-ms 30 --out "$W" --tag _s23_128k
 step attn_s23b 150 python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fs sdpa_causal flex_swa512 --shapes H16-D64 --modes fwd fwd+bwd --lengths 4096 16384 65536 --budget-s 130 --rep-ms 30 --out "$W" --tag _s23b

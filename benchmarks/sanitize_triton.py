@@ -77,8 +77,14 @@ def main(parts=("forward_backward", "decode", "fsb_search", "fsb_build")):
     """Runs the named parts (command-line arguments; default all)."""
     torch.manual_seed(0)
     if "forward_backward" in parts:
-        for long_block in (None, 16):  # the fused long branch, then its own kernel over 16-query tiles
+        for long_block in (None, 16):  # the default tiles, then the long kernel over 16-query tiles
             forward_backward(long_block)
+        from freesolo.backends.triton import attention as att
+
+        saved = att.ROTATION_CHUNK_BYTES, att.ROTATION_CHUNK_MIN_POSITIONS
+        att.ROTATION_CHUNK_BYTES, att.ROTATION_CHUNK_MIN_POSITIONS = 1, 64  # the window kernel per 64-query chunk
+        forward_backward(None)
+        att.ROTATION_CHUNK_BYTES, att.ROTATION_CHUNK_MIN_POSITIONS = saved
     if "decode" in parts:
         decode()
     if "fsb_search" in parts:
