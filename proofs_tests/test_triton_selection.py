@@ -65,8 +65,8 @@ def _t(x, dtype=torch.float32, device=DEVICE):
     return torch.as_tensor(np.ascontiguousarray(x)).to(device=device, dtype=dtype)
 
 
-def _select(q, k, cfg, dtype=torch.float32, device=DEVICE) -> np.ndarray:
-    idx = select_cells(_t(q, dtype, device), _t(k, dtype, device), cfg)
+def _select(q, k, cfg, dtype=torch.float32, device=DEVICE, tiles=None) -> np.ndarray:
+    idx = select_cells(_t(q, dtype, device), _t(k, dtype, device), cfg, tiles=tiles)
     assert idx.dtype == torch.int64 and idx.device.type == torch.device(device).type, (idx.dtype, idx.device)
     return idx.cpu().numpy()
 
@@ -204,15 +204,22 @@ def test_selection_default_config_once():
     assert (idx[:, 128:] >= 0).all(), "past block 0, every query has >= 4 available cells"
 
 
+@pytest.mark.parametrize("fp32_keys", [False, True])
 @pytest.mark.parametrize("variant", ["fs", "fsl"])
-def test_exact_score_ties_prefer_larger_cell(variant):
+def test_exact_score_ties_prefer_larger_cell(variant, fp32_keys):
     """q = 0 and lam = 0 make every score exactly 0: the K largest candidates, descending (spec §7).
-    With tied a_c, the FS-L pool keeps the more recent cells too (spec §5): exact equality."""
+    With tied a_c, the FS-L pool keeps the more recent cells too (spec §5): exact equality. Both
+    top-K forms of the scoring kernel (int64 keys, fp32 scores + cells)."""
+    import dataclasses
+
+    from freesolo.backends.triton.selection import score_tiles
+
     B, T, Hq, Hkv, D = 1, 96, 2, 1, 8
     cfg = _cfg(variant, lam=0.0, top_k=4)
     q = np.zeros((B, T, Hq, D))
     k = _tied_keys(5, B, T, Hkv, D)
-    idx = _select(q, k, cfg)
+    tiles = dataclasses.replace(score_tiles(cfg, D, torch.float32), fp32_keys=fp32_keys)
+    idx = _select(q, k, cfg, tiles=tiles)
     ref = oracle.select_cells(q, k, cfg)
     assert np.array_equal(idx, ref), f"tie rule: first differing row {np.argwhere((idx != ref).any(-1))[:1].tolist()}"
     # independent statement for FS: the available cells n_j-1, n_j-2, ... in that order
@@ -226,8 +233,9 @@ def test_exact_score_ties_prefer_larger_cell(variant):
 
 @pytest.mark.parametrize("variant", ["fs", "fsl"])
 def test_score_kernel_switches_give_equal_selections(variant):
-    """ScoreTiles.erf_skip (prior 1.0 without erf where every argument of a chunk is >= ERF_ONE)
-    and count_rounds (top-K rounds counted per chunk) change no selected cell: bitwise against the
+    """ScoreTiles.erf_skip (prior 1.0 without erf where every argument of a chunk is >= ERF_ONE),
+    count_rounds (top-K rounds counted per chunk) and fp32_keys (the top-K on fp32 scores with the
+    cell as tie-break) change no selected cell: bitwise against the
     kernel without them, on a config whose chunks are some skipped, some not (sigma 4, cell 4:
     erf is skipped from 8 tokens before the tile on; 16-cell chunks)."""
     from freesolo.backends.triton.selection import ERF_ONE, ScoreTiles
@@ -240,7 +248,10 @@ def test_score_kernel_switches_give_equal_selections(variant):
     assert (base[0, 16:] >= 0).all()
     for tiles in (ScoreTiles(16, 16, 1, early_exit=True, erf_skip=True),
                   ScoreTiles(16, 16, 1, count_rounds=True, erf_skip=True),
-                  ScoreTiles(16, 16, 1, early_exit=False, count_rounds=True, erf_skip=False)):  # fmt: skip
+                  ScoreTiles(16, 16, 1, early_exit=False, count_rounds=True, erf_skip=False),
+                  ScoreTiles(16, 16, 1, early_exit=True, fp32_keys=True),
+                  ScoreTiles(16, 32, 1, early_exit=False, fp32_keys=True),
+                  ScoreTiles(16, 16, 1, count_rounds=True, fp32_keys=True)):  # fmt: skip
         assert torch.equal(select_cells(qt, kt, cfg, tiles=tiles), base), tiles
     assert select_cells(qt, kt, cfg, out_dtype=torch.int32).dtype == torch.int32
     with pytest.raises(TypeError, match="out_dtype"):
