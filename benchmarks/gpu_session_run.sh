@@ -80,6 +80,8 @@
 #   score_f32    issue 10: the scoring kernel's top-K on fp32 scores + cells (ScoreTiles.fp32_keys) against the int64
 #                keys, FS-L 64k, FS 16k / 64k (every variant's selection must equal the default's)
 #   attn_f32     issues 10 / 11: triton FS-L / FS vs SDPA and Flex SWA-512, fwd at 4k ... 128k, same run
+#   tests_f32    CUDA tests of the Triton selection and L11 / L12 (the fp32_keys scoring kernel), then memcheck of
+#                the forward / backward kernels
 #   fsb_long2    issue 12: the Triton FS-B search alone at 256k and 1M (sorted beam selection), last in the s22 call
 set -u
 OUT=${OUT:-/tmp/session_out}
@@ -149,6 +151,7 @@ step attn_s24 240 bash -c "python3 benchmarks/gpu_attention.py --providers trito
 step sweep_s24 240 bash -c "python3 benchmarks/score_tiles_sweep.py --cases fsl:65536 fs:65536 --chunks --out $W/score_tiles_s24b.json && python3 benchmarks/triton_forward_ab.py --sweep-only --sweep-names long64w4+maxnreg128 long64w4-into long64w2-into long32w2-into long32w4-into long16w1-into long16w2-into long64w4-into-noprefetch --out $W/triton_forward_sweep_s24.json"
 step score_f32 120 python3 benchmarks/score_tiles_sweep.py --cases fsl:65536 fs:16384 fs:65536 --chunks --out "$W/score_tiles_f32.json"
 step attn_f32 150 python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fs sdpa_causal flex_swa512 --shapes H16-D64 --modes fwd --lengths 4096 16384 65536 131072 --budget-s 120 --rep-ms 30 --out "$W" --tag _s24_f32
+step tests_f32 150 bash -c "python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k 'cuda or gpu' proofs_tests/test_triton_selection.py proofs_tests/test_row_independence.py proofs_tests/test_triton_backend.py && compute-sanitizer --tool memcheck python3 benchmarks/sanitize_triton.py forward_backward"
 step fsb_long2 90 python3 benchmarks/fsb_search_bench.py --providers triton --lengths 262144 1048576 --out "$W/fsb_search_long.json"
 step decode_tiles2 200 python3 benchmarks/gpu_decode.py --contexts 4096 1048576 --batches 1 32 --tiles single single_w4 split split64_w2 split64_w1 split32_w2 split32_w1 --out "$W" --name gpu_decode_tiles2
 step fsb_decode3 240 python3 benchmarks/fsb_decode_bench.py --contexts 4096 65536 1048576 --out "$W/fsb_decode.json"
