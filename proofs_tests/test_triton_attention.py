@@ -363,6 +363,38 @@ def test_rotation_chunks_do_not_change_bits(monkeypatch, long_block):
     _bitwise_equal(got, ref, f"one tile per rotation chunk, long_block={long_block}")
 
 
+def test_forward_allocations_stay_below_a_rotated_copy_of_k(monkeypatch):
+    """The forward's memory design, checked on its allocations: with the long term written into o
+    (long_into_out) no [B, T, Hq, D] hand-over buffer exists, and the rotated keys live in one
+    buffer of at most (chunk + window + 2 * block_n) positions, not a rotated copy of all of k.
+    Every tensor `launch_forward` allocates is recorded through torch.empty / empty_like."""
+    from freesolo.backends.triton import attention as att
+
+    cfg = _cfg(variant="fsl", window=40, top_k=3)
+    B, T, Hq, Hkv, D = 2, 300, 4, 2, 16
+    q, k, v = random_qkv(31, B, T, Hq, Hkv, D)
+    beta = np.array([1.0, -0.5, 0.25, 2.0])
+    idx = _selection(q, k, cfg)
+    monkeypatch.setattr(att, "ROTATION_CHUNK_BYTES", 1)
+    monkeypatch.setattr(att, "ROTATION_CHUNK_MIN_POSITIONS", 64)
+    tiles = AttentionTiles(32, 32, 1, 1, long_block=16, long_into_out=True)
+    sizes = []
+    empty, empty_like = torch.empty, torch.empty_like  # the NaN-poisoning versions of the fixture
+
+    def record(x):
+        sizes.append((x.numel(), x.dtype))
+        return x
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: record(empty(*a, **kw)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: record(empty_like(*a, **kw)))
+    _run(q, k, v, idx, beta, cfg, tiles=tiles)
+    span = 64 + cfg.window + 2 * tiles.block_n  # positions of one rotation chunk's keys
+    full_o = B * T * Hq * D
+    assert sizes.count((full_o, torch.float32)) == 1, sizes  # o itself (float32 inputs); no hand-over buffer
+    big = [n for n, dt in sizes if n > B * span * Hkv * D and n != full_o]
+    assert not big, f"allocations larger than one rotation chunk of keys: {big} (span {span})"
+
+
 def test_tiles_switches():
     """AttentionTiles validates long_block / maxnreg; the environment switches reach default_tiles;
     launch_forward refuses a union computed for other tile rows."""
