@@ -635,14 +635,15 @@ class ScoreTiles:
 def score_tiles(cfg: FreeSoloConfig, D: int, dtype: torch.dtype) -> ScoreTiles:
     """Default tiles: BLOCK_M = the query block (16..64), 4 warps (about 128 registers per thread on
     sm_90, no spills, for D 64 / 128 and every dtype), the top-K on fp32 scores + cells (fp32_keys).
-    FS: 32 cells per step with the top-K rounds' early exit; FS-L (72 candidates): 16 per step
-    without it. H200 (bf16 H16 D64, select_cells at
-    64k, s24 sweep results/session_2026-12-02_s24/call3/score_tiles_s24b.json): FS-L 0.783 ms ->
-    0.719 ms; FS 3.73 ms is the best of the sweep (block_m 32, 16 cells, 2 / 8 warps: slower)."""
+    FS: 32 cells per step, the top-K rounds counted per chunk (count_rounds); FS-L (72 candidates):
+    16 per step, every round run. H200 (bf16 H16 D64, select_cells, same-run sweeps, every variant's
+    selection bitwise equal): FS at 64k 4.42 ms (s23 tiles) -> 3.71 (erf_skip) -> 3.40 (fp32_keys,
+    early exit) -> 3.31 (count_rounds; at 16k 0.326 vs 0.317 with the early exit); FS-L at 64k
+    0.783 -> 0.653 ms (results/session_2026-12-02_s24/call2, call3, call6)."""
     block_m = min(64, max(16, next_pow2(cfg.block)))
     if cfg.variant == "fsl":
         return ScoreTiles(block_m, 16, 4, early_exit=False, fp32_keys=True)
-    return ScoreTiles(block_m, 32, 4, fp32_keys=True)
+    return ScoreTiles(block_m, 32, 4, early_exit=False, count_rounds=True, fp32_keys=True)
 
 
 _HEAD_PARAMS: dict = {}
