@@ -124,6 +124,16 @@ def _load_sel(IDX, b, T, Hq, h, offs_m, row_ok, KSEL: tl.constexpr, K_P: tl.cons
 
 
 @triton.jit
+def _cell_kv(k_base, v_base, cell, ok, cell_offs, kv_mask, kv_stride, CELL: tl.constexpr):
+    """(k, v) [CELL_P, D_P] of one cell's tokens (rows kv_stride apart from k_base / v_base); zeros
+    where not `ok` (a scalar: a prefetch past the union reads nothing) or outside kv_mask."""
+    cb = cell.to(tl.int64) * (CELL * kv_stride)  # element offset of the cell's first token
+    kc = tl.load(k_base + cb + cell_offs, mask=kv_mask & ok, other=0.0)
+    vc = tl.load(v_base + cb + cell_offs, mask=kv_mask & ok, other=0.0)
+    return kc, vc
+
+
+@triton.jit
 def _cell_step(acc, l_j, m_j, q, sel, cell, kc, vc, c_ok, qk_scale, CELL: tl.constexpr, CELL_P: tl.constexpr):
     """One online-softmax step of the long branch over one cell: logits [M, CELL_P] = q . kc
     (tensor cores), masked to the rows whose selections sel [M, K_P] hold `cell`; a row without it
@@ -170,15 +180,11 @@ def _long_steps(
         # id-dependent loads). Out-of-union prefetches are masked (no reads past the union).
         cell = tl.load(urow, mask=n_u > 0, other=0)
         cell_n = tl.load(urow + 1, mask=n_u > 1, other=0)
-        cb = cell.to(tl.int64) * (CELL * kv_stride)
-        kc = tl.load(k_base + cb + cell_offs, mask=kv_mask & (n_u > 0), other=0.0)
-        vc = tl.load(v_base + cb + cell_offs, mask=kv_mask & (n_u > 0), other=0.0)
+        kc, vc = _cell_kv(k_base, v_base, cell, n_u > 0, cell_offs, kv_mask, kv_stride, CELL)
     for u in range(0, n_u):
         if PREFETCH:
             cell_nn = tl.load(urow + u + 2, mask=u + 2 < n_u, other=0)
-            cb_n = cell_n.to(tl.int64) * (CELL * kv_stride)
-            kc_n = tl.load(k_base + cb_n + cell_offs, mask=kv_mask & (u + 1 < n_u), other=0.0)
-            vc_n = tl.load(v_base + cb_n + cell_offs, mask=kv_mask & (u + 1 < n_u), other=0.0)
+            kc_n, vc_n = _cell_kv(k_base, v_base, cell_n, u + 1 < n_u, cell_offs, kv_mask, kv_stride, CELL)
         else:
             cell = tl.load(urow + u)
             cb = cell.to(tl.int64) * (CELL * kv_stride)  # element offset of the cell's first token
@@ -234,14 +240,10 @@ def _long_steps_sub4(
     n_u = tl.load(NU_PTR)
     cell = tl.load(urow, mask=n_u > 0, other=0)
     cell_n = tl.load(urow + 1, mask=n_u > 1, other=0)
-    cb = cell.to(tl.int64) * (CELL * kv_stride)
-    kc = tl.load(k_base + cb + cell_offs, mask=kv_mask & (n_u > 0), other=0.0)
-    vc = tl.load(v_base + cb + cell_offs, mask=kv_mask & (n_u > 0), other=0.0)
+    kc, vc = _cell_kv(k_base, v_base, cell, n_u > 0, cell_offs, kv_mask, kv_stride, CELL)
     for u in range(0, n_u):
         cell_nn = tl.load(urow + u + 2, mask=u + 2 < n_u, other=0)
-        cb_n = cell_n.to(tl.int64) * (CELL * kv_stride)
-        kc_n = tl.load(k_base + cb_n + cell_offs, mask=kv_mask & (u + 1 < n_u), other=0.0)
-        vc_n = tl.load(v_base + cb_n + cell_offs, mask=kv_mask & (u + 1 < n_u), other=0.0)
+        kc_n, vc_n = _cell_kv(k_base, v_base, cell_n, u + 1 < n_u, cell_offs, kv_mask, kv_stride, CELL)
         if _any_hit(sel0, cell):
             a0, l0, m0 = _cell_step(a0, l0, m0, q0, sel0, cell, kc, vc, c_ok, qk_scale, CELL, CELL_P)
         if _any_hit(sel1, cell):
