@@ -6,7 +6,10 @@ Providers: `freesolo_fsl`, `freesolo_fs`, `freesolo_fsb` (the pure-PyTorch backe
 check costs one host sync per call, and the peers check nothing), `sdpa_causal`, `flex_swa512`, and
 `fla_nsa` (fla-core's `parallel_nsa`: 16 query heads on 1 kv head, compression + top-4 of 32-token
 blocks, no window; it needs GQA groups of >= 16 heads, so it runs with Hkv = Hq / 16 whatever the
-shape says; skipped when fla is not importable).
+shape says; skipped when fla is not importable). `triton_fsl_graph` / `sdpa_causal_graph`: the same
+calls (forward, or forward + backward into the inputs' .grad) captured once in a CUDA graph and
+replayed: the GPU time without the per-call host work, what a training loop that captures its step
+gets (peak memory: that of the eager call).
 
 One run times forward and forward+backward (median of `triton.testing.do_bench`; a provider slower
 than 50 ms per call is timed as the median of 3 calls) and the peak memory of each provider at
@@ -57,7 +60,10 @@ PROVIDERS = [
     "fla_nsa",
     "flex_fsl",
     "flex_swa512",
+    "triton_fsl_graph",
+    "sdpa_causal_graph",
 ]
+GRAPH_SUFFIX = "_graph"  # <provider>_graph: the provider's call (fwd, or fwd + backward) captured once in a CUDA graph, replayed
 MODES = ["fwd", "fwd+bwd"]
 WINDOW = 512
 
@@ -170,6 +176,7 @@ def flex_fsl_call(q, k, v, compiled: bool):
 
 def make_call(provider: str, q, k, v, compiled: bool):
     """q [B, T, Hq, D], k / v [B, T, Hkv, D] -> a function returning the output (any layout)."""
+    provider = provider.removesuffix(GRAPH_SUFFIX)
     Hq, Hkv = q.shape[2], k.shape[2]
     gqa = Hq != Hkv
     if provider.startswith("freesolo_") or provider.startswith("triton_"):
@@ -261,8 +268,30 @@ def run_case(provider, mode, T, shape, device, dtype, compiled, rep_ms):
         peak = (torch.cuda.max_memory_allocated() - base) / 2**30
     else:
         peak = float("nan")
+    if provider.endswith(GRAPH_SUFFIX):
+        if device.type != "cuda":
+            return {"ms": float("nan"), "peak_gib": peak, "status": "skipped (CUDA graphs need a GPU)"}
+        fn = captured(fn, [q, k, v] if need_grad else [])
     ms = bench_ms(fn, device, rep_ms)
     return {"ms": ms, "peak_gib": peak, "status": "ok"}
+
+
+def captured(fn, grad_inputs):
+    """fn captured in a CUDA graph (after two warm-up calls on a side stream); returns its replay.
+    grad_inputs: tensors whose .grad the captured backward writes (set to None before the capture,
+    so that the graph allocates them in its pool and every replay rewrites them)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    for x in grad_inputs:
+        x.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
 
 
 # ---- main --------------------------------------------------------------------------------------

@@ -215,6 +215,56 @@ def test_opcheck_forward():
     )
 
 
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU: host syncs and CUDA-graph capture exist only there")
+@pytest.mark.parametrize("variant", ["fsl", "fs"])
+def test_cuda_training_step_has_no_host_sync_and_captures_in_a_cuda_graph(variant):
+    """With check_finite=False a triton forward + backward never synchronizes with the host
+    (set_sync_debug_mode("error") around a whole step), so a training step can be captured in a
+    CUDA graph: a replay gives the eager output and gradients bit for bit (deterministic backward)."""
+    cfg = FreeSoloConfig(variant=variant)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    B, T, Hq, Hkv, D = 1, 4096, 4, 2, 64
+
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+    q, k, v = randn(B, T, Hq, D).requires_grad_(), randn(B, T, Hkv, D).requires_grad_(), randn(B, T, Hkv, D).requires_grad_()
+    grad = randn(B, T, Hq, D)
+
+    def step():
+        for x in (q, k, v):
+            x.grad = None
+        o = freesolo.freesolo_attention(q, k, v, cfg, backend="triton", check_finite=False)
+        o.backward(grad)
+        return o
+
+    ref_o = step().detach().clone()
+    ref_grads = [x.grad.clone() for x in (q, k, v)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o_static = step()
+    with torch.no_grad():  # a replay must write them again (same inputs, same kernels)
+        o_static.zero_()
+        for x in (q, k, v):
+            x.grad.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(o_static, ref_o), "CUDA-graph replay: output differs from the eager call"
+    for name, x, ref in zip("qkv", (q, k, v), ref_grads):
+        assert torch.equal(x.grad, ref), f"CUDA-graph replay: d{name} differs from the eager call"
+
+
 def test_refuses_what_it_cannot_run():
     q, k, v = random_qkv(1, 1, 8, 2, 1, 8)
     cfg = FreeSoloConfig(**SMALL)
