@@ -30,18 +30,17 @@ from freesolo.backends.triton.selection import ScoreTiles, cell_stats, fsl_candi
 
 __all__ = ["VARIANTS", "main"]
 
-VARIANTS = {  # name -> ScoreTiles (block_m, block_n, num_warps, early_exit, count_rounds, erf_skip, fp32_keys)
+VARIANTS = {  # name -> ScoreTiles (block_m, block_n, num_warps, early_exit, count_rounds, erf_skip)
     # (s22 / s23 also swept block_n 64 / 128, block_m 32 / 128 and 8 warps: all slower at 64k and 1M,
-    # results/session_2026-12-02_s23/call2/score_tiles_1m.json; s24 call3: block_m 32, 2 / 8 warps slower)
-    "m64n32w4-f32": ScoreTiles(64, 32, 4, True, fp32_keys=True),  # the FS default of s24 call6
-    "m64n16w4-noexit-f32": ScoreTiles(64, 16, 4, False, fp32_keys=True),  # the FS-L default since s24
-    "m64n32w4-i64": ScoreTiles(64, 32, 4, True),  # the FS default before fp32_keys (erf_skip since s24)
-    "m64n32w4-i64-noerfskip": ScoreTiles(64, 32, 4, True, erf_skip=False),  # the s22 / s23 default
-    "m64n16w4-noexit-i64": ScoreTiles(64, 16, 4, False),  # the FS-L default of s24 call3
-    "m64n32w4-count-f32": ScoreTiles(64, 32, 4, False, count_rounds=True, fp32_keys=True),  # the FS default since s24
-    "m64n32w4-noexit-f32": ScoreTiles(64, 32, 4, False, fp32_keys=True),
-    "m64n16w4-f32": ScoreTiles(64, 16, 4, True, fp32_keys=True),
-    "m64n16w4-count-f32": ScoreTiles(64, 16, 4, False, count_rounds=True, fp32_keys=True),
+    # results/session_2026-12-02_s23/call2/score_tiles_1m.json; s24 call3: block_m 32, 2 / 8 warps slower;
+    # s24 call6: the top-K on int64 keys, removed after it, slower than the (score, cell) pairs)
+    "m64n32w4-count": ScoreTiles(64, 32, 4, False, count_rounds=True),  # the FS default since s24
+    "m64n16w4-noexit": ScoreTiles(64, 16, 4, False),  # the FS-L default since s24
+    "m64n32w4": ScoreTiles(64, 32, 4, True),
+    "m64n32w4-noerfskip": ScoreTiles(64, 32, 4, True, erf_skip=False),
+    "m64n32w4-noexit": ScoreTiles(64, 32, 4, False),
+    "m64n16w4": ScoreTiles(64, 16, 4, True),
+    "m64n16w4-count": ScoreTiles(64, 16, 4, False, count_rounds=True),
 }
 
 
@@ -87,7 +86,7 @@ def main() -> None:
             ms = bench_ms(lambda: select_cells(q, k, cfg, tiles=tiles), device, args.rep_ms)
             row = dict(variant=variant, T=T, tiles=name, block_m=tiles.block_m, block_n=tiles.block_n,
                        num_warps=tiles.num_warps, early_exit=tiles.early_exit, count_rounds=tiles.count_rounds,
-                       erf_skip=tiles.erf_skip, fp32_keys=tiles.fp32_keys, ms=ms, equal_to_default=equal,
+                       erf_skip=tiles.erf_skip, ms=ms, equal_to_default=equal,
                        is_default=tiles == default)  # fmt: skip
             results.append(row)
             print(f"{variant} T={T:>7} {name:<20} {ms:8.3f} ms  equal={equal}", flush=True)

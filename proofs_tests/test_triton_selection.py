@@ -204,21 +204,19 @@ def test_selection_default_config_once():
     assert (idx[:, 128:] >= 0).all(), "past block 0, every query has >= 4 available cells"
 
 
-@pytest.mark.parametrize("fp32_keys", [False, True])
+@pytest.mark.parametrize("count_rounds", [False, True])
 @pytest.mark.parametrize("variant", ["fs", "fsl"])
-def test_exact_score_ties_prefer_larger_cell(variant, fp32_keys):
+def test_exact_score_ties_prefer_larger_cell(variant, count_rounds):
     """q = 0 and lam = 0 make every score exactly 0: the K largest candidates, descending (spec §7).
     With tied a_c, the FS-L pool keeps the more recent cells too (spec §5): exact equality. Both
-    top-K forms of the scoring kernel (int64 keys, fp32 scores + cells)."""
-    import dataclasses
-
-    from freesolo.backends.triton.selection import score_tiles
+    top-K round schedules of the scoring kernel (every round, counted per chunk)."""
+    from freesolo.backends.triton.selection import ScoreTiles
 
     B, T, Hq, Hkv, D = 1, 96, 2, 1, 8
     cfg = _cfg(variant, lam=0.0, top_k=4)
     q = np.zeros((B, T, Hq, D))
     k = _tied_keys(5, B, T, Hkv, D)
-    tiles = dataclasses.replace(score_tiles(cfg, D, torch.float32), fp32_keys=fp32_keys)
+    tiles = ScoreTiles(16, 16, 1, early_exit=False, count_rounds=count_rounds)
     idx = _select(q, k, cfg, tiles=tiles)
     ref = oracle.select_cells(q, k, cfg)
     assert np.array_equal(idx, ref), f"tie rule: first differing row {np.argwhere((idx != ref).any(-1))[:1].tolist()}"
@@ -233,9 +231,9 @@ def test_exact_score_ties_prefer_larger_cell(variant, fp32_keys):
 
 @pytest.mark.parametrize("variant", ["fs", "fsl"])
 def test_score_kernel_switches_give_equal_selections(variant):
-    """ScoreTiles.erf_skip (prior 1.0 without erf where every argument of a chunk is >= ERF_ONE),
-    count_rounds (top-K rounds counted per chunk) and fp32_keys (the top-K on fp32 scores with the
-    cell as tie-break) change no selected cell: bitwise against the
+    """ScoreTiles.erf_skip (prior 1.0 without erf where every argument of a chunk is >= ERF_ONE)
+    and the top-K round schedules (early exit, counted per chunk, every round) change no selected
+    cell: bitwise against the
     kernel without them, on a config whose chunks are some skipped, some not (sigma 4, cell 4:
     erf is skipped from 8 tokens before the tile on; 16-cell chunks)."""
     from freesolo.backends.triton.selection import ERF_ONE, ScoreTiles
@@ -249,9 +247,7 @@ def test_score_kernel_switches_give_equal_selections(variant):
     for tiles in (ScoreTiles(16, 16, 1, early_exit=True, erf_skip=True),
                   ScoreTiles(16, 16, 1, count_rounds=True, erf_skip=True),
                   ScoreTiles(16, 16, 1, early_exit=False, count_rounds=True, erf_skip=False),
-                  ScoreTiles(16, 16, 1, early_exit=True, fp32_keys=True),
-                  ScoreTiles(16, 32, 1, early_exit=False, fp32_keys=True),
-                  ScoreTiles(16, 16, 1, count_rounds=True, fp32_keys=True)):  # fmt: skip
+                  ScoreTiles(16, 16, 1, early_exit=False, erf_skip=True)):  # fmt: skip
         assert torch.equal(select_cells(qt, kt, cfg, tiles=tiles), base), tiles
     assert select_cells(qt, kt, cfg, out_dtype=torch.int32).dtype == torch.int32
     with pytest.raises(TypeError, match="out_dtype"):

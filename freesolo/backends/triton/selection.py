@@ -20,8 +20,8 @@ The kernels, launched in this order by `select_cells`:
    [0, n_j), FS-L: the P + W cand entries), scores [BLOCK_M, BLOCK_N] in fp32
    (score = scale * q . kbar + lam_h * a_c * erf(sigma_h * (i - c*s) / (2s)); the dot is an fp32
    `tl.dot` with input_precision="ieee"; 16-bit inputs: a split tensor-core dot, see below) and
-   keeps a running top-K per query on keys that order by (score desc, c desc) (spec §7's tie
-   rule), sorted once at the end. No [T, cells] tensor exists.
+   keeps a running top-K per query of (fp32 score, cell) pairs ordered by (score desc, c desc)
+   (spec §7's tie rule), sorted once at the end. No [T, cells] tensor exists.
 
 Row independence (L12): tile sizes depend on the config and D only; a query's result depends on
 its row's cells c < n_j (whose statistics are functions of their own tokens) and on nothing else;
@@ -68,12 +68,7 @@ _PAD_A = tl.constexpr(-2.0)
 _MAX = tl.standard._elementwise_max
 _MIN = tl.standard._elementwise_min
 _SUM = tl.standard._sum_combine
-# Top-K keys: int64 (orderable fp32 score bits << 32) | (cell + 1), so one max finds the best
-# score and, among equal scores, the larger cell (spec §7). _EMPTY = key of (-inf, cell -1): every
-# real key is larger. _INT64_MIN marks a masked candidate or a key already taken.
-_EMPTY = tl.constexpr(((-8388608) ^ 0x7FFFFFFF) << 32)
-_INT64_MAX = tl.constexpr(2**63 - 1)
-_INT64_MIN = tl.constexpr(-(2**63))
+# The running top-K orders (fp32 score desc, with -0.0 == +0.0, then cell desc): spec §7's tie rule.
 _INT32_MAX = tl.constexpr(2**31 - 1)
 _INT32_MIN = tl.constexpr(-(2**31))
 # erf(x) is exactly 1.0 in fp32 from here on (erfc(4) = 1.5e-8 < 2^-25, half an ulp below 1.0):
@@ -240,18 +235,6 @@ def _fsl_cand_kernel(
 
 
 @triton.jit
-def _topk_round(top, kth, key, cmax):
-    """One round of the running top-K: where a row's best remaining key `cmax` [M] beats its
-    K-th key `kth` [M], it replaces it in `top` [M, K_PAD]; that key leaves `key` [M, N]."""
-    better = (cmax > kth)[:, None]
-    top = tl.where(better & (top == kth[:, None]), cmax[:, None], top)
-    kth = tl.reduce(top, 1, _MIN)
-    key = tl.where(key == cmax[:, None], _INT64_MIN, key)
-    cmax = tl.reduce(key, 1, _MAX)
-    return top, kth, key, cmax
-
-
-@triton.jit
 def _lex_max(s, c):
     """Per row of s [M, N] fp32 and c [M, N] or [1, N] int32 cells (distinct in a row): the largest
     pair in the order (s desc, then c desc), as (best_s [M], best_c [M])."""
@@ -275,9 +258,9 @@ def _lex_better(cs, cc, kth_s, kth_c):
 
 
 @triton.jit
-def _topk_round_f32(top_s, top_c, kth_s, kth_c, s, cells, cs, cc):
-    """`_topk_round` on fp32 scores with the cell as tie-break (ScoreTiles.fp32_keys): where a row's
-    best remaining pair (cs, cc) beats its K-th pair it takes that pair's lane; the pair leaves s."""
+def _topk_round(top_s, top_c, kth_s, kth_c, s, cells, cs, cc):
+    """One round of the running top-K: where a row's best remaining pair (cs, cc) beats its K-th pair
+    (kth_s, kth_c), it takes that pair's lane in (top_s, top_c) [M, K_PAD]; the pair leaves s [M, N]."""
     better = _lex_better(cs, cc, kth_s, kth_c)
     lane = (top_s == kth_s[:, None]) & (top_c == kth_c[:, None]) & better[:, None]
     top_s = tl.where(lane, cs[:, None], top_s)
@@ -319,7 +302,6 @@ def _score_topk_kernel(
     EARLY_EXIT: tl.constexpr,
     COUNT_ROUNDS: tl.constexpr,
     ERF_SKIP: tl.constexpr,
-    FP32_KEYS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -351,23 +333,16 @@ def _score_topk_kernel(
     i_f0 = (j * QBLOCK + tile * BLOCK_M).to(tl.float32)  # the tile's first (smallest) query position
     kv_row = (b * HKV + g) * C  # first cell row of (b, g) in KBAR / AMAX
     n_j = j * (QBLOCK // CELL)  # available cells
-    # Running top-K per query: an unordered set of TOP_K distinct keys (see _EMPTY) in lanes
-    # < TOP_K; an empty lane holds _EMPTY - lane (distinct, below every real key); lanes >= TOP_K
-    # hold _INT64_MAX and are never the minimum. Sorted once at the end.
+    # Running top-K per query: an unordered set of TOP_K distinct (fp32 score, cell) pairs in lanes
+    # < TOP_K; an empty lane holds (-inf, -1 - lane) (distinct, below every real pair); lanes >= TOP_K
+    # hold (+inf, INT32_MAX) and are never the minimum. Sorted once at the end.
     k_lane = tl.arange(0, K_PAD)
-    if FP32_KEYS:
-        # the same set as (fp32 score, cell) pairs in two arrays: an empty lane holds (-inf, -1 - lane),
-        # lanes >= TOP_K (+inf, INT32_MAX): never the minimum
-        lane_real = k_lane < TOP_K
-        top_s = tl.where(lane_real, tl.full([K_PAD], float("-inf"), tl.float32), tl.full([K_PAD], float("inf"), tl.float32))
-        top_c = tl.where(lane_real, -1 - k_lane, tl.full([K_PAD], _INT32_MAX, tl.int32))
-        top_s = tl.broadcast_to(top_s[None, :], [BLOCK_M, K_PAD])
-        top_c = tl.broadcast_to(top_c[None, :], [BLOCK_M, K_PAD])
-        kth_s, kth_c = _lex_min(top_s, top_c)  # [BLOCK_M]: the K-th best pair so far
-    else:
-        top = tl.where(k_lane < TOP_K, _EMPTY - k_lane.to(tl.int64), _INT64_MAX)
-        top = tl.broadcast_to(top[None, :], [BLOCK_M, K_PAD])
-        kth = tl.reduce(top, 1, _MIN)  # [BLOCK_M]: the K-th best key so far
+    lane_real = k_lane < TOP_K
+    top_s = tl.where(lane_real, tl.full([K_PAD], float("-inf"), tl.float32), tl.full([K_PAD], float("inf"), tl.float32))
+    top_c = tl.where(lane_real, -1 - k_lane, tl.full([K_PAD], _INT32_MAX, tl.int32))
+    top_s = tl.broadcast_to(top_s[None, :], [BLOCK_M, K_PAD])
+    top_c = tl.broadcast_to(top_c[None, :], [BLOCK_M, K_PAD])
+    kth_s, kth_c = _lex_min(top_s, top_c)  # [BLOCK_M]: the K-th best pair so far
     n_off = tl.arange(0, BLOCK_N).to(tl.int64)
     if FSL:
         n_items = N_CAND
@@ -412,74 +387,40 @@ def _score_topk_kernel(
         else:
             prior = tl.math.erf(coef * dist)
         score = scale * dot + lam * a[None, :] * prior
-        if FP32_KEYS:
-            # the same order as the int64 keys below (score desc, -0.0 == +0.0, then cell desc) on
-            # fp32 scores and int32 cells: no key is built, a round's reductions are 32-bit
-            s_chunk = tl.where(c_ok[None, :], score, float("-inf"))
-            cells32 = cells.to(tl.int32)
-            cs, cc = _lex_max(s_chunk, cells32[None, :])
-            if COUNT_ROUNDS:
-                beats = (s_chunk > kth_s[:, None]) | ((s_chunk == kth_s[:, None]) & (cells32[None, :] > kth_c[:, None]))
-                better = tl.reduce((beats & (s_chunk > float("-inf"))).to(tl.int32), 1, _SUM)
-                n_rounds = tl.minimum(tl.reduce(better, 0, _MAX), TOP_K)
-                for r in range(0, n_rounds):
-                    top_s, top_c, kth_s, kth_c, s_chunk, cs, cc = _topk_round_f32(
-                        top_s, top_c, kth_s, kth_c, s_chunk, cells32, cs, cc
-                    )
-            else:
-                for r in tl.static_range(TOP_K):
-                    if EARLY_EXIT:
-                        if tl.reduce(_lex_better(cs, cc, kth_s, kth_c).to(tl.int32), 0, _MAX) > 0:
-                            top_s, top_c, kth_s, kth_c, s_chunk, cs, cc = _topk_round_f32(
-                                top_s, top_c, kth_s, kth_c, s_chunk, cells32, cs, cc
-                            )
-                    else:
-                        top_s, top_c, kth_s, kth_c, s_chunk, cs, cc = _topk_round_f32(
+        # no key is built: the pairs compare as (score, cell), a round's reductions are 32-bit. A
+        # round where a row does not improve leaves its top-K as it is, so the schedules below
+        # (EARLY_EXIT: skip a round once no row of the tile improves, a cross-row reduction per
+        # round; COUNT_ROUNDS: as many rounds as the most pairs any row has above its K-th, one
+        # cross-row reduction per chunk; else TOP_K rounds) give the same result.
+        s_chunk = tl.where(c_ok[None, :], score, float("-inf"))
+        cells32 = cells.to(tl.int32)
+        cs, cc = _lex_max(s_chunk, cells32[None, :])
+        if COUNT_ROUNDS:
+            beats = (s_chunk > kth_s[:, None]) | ((s_chunk == kth_s[:, None]) & (cells32[None, :] > kth_c[:, None]))
+            better = tl.reduce((beats & (s_chunk > float("-inf"))).to(tl.int32), 1, _SUM)
+            n_rounds = tl.minimum(tl.reduce(better, 0, _MAX), TOP_K)
+            for r in range(0, n_rounds):
+                top_s, top_c, kth_s, kth_c, s_chunk, cs, cc = _topk_round(top_s, top_c, kth_s, kth_c, s_chunk, cells32, cs, cc)
+        else:
+            for r in tl.static_range(TOP_K):
+                if EARLY_EXIT:
+                    if tl.reduce(_lex_better(cs, cc, kth_s, kth_c).to(tl.int32), 0, _MAX) > 0:
+                        top_s, top_c, kth_s, kth_c, s_chunk, cs, cc = _topk_round(
                             top_s, top_c, kth_s, kth_c, s_chunk, cells32, cs, cc
                         )
-        else:
-            score = score + 0.0  # -0.0 -> +0.0: equal scores get equal keys
-            bits = score.to(tl.int32, bitcast=True)
-            bits = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # integer order == float order
-            key = (bits.to(tl.int64) << 32) | (cells + 1)[None, :]
-            key = tl.where(c_ok[None, :], key, _INT64_MIN)
-            # While the chunk's best key of some row beats the row's K-th key, it replaces that K-th
-            # key: TOP_K rounds. EARLY_EXIT: a round is skipped as soon as no row of the tile improves
-            # (a reduction across the tile's rows, i.e. across warps, per round); without it every
-            # round runs with per-row reductions only (a round where a row does not improve leaves
-            # its top-K as it is: same result).
-            cmax = tl.reduce(key, 1, _MAX)  # [BLOCK_M]
-            if COUNT_ROUNDS:
-                # as many rounds as the most keys any row has above its K-th key (at most TOP_K): a
-                # row improves in at most that many rounds; one cross-row reduction per chunk
-                better = tl.reduce((key > kth[:, None]).to(tl.int32), 1, _SUM)
-                n_rounds = tl.minimum(tl.reduce(better, 0, _MAX), TOP_K)
-                for r in range(0, n_rounds):
-                    top, kth, key, cmax = _topk_round(top, kth, key, cmax)
-            else:
-                for r in tl.static_range(TOP_K):
-                    if EARLY_EXIT:
-                        if tl.reduce((cmax > kth).to(tl.int32), 0, _MAX) > 0:
-                            top, kth, key, cmax = _topk_round(top, kth, key, cmax)
-                    else:
-                        top, kth, key, cmax = _topk_round(top, kth, key, cmax)
-    # sort: lane r of the output = the r-th largest key (keys are distinct), decoded to its cell
+                else:
+                    top_s, top_c, kth_s, kth_c, s_chunk, cs, cc = _topk_round(
+                        top_s, top_c, kth_s, kth_c, s_chunk, cells32, cs, cc
+                    )
+    # sort: lane r of the output = the r-th largest pair (pairs are distinct), its cell
     cell_out = tl.full([BLOCK_M, K_PAD], -1, tl.int64)
-    if FP32_KEYS:
-        top_s = tl.where(k_lane[None, :] < TOP_K, top_s, float("-inf"))
-        top_c = tl.where(k_lane[None, :] < TOP_K, top_c, _INT32_MIN)
-        for r in tl.static_range(TOP_K):
-            bs, bc = _lex_max(top_s, top_c)  # [BLOCK_M]
-            cell = tl.where(bs > float("-inf"), bc, -1).to(tl.int64)  # -inf: an empty lane
-            cell_out = tl.where(k_lane[None, :] == r, cell[:, None], cell_out)
-            top_s = tl.where((top_s == bs[:, None]) & (top_c == bc[:, None]), float("-inf"), top_s)
-    else:
-        top = tl.where(k_lane[None, :] < TOP_K, top, _INT64_MIN)
-        for r in tl.static_range(TOP_K):
-            best = tl.reduce(top, 1, _MAX)  # [BLOCK_M]
-            cell = tl.where(best > _EMPTY, (best & 0xFFFFFFFF) - 1, -1)
-            cell_out = tl.where(k_lane[None, :] == r, cell[:, None], cell_out)
-            top = tl.where(top == best[:, None], _INT64_MIN, top)
+    top_s = tl.where(k_lane[None, :] < TOP_K, top_s, float("-inf"))
+    top_c = tl.where(k_lane[None, :] < TOP_K, top_c, _INT32_MIN)
+    for r in tl.static_range(TOP_K):
+        bs, bc = _lex_max(top_s, top_c)  # [BLOCK_M]
+        cell = tl.where(bs > float("-inf"), bc, -1).to(tl.int64)  # -inf: an empty lane
+        cell_out = tl.where(k_lane[None, :] == r, cell[:, None], cell_out)
+        top_s = tl.where((top_s == bs[:, None]) & (top_c == bc[:, None]), float("-inf"), top_s)
     out = IDX + ((b * T + i) * HQ + h)[:, None] * TOP_K + k_lane[None, :]
     tl.store(out, cell_out, mask=row_ok[:, None] & (k_lane[None, :] < TOP_K))
 
@@ -627,23 +568,21 @@ class ScoreTiles:
     # reduction per chunk instead of one per round; early_exit is then not used). Same result.
     count_rounds: bool = False
     erf_skip: bool = True  # a chunk whose prior arguments all reach ERF_ONE takes prior 1.0 without erf (same bits)
-    # the running top-K on fp32 scores with int32 cells as the tie-break (32-bit reductions, no
-    # int64 key per candidate) instead of int64 keys (score bits << 32 | cell + 1). Same order.
-    fp32_keys: bool = False
 
 
 def score_tiles(cfg: FreeSoloConfig, D: int, dtype: torch.dtype) -> ScoreTiles:
     """Default tiles: BLOCK_M = the query block (16..64), 4 warps (about 128 registers per thread on
-    sm_90, no spills, for D 64 / 128 and every dtype), the top-K on fp32 scores + cells (fp32_keys).
+    sm_90, no spills, for D 64 / 128 and every dtype).
     FS: 32 cells per step, the top-K rounds counted per chunk (count_rounds); FS-L (72 candidates):
     16 per step, every round run. H200 (bf16 H16 D64, select_cells, same-run sweeps, every variant's
-    selection bitwise equal): FS at 64k 4.42 ms (s23 tiles) -> 3.71 (erf_skip) -> 3.40 (fp32_keys,
-    early exit) -> 3.31 (count_rounds; at 16k 0.326 vs 0.317 with the early exit); FS-L at 64k
+    selection bitwise equal): FS at 64k 4.42 ms (s23 tiles) -> 3.71 (erf_skip) -> 3.40 (the top-K on
+    fp32 score + cell pairs instead of int64 keys, early exit) -> 3.31 (count_rounds; at 16k 0.326
+    vs 0.317 with the early exit); FS-L at 64k
     0.783 -> 0.653 ms (results/session_2026-12-02_s24/call2, call3, call6)."""
     block_m = min(64, max(16, next_pow2(cfg.block)))
     if cfg.variant == "fsl":
-        return ScoreTiles(block_m, 16, 4, early_exit=False, fp32_keys=True)
-    return ScoreTiles(block_m, 32, 4, early_exit=False, count_rounds=True, fp32_keys=True)
+        return ScoreTiles(block_m, 16, 4, early_exit=False)
+    return ScoreTiles(block_m, 32, 4, early_exit=False, count_rounds=True)
 
 
 _HEAD_PARAMS: dict = {}
@@ -730,7 +669,6 @@ def select_cells(
         EARLY_EXIT=tiles.early_exit,
         COUNT_ROUNDS=tiles.count_rounds,
         ERF_SKIP=tiles.erf_skip,
-        FP32_KEYS=tiles.fp32_keys,
         BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N,
         BLOCK_D=BLOCK_D,
