@@ -34,13 +34,15 @@ VARIANTS = {  # name -> ScoreTiles (block_m, block_n, num_warps, early_exit, cou
     # (s22 / s23 also swept block_n 64 / 128, block_m 32 / 128 and 8 warps: all slower at 64k and 1M,
     # results/session_2026-12-02_s23/call2/score_tiles_1m.json; s24 call3: block_m 32, 2 / 8 warps slower;
     # s24 call6: the top-K on int64 keys, removed after it, slower than the (score, cell) pairs)
-    "m64n32w4-count": ScoreTiles(64, 32, 4, False, count_rounds=True),  # the FS default since s24
+    "m64n32w4-count": ScoreTiles(64, 32, 4, False, count_rounds=True),  # the FS default since s24 (s25: row-max gate on)
     "m64n16w4-noexit": ScoreTiles(64, 16, 4, False),  # the FS-L default since s24
-    "m64n32w4": ScoreTiles(64, 32, 4, True),
-    "m64n32w4-noerfskip": ScoreTiles(64, 32, 4, True, erf_skip=False),
-    "m64n32w4-noexit": ScoreTiles(64, 32, 4, False),
-    "m64n16w4": ScoreTiles(64, 16, 4, True),
+    "m64n32w4-count-nogate": ScoreTiles(64, 32, 4, False, count_rounds=True, row_max_gate=False),  # s24's FS default
     "m64n16w4-count": ScoreTiles(64, 16, 4, False, count_rounds=True),
+    "m64n16w4-count-nogate": ScoreTiles(64, 16, 4, False, count_rounds=True, row_max_gate=False),
+    "m64n64w4-count": ScoreTiles(64, 64, 4, False, count_rounds=True),
+    "m64n32w8-count": ScoreTiles(64, 32, 8, False, count_rounds=True),
+    "m32n32w2-count": ScoreTiles(32, 32, 2, False, count_rounds=True),
+    "m64n32w4": ScoreTiles(64, 32, 4, True),
 }
 
 

@@ -8,6 +8,7 @@ their register pressure: this does, with triton's bundled ptxas / cuobjdump. A f
 Usage (repository root; TRITON_INTERPRET must be unset):
     python benchmarks/triton_selection_sm90_check.py
     python benchmarks/triton_selection_sm90_check.py fsb    # the FS-B prefill and decode searches only
+    python benchmarks/triton_selection_sm90_check.py score  # the FS / FS-L scoring + top-K kernel only
 Look for: every line "ok", STACK:0 (no spills).
 """
 
@@ -76,10 +77,17 @@ def main() -> None:
         4,
     )
     print(f"ok  _fsl_cand_kernel: {r}")
+    score_check(cfg)
+    fsb_main(cfg)
+
+
+def score_check(cfg) -> None:
+    """The FS / FS-L scoring + top-K kernel at its default tiles, every dtype, D 64 / 128."""
+    s, P, W, K = cfg.cell, cfg.pool, cfg.recent, cfg.top_k
     for dtype in ("fp32", "bf16", "fp16"):
         for fsl in (True, False):
             for D in (64, 128):
-                tiles = S.score_tiles(cfg, D, None)
+                tiles = S.score_tiles(cfg.replace(variant="fsl" if fsl else "fs"), D, None)
                 r = usage(
                     S._score_topk_kernel,
                     {"Q": "*" + dtype, "KBAR": "*fp32", "AMAX": "*fp32", "CAND": "*i32", "SIGMA": "*fp32",
@@ -88,11 +96,18 @@ def main() -> None:
                      "scale": "fp32"},
                     {"D": D, "CELL": s, "QBLOCK": cfg.block, "TILES_PER_BLOCK": triton.cdiv(cfg.block, tiles.block_m),
                      "TOP_K": K, "K_PAD": max(2, triton.next_power_of_2(K)), "FSL": fsl, "N_CAND": P + W,
-                     "SPLIT_DOT": dtype != "fp32", "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n,
+                     "SPLIT_DOT": dtype != "fp32", "EARLY_EXIT": tiles.early_exit,
+                     "COUNT_ROUNDS": tiles.count_rounds, "ROW_MAX_GATE": tiles.row_max_gate,
+                     "ERF_SKIP": tiles.erf_skip, "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n,
                      "BLOCK_D": D},
                     tiles.num_warps,
                 )
                 print(f"ok  _score_topk_kernel {dtype} {'fsl' if fsl else 'fs'} D={D} {tiles}: {r}")
+
+
+def fsb_main(cfg) -> None:
+    """The FS-B prefill search at its default launch, then `fsb_check`."""
+    s, K = cfg.cell, cfg.top_k
     # FS-B search (default launch: 4 warps). 2026-12-01: beam 16, D 64: REG:243 STACK:0 (2 warps
     # spill 400 B, 8 warps REG:204); beam 32 spills at 4 warps (944 B).
     fsb_sig = {"q_ptr": "*fp32", "k_ptr": "*fp32", "mu_ptr": "*fp32", "rad_ptr": "*fp32", "a_ptr": "*fp32",
@@ -144,5 +159,7 @@ def fsb_check(cfg) -> None:
 if __name__ == "__main__":
     if sys.argv[1:] == ["fsb"]:
         fsb_check(FreeSoloConfig(variant="fsb"))
+    elif sys.argv[1:] == ["score"]:
+        score_check(FreeSoloConfig())
     else:
         main()

@@ -301,6 +301,7 @@ def _score_topk_kernel(
     SPLIT_DOT: tl.constexpr,
     EARLY_EXIT: tl.constexpr,
     COUNT_ROUNDS: tl.constexpr,
+    ROW_MAX_GATE: tl.constexpr,
     ERF_SKIP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -394,14 +395,26 @@ def _score_topk_kernel(
         # cross-row reduction per chunk; else TOP_K rounds) give the same result.
         s_chunk = tl.where(c_ok[None, :], score, float("-inf"))
         cells32 = cells.to(tl.int32)
-        cs, cc = _lex_max(s_chunk, cells32[None, :])
         if COUNT_ROUNDS:
-            beats = (s_chunk > kth_s[:, None]) | ((s_chunk == kth_s[:, None]) & (cells32[None, :] > kth_c[:, None]))
-            better = tl.reduce((beats & (s_chunk > float("-inf"))).to(tl.int32), 1, _SUM)
-            n_rounds = tl.minimum(tl.reduce(better, 0, _MAX), TOP_K)
-            for r in range(0, n_rounds):
-                top_s, top_c, kth_s, kth_c, s_chunk, cs, cc = _topk_round(top_s, top_c, kth_s, kth_c, s_chunk, cells32, cs, cc)
+            if ROW_MAX_GATE:
+                # a pair beats a row's K-th only if its score is >= the K-th's: when no row's chunk
+                # maximum reaches its K-th score the chunk changes nothing (most chunks of FS once the
+                # top-K holds recent cells), and costs one row reduction and one cross-row reduction
+                row_max = tl.reduce(s_chunk, 1, _MAX)
+                n_open = tl.reduce((row_max >= kth_s).to(tl.int32), 0, _MAX)
+            else:
+                n_open = 1
+            if n_open > 0:
+                cs, cc = _lex_max(s_chunk, cells32[None, :])
+                beats = (s_chunk > kth_s[:, None]) | ((s_chunk == kth_s[:, None]) & (cells32[None, :] > kth_c[:, None]))
+                better = tl.reduce((beats & (s_chunk > float("-inf"))).to(tl.int32), 1, _SUM)
+                n_rounds = tl.minimum(tl.reduce(better, 0, _MAX), TOP_K)
+                for r in range(0, n_rounds):
+                    top_s, top_c, kth_s, kth_c, s_chunk, cs, cc = _topk_round(
+                        top_s, top_c, kth_s, kth_c, s_chunk, cells32, cs, cc
+                    )
         else:
+            cs, cc = _lex_max(s_chunk, cells32[None, :])
             for r in tl.static_range(TOP_K):
                 if EARLY_EXIT:
                     if tl.reduce(_lex_better(cs, cc, kth_s, kth_c).to(tl.int32), 0, _MAX) > 0:
@@ -567,6 +580,9 @@ class ScoreTiles:
     # run per chunk as many rounds as the most keys a row has above its K-th key (one cross-row
     # reduction per chunk instead of one per round; early_exit is then not used). Same result.
     count_rounds: bool = False
+    # with count_rounds: a chunk where no row's best score reaches its K-th score skips the count and
+    # the rounds (it cannot change the top-K). Same result.
+    row_max_gate: bool = True
     erf_skip: bool = True  # a chunk whose prior arguments all reach ERF_ONE takes prior 1.0 without erf (same bits)
 
 
@@ -668,6 +684,7 @@ def select_cells(
         SPLIT_DOT=q.dtype in (torch.float16, torch.bfloat16),
         EARLY_EXIT=tiles.early_exit,
         COUNT_ROUNDS=tiles.count_rounds,
+        ROW_MAX_GATE=tiles.row_max_gate,
         ERF_SKIP=tiles.erf_skip,
         BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N,
