@@ -330,6 +330,13 @@ def test_errors_name_the_field():
         select_cells(q, k, _cfg("fsl", pool=5000))
     with pytest.raises(ValueError, match="Hq"):
         select_cells(_t(np.zeros((1, 16, 3, 8))), _t(np.zeros((1, 16, 2, 8))), _cfg("fs"))
+    # a length whose per-head cell statistics pass int32 offsets (expanded views: no memory behind them)
+    D, cell = 256, 4
+    T = 2**31 // D * cell
+    big = torch.zeros(1, 1, 1, D).expand(1, T, 1, D)
+    with pytest.raises(ValueError, match="2\\^31"):
+        select_cells(big, big, _cfg("fs", cell=cell))
+    select_cells(q, k, _cfg("fs"))  # the check is not on for short T
 
 
 # ---- CUDA: bf16 / fp16 / fp32, D 64 / 128, long T, int64 offsets -----------------------------

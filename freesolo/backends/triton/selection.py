@@ -272,6 +272,91 @@ def _topk_round(top_s, top_c, kth_s, kth_c, s, cells, cs, cc):
 
 
 @triton.jit
+def _score_chunk(
+    top_s, top_c, kth_s, kth_c,  # the running top-K [BLOCK_M, K_PAD] and its K-th pair [BLOCK_M]
+    q,  # [BLOCK_M, BLOCK_D] queries (q's dtype with SPLIT_DOT, else fp32)
+    kb,  # fp32 [BLOCK_N, BLOCK_D] mean keys of the chunk's cells (0 where masked)
+    a,  # fp32 [BLOCK_N] max key norms
+    cells,  # int32 [BLOCK_N] the chunk's cells (any value where not c_ok)
+    c_ok,  # [BLOCK_N] real cells
+    c_max,  # scalar: the largest real cell of the chunk (erf skip)
+    i_f, i_f0, coef, lam, scale,  # fp32 query positions [BLOCK_M], the tile's first, sigma / (2s), lam, 1/sqrt(D)
+    CELL: tl.constexpr,
+    TOP_K: tl.constexpr,
+    SPLIT_DOT: tl.constexpr,
+    EARLY_EXIT: tl.constexpr,
+    COUNT_ROUNDS: tl.constexpr,
+    ROW_MAX_GATE: tl.constexpr,
+    ERF_SKIP: tl.constexpr,
+    MASKED: tl.constexpr,  # False: every cell of the chunk is real (no masking of the scores)
+):
+    """Score one chunk of cells for a tile of queries and merge it into the running top-K."""
+    if SPLIT_DOT:
+        # 16-bit q is exact; kbar = hi + lo in q's dtype (+ ~2^-17 relative residual): two
+        # tensor-core dots with fp32 accumulation, as accurate as an fp32 dot for selection.
+        kb_hi = kb.to(q.dtype)
+        kb_lo = (kb - kb_hi.to(tl.float32)).to(q.dtype)
+        dot = tl.dot(q, tl.trans(kb_lo), acc=tl.dot(q, tl.trans(kb_hi)))
+    else:
+        dot = tl.dot(q, tl.trans(kb), input_precision="ieee")  # [BLOCK_M, BLOCK_N] fp32
+    dist = i_f[:, None] - (cells * CELL).to(tl.float32)[None, :]
+    if ERF_SKIP:
+        # erf(x) rounds to exactly 1.0 in fp32 for x >= ERF_ONE (a CUDA test checks the compiled
+        # erf on every fp32 x in [ERF_ONE, 8) and a sweep past it). coef * dist is monotone in dist,
+        # so when the chunk's smallest x reaches ERF_ONE every prior factor is 1.0 and erf is not
+        # evaluated: the same bits, most chunks (sigma 4: every cell 2 cells or more before the
+        # query) skip it.
+        x_min = coef * (i_f0 - (c_max * CELL).to(tl.float32))
+        if (coef > 0.0) & (x_min >= _ERF_ONE):
+            prior = tl.full(dist.shape, 1.0, tl.float32)
+        else:
+            prior = tl.math.erf(coef * dist)
+    else:
+        prior = tl.math.erf(coef * dist)
+    score = scale * dot + lam * a[None, :] * prior
+    if MASKED:
+        s_chunk = tl.where(c_ok[None, :], score, float("-inf"))
+    else:
+        s_chunk = score
+    # no key is built: the pairs compare as (score, cell), a round's reductions are 32-bit. A round
+    # where a row does not improve leaves its top-K as it is, so the schedules below (EARLY_EXIT: skip
+    # a round once no row of the tile improves, a cross-row reduction per round; COUNT_ROUNDS: as many
+    # rounds as the most pairs any row has above its K-th, one cross-row reduction per chunk; else
+    # TOP_K rounds) give the same result.
+    if COUNT_ROUNDS:
+        if ROW_MAX_GATE:
+            # a pair beats a row's K-th only if its score is >= the K-th's: when no row's chunk
+            # maximum reaches its K-th score the chunk changes nothing (most chunks of FS once the
+            # top-K holds recent cells), and costs one row reduction and one cross-row reduction
+            row_max = tl.reduce(s_chunk, 1, _MAX)
+            n_open = tl.reduce((row_max >= kth_s).to(tl.int32), 0, _MAX)
+        else:
+            n_open = 1
+        if n_open > 0:
+            cs, cc = _lex_max(s_chunk, cells[None, :])
+            beats = (s_chunk > kth_s[:, None]) | ((s_chunk == kth_s[:, None]) & (cells[None, :] > kth_c[:, None]))
+            better = tl.reduce((beats & (s_chunk > float("-inf"))).to(tl.int32), 1, _SUM)
+            n_rounds = tl.minimum(tl.reduce(better, 0, _MAX), TOP_K)
+            for r in range(0, n_rounds):
+                top_s, top_c, kth_s, kth_c, s_chunk, cs, cc = _topk_round(
+                    top_s, top_c, kth_s, kth_c, s_chunk, cells, cs, cc
+                )
+    else:
+        cs, cc = _lex_max(s_chunk, cells[None, :])
+        for r in tl.static_range(TOP_K):
+            if EARLY_EXIT:
+                if tl.reduce(_lex_better(cs, cc, kth_s, kth_c).to(tl.int32), 0, _MAX) > 0:
+                    top_s, top_c, kth_s, kth_c, s_chunk, cs, cc = _topk_round(
+                        top_s, top_c, kth_s, kth_c, s_chunk, cells, cs, cc
+                    )
+            else:
+                top_s, top_c, kth_s, kth_c, s_chunk, cs, cc = _topk_round(
+                    top_s, top_c, kth_s, kth_c, s_chunk, cells, cs, cc
+                )
+    return top_s, top_c, kth_s, kth_c
+
+
+@triton.jit
 def _score_topk_kernel(
     Q,  # [B, T, Hq, D] any strides
     KBAR,  # fp32 [B, Hkv, C, D]
@@ -344,87 +429,61 @@ def _score_topk_kernel(
     top_s = tl.broadcast_to(top_s[None, :], [BLOCK_M, K_PAD])
     top_c = tl.broadcast_to(top_c[None, :], [BLOCK_M, K_PAD])
     kth_s, kth_c = _lex_min(top_s, top_c)  # [BLOCK_M]: the K-th best pair so far
-    n_off = tl.arange(0, BLOCK_N).to(tl.int64)
+    n_off = tl.arange(0, BLOCK_N)
+    # (b, g)'s rows of KBAR / AMAX: int64 bases, int32 offsets inside them (C * D < 2^31, checked on the host)
+    kbar_rows = KBAR + kv_row * D
+    amax_row = AMAX + kv_row
+    d_off32 = d_off.to(tl.int32)
     if FSL:
-        n_items = N_CAND
-    else:
-        n_items = n_j
-    for n0 in range(0, n_items, BLOCK_N):
-        if FSL:
+        cand_row = CAND + ((b * HKV + g) * NBLOCKS + j) * N_CAND
+        for n0 in range(0, N_CAND, BLOCK_N):
             pos = n0 + n_off
-            cells = tl.load(CAND + ((b * HKV + g) * NBLOCKS + j) * N_CAND + pos, mask=pos < N_CAND, other=-1)
-            cells = cells.to(tl.int64)
-        else:
-            cells = n_j - 1 - n0 - n_off  # most recent first
-            cells = tl.where(cells >= 0, cells, -1)
-        c_ok = cells >= 0
-        c_safe = tl.where(c_ok, cells, 0)
-        kb = tl.load(
-            KBAR + (kv_row + c_safe)[:, None] * D + d_off[None, :],
-            mask=c_ok[:, None] & d_ok[None, :],
-            other=0.0,
-        )  # [BLOCK_N, BLOCK_D]
-        a = tl.load(AMAX + kv_row + c_safe, mask=c_ok, other=0.0)  # [BLOCK_N]
-        if SPLIT_DOT:
-            # 16-bit q is exact; kbar = hi + lo in q's dtype (+ ~2^-17 relative residual): two
-            # tensor-core dots with fp32 accumulation, as accurate as an fp32 dot for selection.
-            kb_hi = kb.to(q.dtype)
-            kb_lo = (kb - kb_hi.to(tl.float32)).to(q.dtype)
-            dot = tl.dot(q, tl.trans(kb_lo), acc=tl.dot(q, tl.trans(kb_hi)))
-        else:
-            dot = tl.dot(q, tl.trans(kb), input_precision="ieee")  # [BLOCK_M, BLOCK_N] fp32
-        dist = i_f[:, None] - (c_safe * CELL).to(tl.float32)[None, :]
-        if ERF_SKIP:
-            # erf(x) rounds to exactly 1.0 in fp32 for x >= ERF_ONE (a CUDA test checks the
-            # compiled erf on every fp32 x in [ERF_ONE, 8) and a sweep past it). coef * dist is
-            # monotone in dist, so when the chunk's smallest x reaches ERF_ONE every prior factor is
-            # 1.0 and erf is not evaluated: the same bits, most chunks (sigma 4: every cell 2 cells
-            # or more before the query) skip it.
-            x_min = coef * (i_f0 - (tl.reduce(c_safe, 0, _MAX) * CELL).to(tl.float32))
-            if (coef > 0.0) & (x_min >= _ERF_ONE):
-                prior = tl.full([BLOCK_M, BLOCK_N], 1.0, tl.float32)
+            cells = tl.load(cand_row + pos, mask=pos < N_CAND, other=-1)  # int32, -1: an empty slot
+            c_ok = cells >= 0
+            c_safe = tl.where(c_ok, cells, 0)
+            kb = tl.load(
+                kbar_rows + c_safe[:, None] * D + d_off32[None, :],
+                mask=c_ok[:, None] & d_ok[None, :],
+                other=0.0,
+            )  # [BLOCK_N, BLOCK_D]
+            a = tl.load(amax_row + c_safe, mask=c_ok, other=0.0)  # [BLOCK_N]
+            c_max = tl.reduce(c_safe, 0, _MAX)
+            top_s, top_c, kth_s, kth_c = _score_chunk(
+                top_s, top_c, kth_s, kth_c, q, kb, a, cells, c_ok, c_max, i_f, i_f0, coef, lam, scale,
+                CELL, TOP_K, SPLIT_DOT, EARLY_EXIT, COUNT_ROUNDS, ROW_MAX_GATE, ERF_SKIP, True,
+            )
+    else:
+        # every available cell [0, n_j), most recent first, BLOCK_N per chunk: a chunk is the contiguous
+        # rows [c0, c0 + BLOCK_N) of KBAR (c0 = n_j - n0 - BLOCK_N) read backwards, so its offsets are a
+        # loop-invariant int32 tile plus one scalar; the full chunks need no masks, the last one
+        # (c0 < 0) is masked
+        reversed_rows = BLOCK_N - 1 - n_off  # int32 [BLOCK_N]: chunk row -> cell - c0
+        kb_offsets = reversed_rows[:, None] * D + d_off32[None, :]  # [BLOCK_N, BLOCK_D] int32
+        n_full = n_j // BLOCK_N
+        for chunk in range(0, n_full):
+            c0 = n_j - (chunk + 1) * BLOCK_N  # >= 0
+            cells = c0.to(tl.int32) + reversed_rows
+            kb_base = kbar_rows + c0 * D
+            if BLOCK_D == D:
+                kb = tl.load(kb_base + kb_offsets)
             else:
-                prior = tl.math.erf(coef * dist)
-        else:
-            prior = tl.math.erf(coef * dist)
-        score = scale * dot + lam * a[None, :] * prior
-        # no key is built: the pairs compare as (score, cell), a round's reductions are 32-bit. A
-        # round where a row does not improve leaves its top-K as it is, so the schedules below
-        # (EARLY_EXIT: skip a round once no row of the tile improves, a cross-row reduction per
-        # round; COUNT_ROUNDS: as many rounds as the most pairs any row has above its K-th, one
-        # cross-row reduction per chunk; else TOP_K rounds) give the same result.
-        s_chunk = tl.where(c_ok[None, :], score, float("-inf"))
-        cells32 = cells.to(tl.int32)
-        if COUNT_ROUNDS:
-            if ROW_MAX_GATE:
-                # a pair beats a row's K-th only if its score is >= the K-th's: when no row's chunk
-                # maximum reaches its K-th score the chunk changes nothing (most chunks of FS once the
-                # top-K holds recent cells), and costs one row reduction and one cross-row reduction
-                row_max = tl.reduce(s_chunk, 1, _MAX)
-                n_open = tl.reduce((row_max >= kth_s).to(tl.int32), 0, _MAX)
-            else:
-                n_open = 1
-            if n_open > 0:
-                cs, cc = _lex_max(s_chunk, cells32[None, :])
-                beats = (s_chunk > kth_s[:, None]) | ((s_chunk == kth_s[:, None]) & (cells32[None, :] > kth_c[:, None]))
-                better = tl.reduce((beats & (s_chunk > float("-inf"))).to(tl.int32), 1, _SUM)
-                n_rounds = tl.minimum(tl.reduce(better, 0, _MAX), TOP_K)
-                for r in range(0, n_rounds):
-                    top_s, top_c, kth_s, kth_c, s_chunk, cs, cc = _topk_round(
-                        top_s, top_c, kth_s, kth_c, s_chunk, cells32, cs, cc
-                    )
-        else:
-            cs, cc = _lex_max(s_chunk, cells32[None, :])
-            for r in tl.static_range(TOP_K):
-                if EARLY_EXIT:
-                    if tl.reduce(_lex_better(cs, cc, kth_s, kth_c).to(tl.int32), 0, _MAX) > 0:
-                        top_s, top_c, kth_s, kth_c, s_chunk, cs, cc = _topk_round(
-                            top_s, top_c, kth_s, kth_c, s_chunk, cells32, cs, cc
-                        )
-                else:
-                    top_s, top_c, kth_s, kth_c, s_chunk, cs, cc = _topk_round(
-                        top_s, top_c, kth_s, kth_c, s_chunk, cells32, cs, cc
-                    )
+                kb = tl.load(kb_base + kb_offsets, mask=d_ok[None, :], other=0.0)
+            a = tl.load(amax_row + c0 + reversed_rows)
+            top_s, top_c, kth_s, kth_c = _score_chunk(
+                top_s, top_c, kth_s, kth_c, q, kb, a, cells, cells >= 0, c0 + BLOCK_N - 1, i_f, i_f0, coef, lam,
+                scale, CELL, TOP_K, SPLIT_DOT, EARLY_EXIT, COUNT_ROUNDS, ROW_MAX_GATE, ERF_SKIP, False,
+            )
+        if n_j % BLOCK_N != 0:
+            c0 = n_j % BLOCK_N - BLOCK_N  # < 0: the oldest cells [0, n_j % BLOCK_N)
+            cells = c0.to(tl.int32) + reversed_rows
+            c_ok = cells >= 0
+            c_safe = tl.where(c_ok, cells, 0)
+            kb = tl.load(kbar_rows + c_safe[:, None] * D + d_off32[None, :], mask=c_ok[:, None] & d_ok[None, :], other=0.0)
+            a = tl.load(amax_row + c_safe, mask=c_ok, other=0.0)
+            top_s, top_c, kth_s, kth_c = _score_chunk(
+                top_s, top_c, kth_s, kth_c, q, kb, a, cells, c_ok, c0 + BLOCK_N - 1, i_f, i_f0, coef, lam,
+                scale, CELL, TOP_K, SPLIT_DOT, EARLY_EXIT, COUNT_ROUNDS, ROW_MAX_GATE, ERF_SKIP, True,
+            )
     # sort: lane r of the output = the r-th largest pair (pairs are distinct), its cell
     cell_out = tl.full([BLOCK_M, K_PAD], -1, tl.int64)
     top_s = tl.where(k_lane[None, :] < TOP_K, top_s, float("-inf"))
@@ -461,6 +520,11 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig) -> None
         raise ValueError(f"k dtype {k.dtype} differs from q dtype {q.dtype}")
     if D > 256:
         raise ValueError(f"head dim D={D} exceeds the triton selection kernels' limit 256")
+    if (T // cfg.cell) * D >= 2**31:
+        raise ValueError(
+            f"T={T} is too long for the triton scoring kernel: (T // cell) * D = {(T // cfg.cell) * D} must stay "
+            "below 2^31 (int32 offsets inside one head's cell statistics)"
+        )
 
 
 def cell_stats(k: torch.Tensor, cell: Union[int, FreeSoloConfig]) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -584,6 +648,9 @@ class ScoreTiles:
     # the rounds (it cannot change the top-K). Same result.
     row_max_gate: bool = True
     erf_skip: bool = True  # a chunk whose prior arguments all reach ERF_ONE takes prior 1.0 without erf (same bits)
+    # software-pipelining depth of the cell loop (triton's num_stages). sm_90, FS bf16 D 64: 3 stages
+    # need 162 registers per thread (3 programs of 4 warps per SM), 1 stage 128 (4 programs).
+    num_stages: int = 3
 
 
 def score_tiles(cfg: FreeSoloConfig, D: int, dtype: torch.dtype) -> ScoreTiles:
@@ -690,5 +757,6 @@ def select_cells(
         BLOCK_N=BLOCK_N,
         BLOCK_D=BLOCK_D,
         num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )
     return idx
