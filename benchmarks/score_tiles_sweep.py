@@ -34,16 +34,15 @@ VARIANTS = {  # name -> ScoreTiles (block_m, block_n, num_warps, early_exit, cou
     # (s22 / s23 also swept block_n 64 / 128, block_m 32 / 128 and 8 warps: all slower at 64k and 1M,
     # results/session_2026-12-02_s23/call2/score_tiles_1m.json; s24 call3: block_m 32, 2 / 8 warps slower;
     # s24 call6: the top-K on int64 keys, removed after it, slower than the (score, cell) pairs)
-    "m64n32w4-count": ScoreTiles(64, 32, 4, False, count_rounds=True),  # the FS default since s24 (s25: row-max gate on)
-    "m64n16w4-noexit": ScoreTiles(64, 16, 4, False),  # the FS-L default since s24
-    "m64n32w4-count-nogate": ScoreTiles(64, 32, 4, False, count_rounds=True, row_max_gate=False),  # s24's FS default
-    "m64n16w4-count": ScoreTiles(64, 16, 4, False, count_rounds=True),
-    "m64n64w4-count": ScoreTiles(64, 64, 4, False, count_rounds=True),
-    # s25 call2: block_n 64, 8 warps, block_m 32 slower; the gate 2 % faster at FS 64k, equal elsewhere
-    "m64n32w4-count-s1": ScoreTiles(64, 32, 4, False, count_rounds=True, num_stages=1),
-    "m64n32w4-count-s2": ScoreTiles(64, 32, 4, False, count_rounds=True, num_stages=2),
-    "m64n16w4-noexit-s1": ScoreTiles(64, 16, 4, False, num_stages=1),
-    "m64n16w4-noexit-s2": ScoreTiles(64, 16, 4, False, num_stages=2),
+    # s25 call2: block_n 64, 8 warps, block_m 32 slower; call3: the row-max gate slower once full
+    # chunks lost their masks, one stage faster than two or three
+    "m64n32w4-count-s1": ScoreTiles(64, 32, 4, False, count_rounds=True, num_stages=1),  # the FS default since s25
+    "m64n16w4-noexit-s1": ScoreTiles(64, 16, 4, False, num_stages=1),  # the FS-L default since s25
+    "m64n32w4-count-gate-s1": ScoreTiles(64, 32, 4, False, count_rounds=True, row_max_gate=True, num_stages=1),
+    "m64n32w4-count-s3": ScoreTiles(64, 32, 4, False, count_rounds=True, num_stages=3),
+    "m64n16w4-noexit-s3": ScoreTiles(64, 16, 4, False, num_stages=3),
+    "m64n16w4-count-s1": ScoreTiles(64, 16, 4, False, count_rounds=True, num_stages=1),
+    "m64n32w4-noexit-s1": ScoreTiles(64, 32, 4, False, num_stages=1),
 }
 
 

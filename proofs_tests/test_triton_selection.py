@@ -249,7 +249,7 @@ def test_score_kernel_switches_give_equal_selections(variant):
     for tiles in (ScoreTiles(16, 16, 1, early_exit=True, erf_skip=True),
                   ScoreTiles(16, 16, 1, count_rounds=True, erf_skip=True),
                   ScoreTiles(16, 16, 1, early_exit=False, count_rounds=True, erf_skip=False),
-                  ScoreTiles(16, 16, 1, early_exit=False, count_rounds=True, row_max_gate=False),
+                  ScoreTiles(16, 16, 1, early_exit=False, count_rounds=True, row_max_gate=True),
                   ScoreTiles(16, 16, 1, early_exit=False, erf_skip=True)):  # fmt: skip
         assert torch.equal(select_cells(qt, kt, cfg, tiles=tiles), base), tiles
     assert select_cells(qt, kt, cfg, out_dtype=torch.int32).dtype == torch.int32

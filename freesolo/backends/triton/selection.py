@@ -645,27 +645,30 @@ class ScoreTiles:
     # reduction per chunk instead of one per round; early_exit is then not used). Same result.
     count_rounds: bool = False
     # with count_rounds: a chunk where no row's best score reaches its K-th score skips the count and
-    # the rounds (it cannot change the top-K). Same result.
-    row_max_gate: bool = True
+    # the rounds (it cannot change the top-K). Same result; off by default (s25: slower once the
+    # full chunks lost their masks, its cross-row reduction costs more than the count it skips)
+    row_max_gate: bool = False
     erf_skip: bool = True  # a chunk whose prior arguments all reach ERF_ONE takes prior 1.0 without erf (same bits)
     # software-pipelining depth of the cell loop (triton's num_stages). sm_90, FS bf16 D 64: 3 stages
-    # need 162 registers per thread (3 programs of 4 warps per SM), 1 stage 128 (4 programs).
-    num_stages: int = 3
+    # need 157 registers per thread (3 programs of 4 warps per SM), 1 stage 115 (4 programs).
+    num_stages: int = 1
 
 
 def score_tiles(cfg: FreeSoloConfig, D: int, dtype: torch.dtype) -> ScoreTiles:
-    """Default tiles: BLOCK_M = the query block (16..64), 4 warps (about 128 registers per thread on
-    sm_90, no spills, for D 64 / 128 and every dtype).
-    FS: 32 cells per step, the top-K rounds counted per chunk (count_rounds); FS-L (72 candidates):
-    16 per step, every round run. H200 (bf16 H16 D64, select_cells, same-run sweeps, every variant's
-    selection bitwise equal): FS at 64k 4.42 ms (s23 tiles) -> 3.71 (erf_skip) -> 3.40 (the top-K on
-    fp32 score + cell pairs instead of int64 keys, early exit) -> 3.31 (count_rounds; at 16k 0.326
-    vs 0.317 with the early exit); FS-L at 64k
-    0.783 -> 0.653 ms (results/session_2026-12-02_s24/call2, call3, call6)."""
+    """Default tiles: BLOCK_M = the query block (16..64), 4 warps, one pipeline stage (sm_90: 115
+    registers per thread for FS bf16 D 64, 80 for FS-L; no spills, for D 64 / 128 and every dtype).
+    FS: 32 cells per step, the top-K rounds counted per chunk (count_rounds), no row-maximum gate;
+    FS-L (72 candidates): 16 per step, every round run. H200 (bf16 H16 D64, select_cells, same-run
+    sweeps, every variant's selection bitwise equal): FS at 64k 4.42 ms (s23 tiles) -> 3.71
+    (erf_skip) -> 3.40 (the top-K on fp32 score + cell pairs instead of int64 keys) -> 3.31
+    (count_rounds) -> 2.49 (s25: unmasked full chunks, int32 offsets; the gate then costs more than
+    it saves: 2.66 with it) -> 2.54 with one stage instead of three (with the gate);
+    FS-L at 64k 0.783 -> 0.653 -> 0.611 ms (s25, one stage)
+    (results/session_2026-12-02_s24/call2, call3, call6; session_2026-12-02_s25/call2, call3)."""
     block_m = min(64, max(16, next_pow2(cfg.block)))
     if cfg.variant == "fsl":
-        return ScoreTiles(block_m, 16, 4, early_exit=False)
-    return ScoreTiles(block_m, 32, 4, early_exit=False, count_rounds=True)
+        return ScoreTiles(block_m, 16, 4, early_exit=False, num_stages=1)
+    return ScoreTiles(block_m, 32, 4, early_exit=False, count_rounds=True, row_max_gate=False, num_stages=1)
 
 
 _HEAD_PARAMS: dict = {}
