@@ -34,11 +34,11 @@ TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
-def usage(fn, signature: dict, constexprs: dict, num_warps: int) -> str:
+def usage(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int = 3) -> str:
     """Compile fn for sm_90; return cuobjdump's 'REG:.. STACK:..' resource line."""
     signature = {**signature, **{name: "constexpr" for name in constexprs}}
     kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=TARGET,
-                            options={"num_warps": num_warps})
+                            options={"num_warps": num_warps, "num_stages": num_stages})
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
@@ -101,6 +101,7 @@ def score_check(cfg) -> None:
                      "ERF_SKIP": tiles.erf_skip, "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n,
                      "BLOCK_D": D},
                     tiles.num_warps,
+                    tiles.num_stages,
                 )
                 print(f"ok  _score_topk_kernel {dtype} {'fsl' if fsl else 'fs'} D={D} {tiles}: {r}")
 

@@ -658,16 +658,16 @@ def score_tiles(cfg: FreeSoloConfig, D: int, dtype: torch.dtype) -> ScoreTiles:
     """Default tiles: BLOCK_M = the query block (16..64), 4 warps, one pipeline stage (sm_90: 115
     registers per thread for FS bf16 D 64, 80 for FS-L; no spills, for D 64 / 128 and every dtype).
     FS: 32 cells per step, the top-K rounds counted per chunk (count_rounds), no row-maximum gate;
-    FS-L (72 candidates): 16 per step, every round run. H200 (bf16 H16 D64, select_cells, same-run
+    FS-L (72 candidates): 32 per step, every round run. H200 (bf16 H16 D64, select_cells, same-run
     sweeps, every variant's selection bitwise equal): FS at 64k 4.42 ms (s23 tiles) -> 3.71
     (erf_skip) -> 3.40 (the top-K on fp32 score + cell pairs instead of int64 keys) -> 3.31
-    (count_rounds) -> 2.49 (s25: unmasked full chunks, int32 offsets; the gate then costs more than
-    it saves: 2.66 with it) -> 2.54 with one stage instead of three (with the gate);
-    FS-L at 64k 0.783 -> 0.653 -> 0.611 ms (s25, one stage)
-    (results/session_2026-12-02_s24/call2, call3, call6; session_2026-12-02_s25/call2, call3)."""
+    (count_rounds) -> 2.49 (s25: unmasked full chunks, int32 offsets, three stages; with the row-maximum
+    gate 2.66: its cross-row reduction now costs more than it skips) -> 2.48 (one stage);
+    FS-L at 64k 0.783 -> 0.653 -> 0.612 ms (s25, one stage) -> 0.596 (32 per step)
+    (results/session_2026-12-02_s24/call2, call3, call6; session_2026-12-02_s25/call2, call3, call4)."""
     block_m = min(64, max(16, next_pow2(cfg.block)))
     if cfg.variant == "fsl":
-        return ScoreTiles(block_m, 16, 4, early_exit=False, num_stages=1)
+        return ScoreTiles(block_m, 32, 4, early_exit=False, num_stages=1)
     return ScoreTiles(block_m, 32, 4, early_exit=False, count_rounds=True, row_max_gate=False, num_stages=1)
 
 
