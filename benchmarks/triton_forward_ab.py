@@ -73,12 +73,7 @@ SWEEP = {
     "long16w1-into": dict(long_block=16, long_warps=1, maxnreg=128, long_into_out=True),
     "long16w2-into": dict(long_block=16, long_warps=2, maxnreg=128, long_into_out=True),
     "long64w4-into-noprefetch": dict(long_block=64, long_warps=4, maxnreg=128, long_into_out=True, prefetch=False),
-    # s24 (opt-in, not yet run on a GPU): four sub-tiles share each union cell's load, a sub-tile skips
-    # the cells none of its rows selected (AttentionTiles.long_subtiles)
-    "long64w4-into-sub4": dict(long_block=64, long_warps=4, maxnreg=128, long_into_out=True, long_subtiles=True),
-    "long64w2-into-sub4": dict(long_block=64, long_warps=2, maxnreg=128, long_into_out=True, long_subtiles=True),
-    "long128w4-into-sub4": dict(long_block=128, long_warps=4, maxnreg=128, long_into_out=True, long_subtiles=True),
-    "long128w8-into-sub4": dict(long_block=128, long_warps=8, maxnreg=128, long_into_out=True, long_subtiles=True),
+    # (s24's long-kernel sub-tiles, 2.5x slower at 64k in s25 call1, were removed)
 }
 
 

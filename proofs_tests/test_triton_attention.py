@@ -281,8 +281,8 @@ def test_l12_prefix_equals_full_sequence():
 
 @pytest.mark.parametrize(
     "tiles",
-    [None, AttentionTiles(32, 32, 1, 1, long_block=16), AttentionTiles(32, 32, 1, 1, long_block=64, long_subtiles=True)],
-    ids=["fused", "long-block-16", "long-subtiles"],
+    [None, AttentionTiles(32, 32, 1, 1, long_block=16)],
+    ids=["fused", "long-block-16"],
 )
 def test_l12_other_queries_selections_change_nothing(tiles):
     """Queries 40 and 41 keep their cells; every other query of the sequence selects other cells
@@ -327,26 +327,6 @@ def test_long_block_equals_fused_path():
             fin = np.isfinite(y)
             assert np.array_equal(fin, np.isfinite(x)), f"long_block={long_block}: {name} finite pattern"
             assert_close(x[fin], y[fin], 1e-6, f"long_block={long_block} {name}")
-
-
-def test_long_subtiles_equal_one_tile():
-    """AttentionTiles.long_subtiles (four 16-row sub-tiles of a 64-query long tile, a sub-tile
-    skipping the cells none of its rows selected) gives the one-tile kernel's outputs and
-    statistics (float32: equal up to the rounding of the smaller dots); it needs long_block >= 64."""
-    cfg = _cfg(variant="fsl", top_k=3)
-    q, k, v = random_qkv(13, 2, 150, 4, 2, 16)
-    beta = np.array([1.0, -0.5, 0.25, 2.0])
-    idx = _selection(q, k, cfg)
-    ref = _run(q, k, v, idx, beta, cfg, tiles=AttentionTiles(32, 32, 1, 1, long_block=64, long_into_out=True))
-    got = _run(q, k, v, idx, beta, cfg, tiles=AttentionTiles(32, 32, 1, 1, long_block=64, long_into_out=True,
-                                                             long_subtiles=True))  # fmt: skip
-    for name, x, y in zip(("o", "lse_loc", "lse_long", "rstd"), got, ref):
-        fin = np.isfinite(y)
-        assert np.array_equal(fin, np.isfinite(x)), f"long_subtiles: {name} finite pattern"
-        assert_close(x[fin], y[fin], 1e-6, f"long_subtiles {name}")
-    assert_close(got[0], _oracle(q, k, v, idx, cfg, beta), 1e-5, "o (long_subtiles) vs the oracle")
-    with pytest.raises(ValueError, match="long_subtiles"):
-        AttentionTiles(32, 32, 1, 1, long_block=32, long_subtiles=True)
 
 
 def test_long_into_out_equals_fp32_buffer():

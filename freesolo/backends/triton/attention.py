@@ -52,7 +52,6 @@ from ._common import NEG_BIG, next_pow2, padded_dims, rope_rotate
 __all__ = [
     "ENV_LONG_BLOCK",
     "ENV_LONG_INTO_OUT",
-    "ENV_LONG_SUBTILES",
     "ENV_MAXNREG",
     "AttentionTiles",
     "attention_forward",
@@ -204,62 +203,6 @@ def _long_steps(
 
 
 @triton.jit
-def _any_hit(sel, cell):
-    """Scalar: some row of sel [M, K_P] selected `cell`."""
-    return tl.max(tl.sum((sel == cell).to(tl.int32), 1), 0) > 0
-
-
-@triton.jit
-def _long_steps_sub4(
-    q0, q1, q2, q3, sel0, sel1, sel2, sel3, urow, NU_PTR, k_base, v_base, kv_stride, qk_scale,
-    D: tl.constexpr, D_P: tl.constexpr, CELL: tl.constexpr, CELL_P: tl.constexpr, SUB_M: tl.constexpr,
-):  # fmt: skip
-    """`_long_steps` for a tile cut into four sub-tiles of SUB_M rows (AttentionTiles.long_subtiles):
-    each cell of the tile's union is loaded once (ids two steps and k / v one step ahead, as with
-    PREFETCH) and a sub-tile runs the step only if one of its rows selected the cell. A skipped
-    step would have been fully masked for those rows (every bit kept), so each row's result is the
-    same sequence of steps over its own cells: less masked tensor-core work than one [4 * SUB_M,
-    CELL] step per cell. Returns the four (acc [SUB_M, D_P], l [SUB_M], m [SUB_M])."""
-    dd = tl.arange(0, D_P)
-    offs_c = tl.arange(0, CELL_P)
-    c_ok = offs_c < CELL
-    cell_offs = offs_c[:, None] * kv_stride + dd[None, :]
-    kv_mask = c_ok[:, None] & (dd < D)[None, :]
-    m0 = tl.full([SUB_M], NEG_BIG, dtype=tl.float32)
-    m1 = tl.full([SUB_M], NEG_BIG, dtype=tl.float32)
-    m2 = tl.full([SUB_M], NEG_BIG, dtype=tl.float32)
-    m3 = tl.full([SUB_M], NEG_BIG, dtype=tl.float32)
-    l0 = tl.zeros([SUB_M], dtype=tl.float32)
-    l1 = tl.zeros([SUB_M], dtype=tl.float32)
-    l2 = tl.zeros([SUB_M], dtype=tl.float32)
-    l3 = tl.zeros([SUB_M], dtype=tl.float32)
-    a0 = tl.zeros([SUB_M, D_P], dtype=tl.float32)
-    a1 = tl.zeros([SUB_M, D_P], dtype=tl.float32)
-    a2 = tl.zeros([SUB_M, D_P], dtype=tl.float32)
-    a3 = tl.zeros([SUB_M, D_P], dtype=tl.float32)
-    n_u = tl.load(NU_PTR)
-    cell = tl.load(urow, mask=n_u > 0, other=0)
-    cell_n = tl.load(urow + 1, mask=n_u > 1, other=0)
-    kc, vc = _cell_kv(k_base, v_base, cell, n_u > 0, cell_offs, kv_mask, kv_stride, CELL)
-    for u in range(0, n_u):
-        cell_nn = tl.load(urow + u + 2, mask=u + 2 < n_u, other=0)
-        kc_n, vc_n = _cell_kv(k_base, v_base, cell_n, u + 1 < n_u, cell_offs, kv_mask, kv_stride, CELL)
-        if _any_hit(sel0, cell):
-            a0, l0, m0 = _cell_step(a0, l0, m0, q0, sel0, cell, kc, vc, c_ok, qk_scale, CELL, CELL_P)
-        if _any_hit(sel1, cell):
-            a1, l1, m1 = _cell_step(a1, l1, m1, q1, sel1, cell, kc, vc, c_ok, qk_scale, CELL, CELL_P)
-        if _any_hit(sel2, cell):
-            a2, l2, m2 = _cell_step(a2, l2, m2, q2, sel2, cell, kc, vc, c_ok, qk_scale, CELL, CELL_P)
-        if _any_hit(sel3, cell):
-            a3, l3, m3 = _cell_step(a3, l3, m3, q3, sel3, cell, kc, vc, c_ok, qk_scale, CELL, CELL_P)
-        cell = cell_n
-        cell_n = cell_nn
-        kc = kc_n
-        vc = vc_n
-    return a0, l0, m0, a1, l1, m1, a2, l2, m2, a3, l3, m3
-
-
-@triton.jit
 def _long_finish(acc, l_j, m_j, beta_ptr, eps, D: tl.constexpr):
     """(beta_h * rmsnorm(o_long) [M, D_P] fp32, lse_long [M] natural log (-inf: no cell),
     rstd [M]) from the long loop's state; o_long = 0 where no cell was selected."""
@@ -298,8 +241,6 @@ def _long_fwd_kernel(
     BLOCK_M: tl.constexpr,
     U_MAX: tl.constexpr,
     PREFETCH: tl.constexpr,
-    SUB4: tl.constexpr,  # AttentionTiles.long_subtiles: four sub-tiles of SUB_M rows (`_long_steps_sub4`)
-    SUB_M: tl.constexpr,  # BLOCK_M // 4
 ):
     """The long branch alone (AttentionTiles.long_block > 0): one program per (tile of BLOCK_M
     queries, b * Hq + h), the same steps as the fused kernel's long loop over this smaller tile's
@@ -314,31 +255,13 @@ def _long_fwd_kernel(
     v_base = V + (b * T * Hkv + g) * D
     urow = UNION + (pid_bh * NT + pid_m) * U_MAX
     nu_ptr = NUNION + pid_bh * NT + pid_m
-    if SUB4:
-        r0 = pid_m * BLOCK_M + tl.arange(0, SUB_M).to(tl.int64)
-        q0, ok0 = _load_rows(Q, b, h, T, Hq, r0, D, D_P)
-        q1, ok1 = _load_rows(Q, b, h, T, Hq, r0 + SUB_M, D, D_P)
-        q2, ok2 = _load_rows(Q, b, h, T, Hq, r0 + 2 * SUB_M, D, D_P)
-        q3, ok3 = _load_rows(Q, b, h, T, Hq, r0 + 3 * SUB_M, D, D_P)
-        a0, l0, m0, a1, l1, m1, a2, l2, m2, a3, l3, m3 = _long_steps_sub4(
-            q0, q1, q2, q3,
-            _load_sel(IDX, b, T, Hq, h, r0, ok0, KSEL, K_P), _load_sel(IDX, b, T, Hq, h, r0 + SUB_M, ok1, KSEL, K_P),
-            _load_sel(IDX, b, T, Hq, h, r0 + 2 * SUB_M, ok2, KSEL, K_P),
-            _load_sel(IDX, b, T, Hq, h, r0 + 3 * SUB_M, ok3, KSEL, K_P),
-            urow, nu_ptr, k_base, v_base, kv_stride, qk_scale, D, D_P, CELL, CELL_P, SUB_M,
-        )  # fmt: skip
-        _long_store(a0, l0, m0, r0, b, h, T, Hq, BETA, eps, LONG_TERM, LSE_LONG, RSTD, D, D_P)
-        _long_store(a1, l1, m1, r0 + SUB_M, b, h, T, Hq, BETA, eps, LONG_TERM, LSE_LONG, RSTD, D, D_P)
-        _long_store(a2, l2, m2, r0 + 2 * SUB_M, b, h, T, Hq, BETA, eps, LONG_TERM, LSE_LONG, RSTD, D, D_P)
-        _long_store(a3, l3, m3, r0 + 3 * SUB_M, b, h, T, Hq, BETA, eps, LONG_TERM, LSE_LONG, RSTD, D, D_P)
-    else:
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
-        q, row_ok = _load_rows(Q, b, h, T, Hq, offs_m, D, D_P)
-        acc, l_j, m_j = _long_steps(
-            q, IDX, urow, nu_ptr, k_base, v_base, b, h, T, Hq, offs_m, row_ok, kv_stride, qk_scale,
-            D, D_P, CELL, CELL_P, KSEL, K_P, BLOCK_M, PREFETCH,
-        )  # fmt: skip
-        _long_store(acc, l_j, m_j, offs_m, b, h, T, Hq, BETA, eps, LONG_TERM, LSE_LONG, RSTD, D, D_P)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    q, row_ok = _load_rows(Q, b, h, T, Hq, offs_m, D, D_P)
+    acc, l_j, m_j = _long_steps(
+        q, IDX, urow, nu_ptr, k_base, v_base, b, h, T, Hq, offs_m, row_ok, kv_stride, qk_scale,
+        D, D_P, CELL, CELL_P, KSEL, K_P, BLOCK_M, PREFETCH,
+    )  # fmt: skip
+    _long_store(acc, l_j, m_j, offs_m, b, h, T, Hq, BETA, eps, LONG_TERM, LSE_LONG, RSTD, D, D_P)
 
 
 @triton.jit
@@ -551,12 +474,9 @@ class AttentionTiles:
     # bits either way. H200 (s24 call1, bf16 H16 D64): FS-L forward 2.39 -> 2.34 ms at 64k, peak
     # 1.117 -> 0.617 GiB at 128k; the CUDA forward / backward / API / L11-L12 / model tests pass.
     long_into_out: bool = False
-    # long_block > 0 only (opt-in, s24, not yet run on a GPU): the long kernel cuts its tile into
-    # four sub-tiles of long_block // 4 rows (>= 16) that share one load of each union cell, and a
-    # sub-tile runs a cell's step only if one of its rows selected it (`_long_steps_sub4`): less
-    # masked tensor-core work (on iid keys a 16-row sub-tile hits about half of a 64-row union).
-    # Same per-row steps, so the same values up to the rounding of the smaller tl.dot tiles.
-    long_subtiles: bool = False
+    # (s24 also tried four 16-row sub-tiles of the long tile sharing one load of each union cell,
+    # a sub-tile stepping only over the cells its rows selected: 2.5x slower at 64k on the H200,
+    # results/session_2026-12-02_s25/call1; removed.)
 
     def __post_init__(self):
         if self.long_block and (self.long_block < 16 or self.long_block & (self.long_block - 1)):
@@ -565,8 +485,6 @@ class AttentionTiles:
             raise ValueError(f"maxnreg={self.maxnreg} must be None or in [24, 255]")
         if self.long_into_out and not self.long_block:
             raise ValueError("long_into_out=True needs the separate long kernel (long_block > 0)")
-        if self.long_subtiles and self.long_block < 64:
-            raise ValueError(f"long_subtiles=True needs long_block >= 64 (four sub-tiles of >= 16 rows), got {self.long_block}")
 
     @property
     def union_rows(self) -> int:
@@ -579,7 +497,6 @@ class AttentionTiles:
 ENV_LONG_BLOCK = "FREESOLO_TRITON_LONG_BLOCK"
 ENV_MAXNREG = "FREESOLO_TRITON_MAXNREG"
 ENV_LONG_INTO_OUT = "FREESOLO_TRITON_LONG_INTO_OUT"  # 0: the fp32 hand-over buffer instead of o (split kernels only)
-ENV_LONG_SUBTILES = "FREESOLO_TRITON_LONG_SUBTILES"  # 1: AttentionTiles.long_subtiles (long_block >= 64 only)
 
 
 def _env_int(name: str) -> Optional[int]:
@@ -595,8 +512,8 @@ def _env_int(name: str) -> Optional[int]:
 def default_tiles(D: int, dtype: torch.dtype, device: torch.device) -> AttentionTiles:
     """Tile sizes by head dim and dtype (see AttentionTiles). On the CPU (interpreter) small tiles.
     With long_block > 0 the long term goes into o (long_into_out). The environment variables
-    ENV_LONG_BLOCK / ENV_MAXNREG / ENV_LONG_INTO_OUT (0: the fp32 buffer) / ENV_LONG_SUBTILES (1: on,
-    long_block >= 64) override long_block / maxnreg / long_into_out / long_subtiles (process-wide, read at each call; they never depend on B or T). ENV_MAXNREG applies to 16-bit
+    ENV_LONG_BLOCK / ENV_MAXNREG / ENV_LONG_INTO_OUT (0: the fp32 buffer) override long_block /
+    maxnreg / long_into_out (process-wide, read at each call; they never depend on B or T). ENV_MAXNREG applies to 16-bit
     dtypes only (fp32 D 128 at 128 registers spills ~1.2 kB per thread on sm_90)."""
     tiles = _base_tiles(D, dtype, device)
     long_block, maxnreg = _env_int(ENV_LONG_BLOCK), _env_int(ENV_MAXNREG)
@@ -607,9 +524,6 @@ def default_tiles(D: int, dtype: torch.dtype, device: torch.device) -> Attention
     into_out = _env_int(ENV_LONG_INTO_OUT)
     if tiles.long_block:
         tiles = dataclasses.replace(tiles, long_into_out=True if into_out is None else bool(into_out))
-    subtiles = _env_int(ENV_LONG_SUBTILES)
-    if subtiles is not None and tiles.long_block >= 64:
-        tiles = dataclasses.replace(tiles, long_subtiles=bool(subtiles))
     return tiles
 
 
@@ -772,7 +686,7 @@ def launch_forward(q, k, v, idx, union, count, beta, cos, sin, cfg, tiles: Atten
         long_term = o if tiles.long_into_out else torch.empty(B, T, Hq, D, dtype=torch.float32, device=q.device)
         _long_fwd_kernel[(NU, B * Hq)](
             q, k, v, idx, union, count, beta, long_term, lse_long, rstd, T, Hq, Hkv, NU, qk_scale, cfg.eps,
-            BLOCK_M=rows, U_MAX=rows * K, SUB4=tiles.long_subtiles, SUB_M=rows // 4, num_warps=tiles.long_warps, num_stages=1, **common,
+            BLOCK_M=rows, U_MAX=rows * K, num_warps=tiles.long_warps, num_stages=1, **common,
         )  # fmt: skip
     else:
         long_term = o  # not read
