@@ -46,6 +46,8 @@ from freesolo.backends.triton import attention as att  # noqa: E402
 from freesolo.backends.triton.backend import rope_cos_sin  # noqa: E402
 from freesolo.backends.triton.selection import select_cells  # noqa: E402
 
+__all__ = ["LENGTHS", "SHAPES", "SWEEP", "case", "env_tiles", "kernels_call", "main", "old_tiles", "sweep"]
+
 SHAPES = {"H16-D64": (16, 16, 64), "GQA-Hq32-Hkv8-D128": (32, 8, 128)}
 LENGTHS = {"H16-D64": [4096, 16384, 65536], "GQA-Hq32-Hkv8-D128": [16384, 65536]}
 # name -> AttentionTiles changes applied to the old (base) tiles of the shape

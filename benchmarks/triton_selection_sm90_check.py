@@ -30,6 +30,8 @@ from freesolo import FreeSoloConfig  # noqa: E402
 from freesolo.backends.triton import fsb_search as FSB  # noqa: E402
 from freesolo.backends.triton import selection as S  # noqa: E402
 
+__all__ = ["TARGET", "fsb_check", "fsb_main", "main", "score_check", "usage"]
+
 TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
