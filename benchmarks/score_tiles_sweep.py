@@ -34,11 +34,11 @@ VARIANTS = {  # name -> ScoreTiles (block_m, block_n, num_warps, early_exit, cou
     # (s22 / s23 also swept block_n 64 / 128, block_m 32 / 128 and 8 warps: all slower at 64k and 1M,
     # results/session_2026-12-02_s23/call2/score_tiles_1m.json; s24 call3: block_m 32, 2 / 8 warps slower;
     # s24 call6: the top-K on int64 keys, removed after it, slower than the (score, cell) pairs)
-    # s25 call2: block_n 64, 8 warps, block_m 32 slower; call3: the row-max gate slower once full
-    # chunks lost their masks, one stage faster than two or three; call4: FS-L 32 per step 0.596 vs 16 0.612 ms
+    # s25 call2: block_n 64, 8 warps, block_m 32 slower; call3: a row-maximum gate (skip the count where
+    # no row's chunk maximum reaches its K-th; removed) slower once full chunks lost their masks, one
+    # stage faster than two or three; call4: FS-L 32 per step 0.596 vs 16 0.612 ms
     "m64n32w4-count-s1": ScoreTiles(64, 32, 4, False, count_rounds=True, num_stages=1),  # the FS default since s25
     "m64n16w4-noexit-s1": ScoreTiles(64, 16, 4, False, num_stages=1),
-    "m64n32w4-count-gate-s1": ScoreTiles(64, 32, 4, False, count_rounds=True, row_max_gate=True, num_stages=1),
     "m64n32w4-count-s3": ScoreTiles(64, 32, 4, False, count_rounds=True, num_stages=3),
     "m64n16w4-noexit-s3": ScoreTiles(64, 16, 4, False, num_stages=3),
     "m64n16w4-count-s1": ScoreTiles(64, 16, 4, False, count_rounds=True, num_stages=1),

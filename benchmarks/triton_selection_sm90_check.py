@@ -99,7 +99,7 @@ def score_check(cfg) -> None:
                     {"D": D, "CELL": s, "QBLOCK": cfg.block, "TILES_PER_BLOCK": triton.cdiv(cfg.block, tiles.block_m),
                      "TOP_K": K, "K_PAD": max(2, triton.next_power_of_2(K)), "FSL": fsl, "N_CAND": P + W,
                      "SPLIT_DOT": dtype != "fp32", "EARLY_EXIT": tiles.early_exit,
-                     "COUNT_ROUNDS": tiles.count_rounds, "ROW_MAX_GATE": tiles.row_max_gate,
+                     "COUNT_ROUNDS": tiles.count_rounds,
                      "ERF_SKIP": tiles.erf_skip, "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n,
                      "BLOCK_D": D},
                     tiles.num_warps,

@@ -286,7 +286,6 @@ def _score_chunk(
     SPLIT_DOT: tl.constexpr,
     EARLY_EXIT: tl.constexpr,
     COUNT_ROUNDS: tl.constexpr,
-    ROW_MAX_GATE: tl.constexpr,
     ERF_SKIP: tl.constexpr,
     MASKED: tl.constexpr,  # False: every cell of the chunk is real (no masking of the scores)
 ):
@@ -324,23 +323,12 @@ def _score_chunk(
     # rounds as the most pairs any row has above its K-th, one cross-row reduction per chunk; else
     # TOP_K rounds) give the same result.
     if COUNT_ROUNDS:
-        if ROW_MAX_GATE:
-            # a pair beats a row's K-th only if its score is >= the K-th's: when no row's chunk
-            # maximum reaches its K-th score the chunk changes nothing (most chunks of FS once the
-            # top-K holds recent cells), and costs one row reduction and one cross-row reduction
-            row_max = tl.reduce(s_chunk, 1, _MAX)
-            n_open = tl.reduce((row_max >= kth_s).to(tl.int32), 0, _MAX)
-        else:
-            n_open = 1
-        if n_open > 0:
-            cs, cc = _lex_max(s_chunk, cells[None, :])
-            beats = (s_chunk > kth_s[:, None]) | ((s_chunk == kth_s[:, None]) & (cells[None, :] > kth_c[:, None]))
-            better = tl.reduce((beats & (s_chunk > float("-inf"))).to(tl.int32), 1, _SUM)
-            n_rounds = tl.minimum(tl.reduce(better, 0, _MAX), TOP_K)
-            for r in range(0, n_rounds):
-                top_s, top_c, kth_s, kth_c, s_chunk, cs, cc = _topk_round(
-                    top_s, top_c, kth_s, kth_c, s_chunk, cells, cs, cc
-                )
+        cs, cc = _lex_max(s_chunk, cells[None, :])
+        beats = (s_chunk > kth_s[:, None]) | ((s_chunk == kth_s[:, None]) & (cells[None, :] > kth_c[:, None]))
+        better = tl.reduce((beats & (s_chunk > float("-inf"))).to(tl.int32), 1, _SUM)
+        n_rounds = tl.minimum(tl.reduce(better, 0, _MAX), TOP_K)
+        for r in range(0, n_rounds):
+            top_s, top_c, kth_s, kth_c, s_chunk, cs, cc = _topk_round(top_s, top_c, kth_s, kth_c, s_chunk, cells, cs, cc)
     else:
         cs, cc = _lex_max(s_chunk, cells[None, :])
         for r in tl.static_range(TOP_K):
@@ -386,7 +374,6 @@ def _score_topk_kernel(
     SPLIT_DOT: tl.constexpr,
     EARLY_EXIT: tl.constexpr,
     COUNT_ROUNDS: tl.constexpr,
-    ROW_MAX_GATE: tl.constexpr,
     ERF_SKIP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -450,7 +437,7 @@ def _score_topk_kernel(
             c_max = tl.reduce(c_safe, 0, _MAX)
             top_s, top_c, kth_s, kth_c = _score_chunk(
                 top_s, top_c, kth_s, kth_c, q, kb, a, cells, c_ok, c_max, i_f, i_f0, coef, lam, scale,
-                CELL, TOP_K, SPLIT_DOT, EARLY_EXIT, COUNT_ROUNDS, ROW_MAX_GATE, ERF_SKIP, True,
+                CELL, TOP_K, SPLIT_DOT, EARLY_EXIT, COUNT_ROUNDS, ERF_SKIP, True,
             )
     else:
         # every available cell [0, n_j), most recent first, BLOCK_N per chunk: a chunk is the contiguous
@@ -471,7 +458,7 @@ def _score_topk_kernel(
             a = tl.load(amax_row + c0 + reversed_rows)
             top_s, top_c, kth_s, kth_c = _score_chunk(
                 top_s, top_c, kth_s, kth_c, q, kb, a, cells, cells >= 0, c0 + BLOCK_N - 1, i_f, i_f0, coef, lam,
-                scale, CELL, TOP_K, SPLIT_DOT, EARLY_EXIT, COUNT_ROUNDS, ROW_MAX_GATE, ERF_SKIP, False,
+                scale, CELL, TOP_K, SPLIT_DOT, EARLY_EXIT, COUNT_ROUNDS, ERF_SKIP, False,
             )
         if n_j % BLOCK_N != 0:
             c0 = n_j % BLOCK_N - BLOCK_N  # < 0: the oldest cells [0, n_j % BLOCK_N)
@@ -482,7 +469,7 @@ def _score_topk_kernel(
             a = tl.load(amax_row + c_safe, mask=c_ok, other=0.0)
             top_s, top_c, kth_s, kth_c = _score_chunk(
                 top_s, top_c, kth_s, kth_c, q, kb, a, cells, c_ok, c0 + BLOCK_N - 1, i_f, i_f0, coef, lam,
-                scale, CELL, TOP_K, SPLIT_DOT, EARLY_EXIT, COUNT_ROUNDS, ROW_MAX_GATE, ERF_SKIP, True,
+                scale, CELL, TOP_K, SPLIT_DOT, EARLY_EXIT, COUNT_ROUNDS, ERF_SKIP, True,
             )
     # sort: lane r of the output = the r-th largest pair (pairs are distinct), its cell
     cell_out = tl.full([BLOCK_M, K_PAD], -1, tl.int64)
@@ -644,10 +631,6 @@ class ScoreTiles:
     # run per chunk as many rounds as the most keys a row has above its K-th key (one cross-row
     # reduction per chunk instead of one per round; early_exit is then not used). Same result.
     count_rounds: bool = False
-    # with count_rounds: a chunk where no row's best score reaches its K-th score skips the count and
-    # the rounds (it cannot change the top-K). Same result; off by default (s25: slower once the
-    # full chunks lost their masks, its cross-row reduction costs more than the count it skips)
-    row_max_gate: bool = False
     erf_skip: bool = True  # a chunk whose prior arguments all reach ERF_ONE takes prior 1.0 without erf (same bits)
     # software-pipelining depth of the cell loop (triton's num_stages). sm_90, FS bf16 D 64: 3 stages
     # need 157 registers per thread (3 programs of 4 warps per SM), 1 stage 115 (4 programs).
@@ -657,18 +640,18 @@ class ScoreTiles:
 def score_tiles(cfg: FreeSoloConfig, D: int, dtype: torch.dtype) -> ScoreTiles:
     """Default tiles: BLOCK_M = the query block (16..64), 4 warps, one pipeline stage (sm_90: 115
     registers per thread for FS bf16 D 64, 80 for FS-L; no spills, for D 64 / 128 and every dtype).
-    FS: 32 cells per step, the top-K rounds counted per chunk (count_rounds), no row-maximum gate;
+    FS: 32 cells per step, the top-K rounds counted per chunk (count_rounds);
     FS-L (72 candidates): 32 per step, every round run. H200 (bf16 H16 D64, select_cells, same-run
     sweeps, every variant's selection bitwise equal): FS at 64k 4.42 ms (s23 tiles) -> 3.71
     (erf_skip) -> 3.40 (the top-K on fp32 score + cell pairs instead of int64 keys) -> 3.31
-    (count_rounds) -> 2.49 (s25: unmasked full chunks, int32 offsets, three stages; with the row-maximum
-    gate 2.66: its cross-row reduction now costs more than it skips) -> 2.48 (one stage);
+    (count_rounds) -> 2.49 (s25: unmasked full chunks, int32 offsets, three stages; a gate that skipped
+    the count where no row's chunk maximum reached its K-th, 2.66, was removed) -> 2.48 (one stage);
     FS-L at 64k 0.783 -> 0.653 -> 0.612 ms (s25, one stage) -> 0.596 (32 per step)
     (results/session_2026-12-02_s24/call2, call3, call6; session_2026-12-02_s25/call2, call3, call4)."""
     block_m = min(64, max(16, next_pow2(cfg.block)))
     if cfg.variant == "fsl":
         return ScoreTiles(block_m, 32, 4, early_exit=False, num_stages=1)
-    return ScoreTiles(block_m, 32, 4, early_exit=False, count_rounds=True, row_max_gate=False, num_stages=1)
+    return ScoreTiles(block_m, 32, 4, early_exit=False, count_rounds=True, num_stages=1)
 
 
 _HEAD_PARAMS: dict = {}
@@ -754,7 +737,6 @@ def select_cells(
         SPLIT_DOT=q.dtype in (torch.float16, torch.bfloat16),
         EARLY_EXIT=tiles.early_exit,
         COUNT_ROUNDS=tiles.count_rounds,
-        ROW_MAX_GATE=tiles.row_max_gate,
         ERF_SKIP=tiles.erf_skip,
         BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N,
