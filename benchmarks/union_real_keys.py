@@ -1,0 +1,103 @@
+"""How many distinct cells a 64-query tile selects (the Triton long kernel's union: its work per
+query is 32 x union tokens) on a trained model's keys, against iid Gaussian keys of the same shape.
+
+The FS-L checkpoint of the extrapolation study (`results/checkpoints/ckpt_fsl`, trained at 1k
+tokens, cell 16, pool 32 + 4 recent) reads an S-NIAH-1 sample; every layer's unrotated q / k are
+captured at the attention call and selected again (torch backend) with the model's config and with
+the library default (cell 32, pool 64 + 8 recent, block 64). CPU only, a minute or two:
+
+    python benchmarks/union_real_keys.py --length 16384 --out benchmarks/results/union_real_keys.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import freesolo  # noqa: E402
+import freesolo.nn as fnn  # noqa: E402
+from freesolo.retrieval import tasks  # noqa: E402
+from freesolo.retrieval.modelio import backend_scope, load_model  # noqa: E402
+
+__all__ = ["capture_qk", "main", "tile_union_sizes"]
+
+
+def tile_union_sizes(idx: torch.Tensor, rows: int) -> np.ndarray:
+    """idx int [B, T, H, K] (-1 padded) -> the number of distinct cells of every tile of `rows`
+    consecutive queries of one (b, h): int [B * H * ceil(T / rows)]."""
+    B, T, H, K = idx.shape
+    sizes = []
+    for b in range(B):
+        for h in range(H):
+            for t0 in range(0, T, rows):
+                cells = idx[b, t0 : t0 + rows, h].reshape(-1)
+                sizes.append(int(torch.unique(cells[cells >= 0]).numel()))
+    return np.asarray(sizes)
+
+
+def capture_qk(model, tokens: torch.Tensor) -> list:
+    """Run the model on tokens [1, T]; return every attention call's (q, k) (unrotated, float32)."""
+    seen = []
+    original = fnn.freesolo_attention
+
+    def recording(q, k, v, cfg, **kw):
+        seen.append((q.detach().float().clone(), k.detach().float().clone()))
+        return original(q, k, v, cfg, **kw)
+
+    fnn.freesolo_attention = recording
+    try:
+        with torch.no_grad():
+            model(tokens)
+    finally:
+        fnn.freesolo_attention = original
+    return seen
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ckpt", default=os.path.join(os.path.dirname(__file__), "results", "checkpoints", "ckpt_fsl"))
+    ap.add_argument("--length", type=int, default=16384)
+    ap.add_argument("--task", default="s-niah-1")
+    ap.add_argument("--rows", type=int, default=64, help="queries per tile (the long kernel's union rows)")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    model = load_model(args.ckpt).eval()
+    sample = tasks.generate(args.task, args.length, 0.5, tasks.sample_seed(0, args.task, args.length, 0))
+    tokens = torch.as_tensor(np.asarray(sample.tokens)[None, :], dtype=torch.int64)
+    with backend_scope("torch"):
+        layers = capture_qk(model, tokens)
+    model_cfg = model.config.freesolo
+    configs = {"model config (cell 16, pool 32 + 4)": model_cfg, "library default (cell 32, pool 64 + 8)": freesolo.FreeSoloConfig(variant="fsl")}
+    records = []
+    for cfg_name, cfg in configs.items():
+        for layer, (q, k) in enumerate(layers):
+            g = torch.Generator().manual_seed(layer)
+            iid_q = torch.randn(q.shape, generator=g)
+            iid_k = torch.randn(k.shape, generator=g)
+            for keys_name, (qq, kk) in (("model", (q, k)), ("iid", (iid_q, iid_k))):
+                idx = torch.as_tensor(freesolo.select_cells(qq, kk, cfg, backend="torch"))
+                sizes = tile_union_sizes(idx, args.rows)
+                full = sizes[len(sizes) // 4 :]  # tiles past the first quarter (the prefix is long enough)
+                records.append({"config": cfg_name, "layer": layer, "keys": keys_name, "T": int(q.shape[1]),
+                                "union_mean": float(full.mean()), "union_p90": float(np.percentile(full, 90)),
+                                "union_max": int(full.max()), "K": cfg.top_k, "rows": args.rows})
+                r = records[-1]
+                print(f"{cfg_name:42s} layer {layer} {keys_name:5s}: union mean {r['union_mean']:.1f} p90 {r['union_p90']:.0f} max {r['union_max']}", flush=True)
+    payload = {"ckpt": os.path.relpath(args.ckpt), "task": args.task, "length": args.length, "torch": torch.__version__,
+               "records": records}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(payload, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
