@@ -2,7 +2,8 @@
 # One H200 call that measures and checks what a session changed (run from the repository root with
 # $OUT set). Every step has its own timeout so that a slow step cannot starve the rest; everything
 # lands in $OUT/session.tar (the device returns at most 8 files) plus $OUT/summary.txt.
-# STEPS picks the steps (default: "last25", s25's fifth call; pass timeout_s 440, read summary.txt):
+# STEPS picks the steps (default: "wfirst", the first call for s26: what s25 wrote and could not run on a GPU;
+# pass timeout_s 600, read summary.txt):
 #   tests_split  CUDA tests of the Triton forward / backward / API / L11-L12 with the split long kernel
 #                (FREESOLO_TRITON_LONG_BLOCK=64 FREESOLO_TRITON_MAXNREG=128: the proposed 16-bit default)
 #   sanitize     compute-sanitizer memcheck and racecheck of every Triton kernel (benchmarks/sanitize_triton.py)
@@ -97,6 +98,12 @@
 #   last25       issues 10 / 11 / 12 (s25): FS-L scoring 32 candidates per step: CUDA tests of the selection / L12 /
 #                backend / attention / models; fwd at 64k / 128k (FS-L, SDPA, Flex SWA-512); the CUDA-graph
 #                figures at 4k / 16k (fwd, fwd+bwd); triton_fs vs triton_fsb forward at 256k / 1M (issue 12's ratio)
+#   wfirst       issue 10 (s26's first call): the opt-in window-first forward (AttentionTiles.window_first,
+#                FREESOLO_TRITON_WINDOW_FIRST=1: the window kernel first, the selection + unions on a side stream
+#                beside it, then the long kernel adds its term; written in s25, never run on a GPU): the CUDA tests of
+#                the backend (window-first vs default, the graph-captured training step with and without it) and of
+#                the forward / L12 with it on; the API forward at 16k / 64k / 128k with and without it (SDPA / Flex
+#                in both runs); the per-kernel profile with it on
 #   fsb_long2    issue 12: the Triton FS-B search alone at 256k and 1M (sorted beam selection), last in the s22 call
 set -u
 OUT=${OUT:-/tmp/session_out}
@@ -104,7 +111,7 @@ W=/tmp/session_work
 rm -rf "$W"  # a warm machine keeps /tmp: start empty
 mkdir -p "$OUT" "$W"
 export PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=ci PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-STEPS=${STEPS:-"last25"}
+STEPS=${STEPS:-"wfirst"}
 SPLIT=(env FREESOLO_TRITON_LONG_BLOCK=64 FREESOLO_TRITON_MAXNREG=128)
 step() {  # step NAME SECONDS COMMAND...: run with a timeout, log to $W/NAME.log, one summary line
   local name=$1 secs=$2; shift 2
@@ -171,6 +178,7 @@ step gate 330 bash -c "python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k '
 step chunks 330 bash -c "python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k 'cuda or gpu' proofs_tests/test_triton_selection.py proofs_tests/test_row_independence.py proofs_tests/test_triton_backend.py proofs_tests/test_triton_attention.py; python3 benchmarks/score_tiles_sweep.py --cases fsl:65536 fs:16384 fs:65536 --chunks --out $W/score_tiles_chunks.json; python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fs sdpa_causal flex_swa512 --shapes H16-D64 --modes fwd --lengths 16384 65536 131072 --budget-s 80 --rep-ms 30 --out $W --tag _chunks"
 step final25 560 bash -c "python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k 'cuda or gpu' proofs_tests/test_triton_selection.py proofs_tests/test_row_independence.py proofs_tests/test_triton_backend.py proofs_tests/test_triton_attention.py proofs_tests/test_triton_backward.py proofs_tests/test_packed.py proofs_tests/test_models.py; python3 benchmarks/score_tiles_sweep.py --cases fsl:65536 fs:16384 fs:65536 --chunks --out $W/score_tiles_final.json; python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fs sdpa_causal flex_swa512 fla_nsa --shapes H16-D64 --modes fwd --lengths 4096 16384 65536 131072 --budget-s 140 --rep-ms 30 --out $W --tag _s25_final_fwd; python3 benchmarks/gpu_attention.py --providers triton_fsl sdpa_causal flex_swa512 fla_nsa --shapes H16-D64 --modes fwd+bwd --lengths 4096 16384 65536 --budget-s 100 --rep-ms 30 --out $W --tag _s25_final_bwd; compute-sanitizer --tool memcheck python3 benchmarks/sanitize_triton.py forward_backward && compute-sanitizer --tool racecheck python3 benchmarks/sanitize_triton.py forward_backward"
 step last25 400 bash -c "python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k 'cuda or gpu' proofs_tests/test_triton_selection.py proofs_tests/test_row_independence.py proofs_tests/test_triton_backend.py proofs_tests/test_triton_attention.py proofs_tests/test_models.py; python3 benchmarks/gpu_attention.py --providers triton_fsl sdpa_causal flex_swa512 --shapes H16-D64 --modes fwd --lengths 65536 131072 --budget-s 40 --rep-ms 30 --out $W --tag _s25_n32; python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fsl_graph sdpa_causal sdpa_causal_graph flex_swa512 --shapes H16-D64 --modes fwd fwd+bwd --lengths 4096 16384 --budget-s 90 --rep-ms 30 --out $W --tag _s25_graph; python3 benchmarks/gpu_attention.py --providers triton_fs triton_fsb --shapes H16-D64 --modes fwd --lengths 262144 1048576 --budget-s 90 --rep-ms 30 --out $W --tag _s25_1m"
+step wfirst 560 bash -c "python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k 'cuda or gpu' proofs_tests/test_triton_backend.py; env FREESOLO_TRITON_WINDOW_FIRST=1 python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k 'cuda or gpu' proofs_tests/test_triton_attention.py proofs_tests/test_row_independence.py proofs_tests/test_triton_backward.py proofs_tests/test_models.py; python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fs sdpa_causal flex_swa512 --shapes H16-D64 --modes fwd --lengths 16384 65536 131072 --budget-s 60 --rep-ms 30 --out $W --tag _default; FREESOLO_TRITON_WINDOW_FIRST=1 python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fs sdpa_causal flex_swa512 --shapes H16-D64 --modes fwd --lengths 16384 65536 131072 --budget-s 60 --rep-ms 30 --out $W --tag _wfirst; FREESOLO_TRITON_WINDOW_FIRST=1 python3 benchmarks/profile_triton.py --T 65536"
 step graph4k 200 bash -c "python3 -m pytest -q -p no:benchmark -k 'graph' proofs_tests/test_triton_backend.py; python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fsl_graph sdpa_causal sdpa_causal_graph flex_swa512 --shapes H16-D64 --modes fwd fwd+bwd --lengths 4096 16384 --budget-s 120 --rep-ms 30 --out $W --tag _graph"
 step fsb_long2 90 python3 benchmarks/fsb_search_bench.py --providers triton --lengths 262144 1048576 --out "$W/fsb_search_long.json"
 step decode_tiles2 200 python3 benchmarks/gpu_decode.py --contexts 4096 1048576 --batches 1 32 --tiles single single_w4 split split64_w2 split64_w1 split32_w2 split32_w1 --out "$W" --name gpu_decode_tiles2

@@ -345,6 +345,39 @@ def test_long_into_out_equals_fp32_buffer():
         AttentionTiles(32, 32, 1, 1, long_into_out=True)
 
 
+def test_window_first_equals_long_into_out():
+    """AttentionTiles.window_first (the window kernel writes o = o_loc, then the long kernel adds its
+    term) gives the same bits as long_into_out for float32 inputs (the fp32 sum o_loc + long term is
+    the same either way), every output and statistic; `forward_with_selection` with a selection
+    function gives attention_forward's outputs on that selection; window_first needs long_into_out."""
+    from freesolo.backends.triton.attention import forward_with_selection
+
+    cfg = _cfg(variant="fsl", top_k=3)
+    q, k, v = random_qkv(13, 2, 90, 4, 2, 16)
+    beta = np.array([1.0, -0.5, 0.25, 2.0])
+    idx = _selection(q, k, cfg)
+    for long_block in (16, 64):
+        into = AttentionTiles(32, 32, 1, 1, long_block=long_block, long_into_out=True)
+        first = AttentionTiles(32, 32, 1, 1, long_block=long_block, long_into_out=True, window_first=True)
+        ref = _run(q, k, v, idx, beta, cfg, tiles=into)
+        _bitwise_equal(_run(q, k, v, idx, beta, cfg, tiles=first), ref, f"window_first, long_block={long_block}")
+        T, D = q.shape[1], q.shape[3]
+        cos, sin = rope_tables(T, D, cfg.rope_theta, DEVICE, torch.float32)
+        qt, kt, vt = (torch.as_tensor(x, dtype=torch.float32, device=DEVICE) for x in (q, k, v))
+        calls = []
+
+        def select(q_, k_):
+            calls.append(1)
+            return torch.as_tensor(idx, device=DEVICE)
+
+        got_idx, got = forward_with_selection(qt, kt, vt, select, torch.as_tensor(beta, dtype=torch.float32, device=DEVICE),
+                                              cos, sin, cfg, first)  # fmt: skip
+        assert len(calls) == 1 and np.array_equal(got_idx.cpu().numpy(), idx)
+        _bitwise_equal([x.double().cpu().numpy() for x in got], ref, f"forward_with_selection, long_block={long_block}")
+    with pytest.raises(ValueError, match="window_first"):
+        AttentionTiles(32, 32, 1, 1, long_block=16, window_first=True)
+
+
 @pytest.mark.parametrize("long_block", [0, 16])
 def test_rotation_chunks_do_not_change_bits(monkeypatch, long_block):
     """The window kernel runs once per chunk of query tiles over that chunk's rotated keys
@@ -422,8 +455,14 @@ def test_tiles_switches():
         assert not att.default_tiles(16, torch.float32, torch.device(DEVICE)).long_into_out
         mp.setenv(att.ENV_LONG_INTO_OUT, "1")
         assert att.default_tiles(16, torch.float32, torch.device(DEVICE)).long_into_out
-        mp.setenv(att.ENV_LONG_BLOCK, "0")  # the fused kernel has no hand-over: the switch does not apply
-        assert not att.default_tiles(16, torch.float32, torch.device(DEVICE)).long_into_out
+        mp.setenv(att.ENV_WINDOW_FIRST, "1")
+        assert att.default_tiles(16, torch.float32, torch.device(DEVICE)).window_first
+        mp.setenv(att.ENV_LONG_INTO_OUT, "0")  # window_first needs the long term in o: the switch does not apply
+        assert not att.default_tiles(16, torch.float32, torch.device(DEVICE)).window_first
+        mp.setenv(att.ENV_LONG_INTO_OUT, "1")
+        mp.setenv(att.ENV_LONG_BLOCK, "0")  # the fused kernel has no hand-over: the switches do not apply
+        tiles = att.default_tiles(16, torch.float32, torch.device(DEVICE))
+        assert not tiles.long_into_out and not tiles.window_first
         mp.setenv(att.ENV_LONG_BLOCK, "x")
         with pytest.raises(ValueError, match=att.ENV_LONG_BLOCK):
             att.default_tiles(16, torch.float32, torch.device(DEVICE))

@@ -216,11 +216,17 @@ def test_opcheck_forward():
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU: host syncs and CUDA-graph capture exist only there")
+@pytest.mark.parametrize("window_first", [False, True])
 @pytest.mark.parametrize("variant", ["fsl", "fs"])
-def test_cuda_training_step_has_no_host_sync_and_captures_in_a_cuda_graph(variant):
+def test_cuda_training_step_has_no_host_sync_and_captures_in_a_cuda_graph(variant, window_first, monkeypatch):
     """With check_finite=False a triton forward + backward never synchronizes with the host
     (set_sync_debug_mode("error") around a whole step), so a training step can be captured in a
-    CUDA graph: a replay gives the eager output and gradients bit for bit (deterministic backward)."""
+    CUDA graph: a replay gives the eager output and gradients bit for bit (deterministic backward).
+    window_first (FREESOLO_TRITON_WINDOW_FIRST=1): the selection on a side stream, forked from and
+    joined to the capturing stream."""
+    from freesolo.backends.triton import attention as att
+
+    monkeypatch.setenv(att.ENV_WINDOW_FIRST, str(int(window_first)))
     cfg = FreeSoloConfig(variant=variant)
     gen = torch.Generator(device="cuda").manual_seed(0)
     B, T, Hq, Hkv, D = 1, 4096, 4, 2, 64
@@ -263,6 +269,35 @@ def test_cuda_training_step_has_no_host_sync_and_captures_in_a_cuda_graph(varian
     assert torch.equal(o_static, ref_o), "CUDA-graph replay: output differs from the eager call"
     for name, x, ref in zip("qkv", (q, k, v), ref_grads):
         assert torch.equal(x.grad, ref), f"CUDA-graph replay: d{name} differs from the eager call"
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (16-bit split kernels, streams)")
+@pytest.mark.parametrize("variant", ["fsl", "fs"])
+def test_cuda_window_first_matches_default(variant, monkeypatch):
+    """FREESOLO_TRITON_WINDOW_FIRST=1 (the window kernel first, the selection on a side stream, then
+    the long kernel adds its term) gives the default's selection and statistics bit for bit, and its
+    output up to one bf16 rounding order (rms-rel <= 1e-2); repeated calls give the same bits."""
+    from freesolo.backends.triton import attention as att
+    from freesolo.backends.triton.backend import _forward_impl, config_to_json
+
+    cfg = FreeSoloConfig(variant=variant)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    B, T, Hq, Hkv, D = 2, 8192 + 77, 4, 2, 64
+    q, k, v = (torch.randn(B, T, h, D, device="cuda", dtype=torch.bfloat16, generator=gen) for h in (Hq, Hkv, Hkv))
+    beta = torch.tensor([1.0, 0.5, -0.25, 2.0], device="cuda")
+    monkeypatch.setenv(att.ENV_WINDOW_FIRST, "0")
+    ref = _forward_impl(q, k, v, beta, config_to_json(cfg))
+    monkeypatch.setenv(att.ENV_WINDOW_FIRST, "1")
+    assert att.default_tiles(D, torch.bfloat16, q.device).window_first
+    got = _forward_impl(q, k, v, beta, config_to_json(cfg))
+    again = _forward_impl(q, k, v, beta, config_to_json(cfg))
+    torch.cuda.synchronize()
+    for name, x, y in zip(("idx", "lse_loc", "lse_long", "rstd"), got[1:], ref[1:]):
+        assert torch.equal(x, y), f"window_first: {name} differs from the default"
+    err = ((got[0].float() - ref[0].float()).square().mean() / ref[0].float().square().mean()).sqrt().item()
+    assert 0 < err <= 1e-2, f"window_first: o rms-rel {err:.2e} vs the default (expected one bf16 rounding order)"
+    for x, y in zip(got, again):
+        assert torch.equal(x, y), "window_first: two calls differ"
 
 
 def test_refuses_what_it_cannot_run():

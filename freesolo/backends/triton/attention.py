@@ -52,10 +52,12 @@ from ._common import NEG_BIG, next_pow2, padded_dims, rope_rotate
 __all__ = [
     "ENV_LONG_BLOCK",
     "ENV_LONG_INTO_OUT",
+    "ENV_WINDOW_FIRST",
     "ENV_MAXNREG",
     "AttentionTiles",
     "attention_forward",
     "default_tiles",
+    "forward_with_selection",
     "launch_forward",
     "ROTATION_CHUNK_BYTES",
     "ROTATION_CHUNK_MIN_POSITIONS",
@@ -241,6 +243,7 @@ def _long_fwd_kernel(
     BLOCK_M: tl.constexpr,
     U_MAX: tl.constexpr,
     PREFETCH: tl.constexpr,
+    ADD_TO_OUT: tl.constexpr,  # AttentionTiles.window_first: LONG_TERM is O holding o_loc; add the long term to it
 ):
     """The long branch alone (AttentionTiles.long_block > 0): one program per (tile of BLOCK_M
     queries, b * Hq + h), the same steps as the fused kernel's long loop over this smaller tile's
@@ -261,7 +264,7 @@ def _long_fwd_kernel(
         q, IDX, urow, nu_ptr, k_base, v_base, b, h, T, Hq, offs_m, row_ok, kv_stride, qk_scale,
         D, D_P, CELL, CELL_P, KSEL, K_P, BLOCK_M, PREFETCH,
     )  # fmt: skip
-    _long_store(acc, l_j, m_j, offs_m, b, h, T, Hq, BETA, eps, LONG_TERM, LSE_LONG, RSTD, D, D_P)
+    _long_store(acc, l_j, m_j, offs_m, b, h, T, Hq, BETA, eps, LONG_TERM, LSE_LONG, RSTD, D, D_P, ADD_TO_OUT)
 
 
 @triton.jit
@@ -275,14 +278,18 @@ def _load_rows(Q, b, h, T, Hq, offs_m, D: tl.constexpr, D_P: tl.constexpr):
 
 @triton.jit
 def _long_store(acc, l_j, m_j, offs_m, b, h, T, Hq, BETA, eps, LONG_TERM, LSE_LONG, RSTD,
-                D: tl.constexpr, D_P: tl.constexpr):  # fmt: skip
+                D: tl.constexpr, D_P: tl.constexpr, ADD_TO_OUT: tl.constexpr):  # fmt: skip
     """Writes beta_h * rmsnorm(o_long) of the rows offs_m [M] into LONG_TERM (cast to its dtype: q's
-    with long_into_out) and their lse_long, rstd."""
+    with long_into_out; ADD_TO_OUT: LONG_TERM is o holding o_loc, and the fp32 sum o_loc + long term
+    is written back) and their lse_long, rstd."""
     dd = tl.arange(0, D_P)
     row_ok = offs_m < T
     rows = ((b * T + offs_m) * Hq + h)[:, None] * D + dd[None, :]
     long_term, lse_long, rstd = _long_finish(acc, l_j, m_j, BETA + h, eps, D)
-    tl.store(LONG_TERM + rows, long_term, mask=row_ok[:, None] & (dd < D)[None, :])
+    row_mask = row_ok[:, None] & (dd < D)[None, :]
+    if ADD_TO_OUT:
+        long_term = tl.load(LONG_TERM + rows, mask=row_mask, other=0.0).to(tl.float32) + long_term
+    tl.store(LONG_TERM + rows, long_term, mask=row_mask)
     stat = (b * Hq + h) * T + offs_m
     tl.store(LSE_LONG + stat, lse_long, mask=row_ok)
     tl.store(RSTD + stat, rstd, mask=row_ok)
@@ -327,7 +334,8 @@ def _attention_fwd_kernel(
     U_MAX: tl.constexpr,
     PREFETCH: tl.constexpr,
     WINDOW_PHASES: tl.constexpr,
-    HAS_LONG: tl.constexpr,  # the long loop here (else LONG_TERM is read)
+    HAS_LONG: tl.constexpr,  # the long loop here (else LONG_TERM is read, unless not READ_LONG)
+    READ_LONG: tl.constexpr,  # without HAS_LONG: add LONG_TERM (False: AttentionTiles.window_first, o = o_loc)
 ):
     pid_m = tl.program_id(0).to(tl.int64) + TILE0
     pid_bh = tl.program_id(1).to(tl.int64)
@@ -401,9 +409,12 @@ def _attention_fwd_kernel(
         long_term, lse_long, rstd = _long_finish(acc, l_j, m_j, BETA + h, eps, D)
         tl.store(LSE_LONG + stat, lse_long, mask=row_ok)
         tl.store(RSTD + stat, rstd, mask=row_ok)
-    else:  # beta_h * rmsnorm(o_long), fp32, written by _long_fwd_kernel
+        out = o_loc + long_term
+    elif READ_LONG:  # beta_h * rmsnorm(o_long), written by _long_fwd_kernel (fp32, or q's dtype in O)
         long_term = tl.load(LONG_TERM + o_offs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # + fp32 o_loc: fp32 sum
-    out = o_loc + long_term
+        out = o_loc + long_term
+    else:  # window_first: the long kernel adds its term afterwards
+        out = o_loc
     tl.store(O + o_offs, out.to(dtype), mask=row_ok[:, None] & d_ok[None, :])
     tl.store(LSE_LOC + stat, lse_loc, mask=row_ok)
 
@@ -474,6 +485,13 @@ class AttentionTiles:
     # bits either way. H200 (s24 call1, bf16 H16 D64): FS-L forward 2.39 -> 2.34 ms at 64k, peak
     # 1.117 -> 0.617 GiB at 128k; the CUDA forward / backward / API / L11-L12 / model tests pass.
     long_into_out: bool = False
+    # long_into_out only (opt-in, s25, not yet run on a GPU; FREESOLO_TRITON_WINDOW_FIRST=1): the
+    # window kernel writes o = o_loc first (q's dtype) and the long kernel then adds its term (fp32
+    # sum, one rounding). The window does not need the selection, so `forward_with_selection` runs
+    # the selection and the unions on a side stream while the window runs (CUDA): the FS-L pool scan
+    # (16 programs at 64k, H 16) and the small kernels then overlap the window instead of idling the
+    # GPU. The streams change no bits; the output differs from long_into_out's by one rounding order.
+    window_first: bool = False
     # (s24 also tried four 16-row sub-tiles of the long tile sharing one load of each union cell,
     # a sub-tile stepping only over the cells its rows selected: 2.5x slower at 64k on the H200,
     # results/session_2026-12-02_s25/call1; removed.)
@@ -485,6 +503,8 @@ class AttentionTiles:
             raise ValueError(f"maxnreg={self.maxnreg} must be None or in [24, 255]")
         if self.long_into_out and not self.long_block:
             raise ValueError("long_into_out=True needs the separate long kernel (long_block > 0)")
+        if self.window_first and not self.long_into_out:
+            raise ValueError("window_first=True needs the long term written into o (long_into_out=True)")
 
     @property
     def union_rows(self) -> int:
@@ -497,6 +517,7 @@ class AttentionTiles:
 ENV_LONG_BLOCK = "FREESOLO_TRITON_LONG_BLOCK"
 ENV_MAXNREG = "FREESOLO_TRITON_MAXNREG"
 ENV_LONG_INTO_OUT = "FREESOLO_TRITON_LONG_INTO_OUT"  # 0: the fp32 hand-over buffer instead of o (split kernels only)
+ENV_WINDOW_FIRST = "FREESOLO_TRITON_WINDOW_FIRST"  # 1: AttentionTiles.window_first (with long_into_out only)
 
 
 def _env_int(name: str) -> Optional[int]:
@@ -512,8 +533,9 @@ def _env_int(name: str) -> Optional[int]:
 def default_tiles(D: int, dtype: torch.dtype, device: torch.device) -> AttentionTiles:
     """Tile sizes by head dim and dtype (see AttentionTiles). On the CPU (interpreter) small tiles.
     With long_block > 0 the long term goes into o (long_into_out). The environment variables
-    ENV_LONG_BLOCK / ENV_MAXNREG / ENV_LONG_INTO_OUT (0: the fp32 buffer) override long_block /
-    maxnreg / long_into_out (process-wide, read at each call; they never depend on B or T). ENV_MAXNREG applies to 16-bit
+    ENV_LONG_BLOCK / ENV_MAXNREG / ENV_LONG_INTO_OUT (0: the fp32 buffer) / ENV_WINDOW_FIRST (1: on,
+    with long_into_out) override long_block / maxnreg / long_into_out / window_first (process-wide,
+    read at each call; they never depend on B or T). ENV_MAXNREG applies to 16-bit
     dtypes only (fp32 D 128 at 128 registers spills ~1.2 kB per thread on sm_90)."""
     tiles = _base_tiles(D, dtype, device)
     long_block, maxnreg = _env_int(ENV_LONG_BLOCK), _env_int(ENV_MAXNREG)
@@ -524,6 +546,9 @@ def default_tiles(D: int, dtype: torch.dtype, device: torch.device) -> Attention
     into_out = _env_int(ENV_LONG_INTO_OUT)
     if tiles.long_block:
         tiles = dataclasses.replace(tiles, long_into_out=True if into_out is None else bool(into_out))
+    window_first = _env_int(ENV_WINDOW_FIRST)
+    if window_first is not None and tiles.long_into_out:
+        tiles = dataclasses.replace(tiles, window_first=bool(window_first))
     return tiles
 
 
@@ -603,6 +628,7 @@ def rotation_chunk_tiles(B: int, Hkv: int, D: int, element_size: int, block_m: i
 
 
 def _check_inputs(q, k, v, idx, beta, cos, sin, cfg) -> None:
+    """Shapes, dtypes, devices and layouts of the forward's inputs (idx None: not checked)."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q, k, v must be [B, T, H, D], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     B, T, Hq, D = q.shape
@@ -616,15 +642,16 @@ def _check_inputs(q, k, v, idx, beta, cos, sin, cfg) -> None:
     for name, x in (("k", k), ("v", v)):
         if x.dtype != q.dtype:
             raise TypeError(f"{name} dtype {x.dtype} must equal q dtype {q.dtype}")
-    for name, x in (("q", q), ("k", k), ("v", v), ("idx", idx), ("beta", beta), ("cos", cos), ("sin", sin)):
+    named = [("q", q), ("k", k), ("v", v), ("idx", idx), ("beta", beta), ("cos", cos), ("sin", sin)]
+    for name, x in (item for item in named if item[1] is not None):
         if x.device != q.device:
             raise ValueError(f"{name} is on {x.device} but q is on {q.device}")
         if not x.is_contiguous():
             raise ValueError(f"{name} must be contiguous (shape {tuple(x.shape)}, strides {x.stride()})")
     padded_dims(D)  # ValueError on odd or too large D
-    if tuple(idx.shape) != (B, T, Hq, cfg.top_k):
+    if idx is not None and tuple(idx.shape) != (B, T, Hq, cfg.top_k):
         raise ValueError(f"idx shape {tuple(idx.shape)} must be [B={B}, T={T}, Hq={Hq}, K={cfg.top_k}]")
-    if idx.dtype not in (torch.int32, torch.int64):
+    if idx is not None and idx.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"idx dtype {idx.dtype} must be int32 or int64")
     if tuple(beta.shape) != (Hq,) or beta.dtype != torch.float32:
         raise ValueError(f"beta must be float32 [Hq={Hq}], got {beta.dtype} {tuple(beta.shape)}")
@@ -656,40 +683,57 @@ def attention_forward(q, k, v, idx, beta, cos, sin, cfg, tiles: AttentionTiles |
     return launch_forward(q, k, v, idx, union, count, beta, cos, sin, cfg, tiles)
 
 
-def launch_forward(q, k, v, idx, union, count, beta, cos, sin, cfg, tiles: AttentionTiles):
-    """The kernel launches of `attention_forward` on validated inputs and
-    `tile_unions(idx, tiles.union_rows)` (exposed so that benchmarks can time the kernels apart
-    from the union's sort): the fused kernel, or (tiles.long_block > 0) the long kernel and then
-    the window kernel, the window kernel once per chunk of query tiles (`rotation_chunk_tiles`)
-    after the RoPE of that chunk's keys."""
-    B, T, Hq, D = q.shape
-    Hkv = k.shape[2]
-    d_p, _ = padded_dims(D)
-    K = cfg.top_k
-    rows = tiles.union_rows
-    NT = -(-T // tiles.block_m)
+def _check_union(union, count, q, cfg, tiles: AttentionTiles) -> None:
+    B, T, Hq, _ = q.shape
+    rows, K = tiles.union_rows, cfg.top_k
     NU = -(-T // rows)
     if tuple(union.shape) != (B * Hq, NU, rows * K) or tuple(count.shape) != (B * Hq, NU):
         raise ValueError(
             f"union {tuple(union.shape)} / count {tuple(count.shape)} must come from tile_unions(idx, {rows}): "
             f"[{B * Hq}, {NU}, {rows * K}] / [{B * Hq}, {NU}]"
         )
+
+
+def _outputs(q: torch.Tensor, tiles: AttentionTiles) -> tuple:
+    """(o, lse_loc, lse_long, rstd, long_term) of the forward, uninitialized; long_term is o itself
+    unless the split long kernel hands its term over in an fp32 buffer (not long_into_out)."""
+    B, T, Hq, D = q.shape
     o = torch.empty_like(q)
-    lse_loc = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
-    lse_long = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
-    rstd = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
-    qk_scale = LOG2E / math.sqrt(D)
-    common = dict(D=D, D_P=d_p, CELL=cfg.cell, CELL_P=max(16, next_pow2(cfg.cell)), KSEL=K,
-                  K_P=next_pow2(K), PREFETCH=tiles.prefetch)  # fmt: skip
+    stats = [torch.empty(B, Hq, T, dtype=torch.float32, device=q.device) for _ in range(3)]
+    split_buffer = tiles.long_block > 0 and not tiles.long_into_out
+    long_term = torch.empty(B, T, Hq, D, dtype=torch.float32, device=q.device) if split_buffer else o
+    return (o, *stats, long_term)
+
+
+def _common_constexprs(D: int, cfg, tiles: AttentionTiles) -> dict:
+    d_p, _ = padded_dims(D)
+    return dict(D=D, D_P=d_p, CELL=cfg.cell, CELL_P=max(16, next_pow2(cfg.cell)), KSEL=cfg.top_k,
+                K_P=next_pow2(cfg.top_k), PREFETCH=tiles.prefetch)  # fmt: skip
+
+
+def _launch_long(q, k, v, idx, union, count, beta, cfg, tiles: AttentionTiles, outputs) -> None:
+    """The split long kernel (tiles.long_block > 0): writes the long term into outputs' long_term
+    (adds it to o with window_first) and lse_long, rstd."""
+    B, T, Hq, D = q.shape
+    o, _, lse_long, rstd, long_term = outputs
+    rows = tiles.union_rows
+    NU = -(-T // rows)
+    _long_fwd_kernel[(NU, B * Hq)](
+        q, k, v, idx, union, count, beta, long_term, lse_long, rstd, T, Hq, k.shape[2], NU, LOG2E / math.sqrt(D), cfg.eps,
+        BLOCK_M=rows, U_MAX=rows * cfg.top_k, ADD_TO_OUT=tiles.window_first, num_warps=tiles.long_warps, num_stages=1,
+        **_common_constexprs(D, cfg, tiles),
+    )  # fmt: skip
+
+
+def _launch_window(q, k, v, idx, union, count, beta, cos, sin, cfg, tiles: AttentionTiles, outputs) -> None:
+    """The window kernel (with the long loop inside it when tiles.long_block == 0), once per chunk
+    of query tiles (`rotation_chunk_tiles`) after the RoPE of that chunk's keys. idx / union / count
+    are read only by the fused kernel (placeholders otherwise)."""
+    B, T, Hq, D = q.shape
+    Hkv = k.shape[2]
+    o, lse_loc, lse_long, rstd, long_term = outputs
     split = tiles.long_block > 0
-    if split:
-        long_term = o if tiles.long_into_out else torch.empty(B, T, Hq, D, dtype=torch.float32, device=q.device)
-        _long_fwd_kernel[(NU, B * Hq)](
-            q, k, v, idx, union, count, beta, long_term, lse_long, rstd, T, Hq, Hkv, NU, qk_scale, cfg.eps,
-            BLOCK_M=rows, U_MAX=rows * K, num_warps=tiles.long_warps, num_stages=1, **common,
-        )  # fmt: skip
-    else:
-        long_term = o  # not read
+    NT = -(-T // tiles.block_m)
     extra = {} if tiles.maxnreg is None else {"maxnreg": tiles.maxnreg}
     # The window reads rotated keys. They are made per chunk of query tiles into one reused buffer
     # (the chunk's keys plus the window before it), so that the forward never holds a rotated copy
@@ -707,9 +751,71 @@ def launch_forward(q, k, v, idx, union, count, beta, cos, sin, cfg, tiles: Atten
         rope_rotate(k[:, start:stop], cos[start:stop], sin[start:stop], out=kr)
         _attention_fwd_kernel[(n_tiles, B * Hq)](
             q, k, kr, v, idx, union, count, beta, long_term, cos, sin, o, lse_loc, lse_long, rstd,
-            T, Hq, Hkv, NT, tile0, stop - start, start, cfg.window, qk_scale, cfg.eps,
-            HALF=D // 2, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, U_MAX=rows * K,
-            WINDOW_PHASES=tiles.window_phases, HAS_LONG=not split,
-            num_warps=tiles.num_warps, num_stages=tiles.num_stages, **common, **extra,
+            T, Hq, Hkv, NT, tile0, stop - start, start, cfg.window, LOG2E / math.sqrt(D), cfg.eps,
+            HALF=D // 2, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, U_MAX=tiles.union_rows * cfg.top_k,
+            WINDOW_PHASES=tiles.window_phases, HAS_LONG=not split, READ_LONG=split and not tiles.window_first,
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages, **_common_constexprs(D, cfg, tiles), **extra,
         )  # fmt: skip
-    return o, lse_loc, lse_long, rstd
+
+
+def launch_forward(q, k, v, idx, union, count, beta, cos, sin, cfg, tiles: AttentionTiles):
+    """The kernel launches of `attention_forward` on validated inputs and
+    `tile_unions(idx, tiles.union_rows)` (exposed so that benchmarks can time the kernels apart
+    from the union's sort): the fused kernel, or (tiles.long_block > 0) the long kernel and then
+    the window kernel (window_first: the window kernel, then the long kernel adding its term)."""
+    _check_union(union, count, q, cfg, tiles)
+    outputs = _outputs(q, tiles)
+    if tiles.long_block and not tiles.window_first:
+        _launch_long(q, k, v, idx, union, count, beta, cfg, tiles, outputs)
+    _launch_window(q, k, v, idx, union, count, beta, cos, sin, cfg, tiles, outputs)
+    if tiles.window_first:
+        _launch_long(q, k, v, idx, union, count, beta, cfg, tiles, outputs)
+    return outputs[:4]
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(device: torch.device):
+    """One side stream per CUDA device, for the selection that `forward_with_selection` overlaps."""
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    if key not in _SIDE_STREAMS:
+        _SIDE_STREAMS[key] = torch.cuda.Stream(device=device)
+    return _SIDE_STREAMS[key]
+
+
+def forward_with_selection(q, k, v, select, beta, cos, sin, cfg, tiles: AttentionTiles | None = None):
+    """The selection and the forward: (idx, (o, lse_loc, lse_long, rstd)).
+
+    Args as `attention_forward`, except select: (q, k) -> idx (the selection, e.g.
+    `selection.select_cells`), called once. With tiles.window_first on CUDA, the selection and the
+    tile unions run on a side stream while the window kernel runs on the current stream (it does
+    not read the selection), then the long kernel adds its term. Stream order: the side stream
+    first waits for the current one (q, k ready; and every earlier use of memory the side stream
+    reuses), the current stream waits for the side one before the long kernel, so no tensor is
+    touched by both streams at once, and the result does not depend on the streams. Elsewhere:
+    select, then `attention_forward`.
+    """
+    tiles = tiles or default_tiles(q.shape[3], q.dtype, q.device)
+    if not tiles.window_first:
+        idx = select(q, k)
+        return idx, attention_forward(q, k, v, idx, beta, cos, sin, cfg, tiles)
+    _check_inputs(q, k, v, None, beta, cos, sin, cfg)
+    outputs = _outputs(q, tiles)
+    unused = torch.empty(1, dtype=torch.int32, device=q.device)  # the window kernel's idx / union / count (not read)
+    if q.is_cuda:
+        main = torch.cuda.current_stream(q.device)
+        side = _side_stream(q.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            idx = select(q, k)
+            union, count = tile_unions(idx, tiles.union_rows)
+        _launch_window(q, k, v, unused, unused, unused, beta, cos, sin, cfg, tiles, outputs)
+        main.wait_stream(side)
+    else:
+        idx = select(q, k)
+        union, count = tile_unions(idx, tiles.union_rows)
+        _launch_window(q, k, v, unused, unused, unused, beta, cos, sin, cfg, tiles, outputs)
+    _check_inputs(q, k, v, idx, beta, cos, sin, cfg)
+    _launch_long(q, k, v, idx, union, count, beta, cfg, tiles, outputs)
+    return idx, outputs[:4]

@@ -210,13 +210,16 @@ def _beta32(beta: Optional[torch.Tensor], Hq: int, device) -> torch.Tensor:
 def _forward_impl(q, k, v, beta, cfg_json):
     """The body of ``freesolo::triton_forward`` (a plain function, so that probes can time it
     without the custom-op dispatch)."""
-    from .attention import attention_forward
+    from .attention import forward_with_selection
 
     cfg = config_from_json(cfg_json)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    idx = _select(q, k, cfg, torch.int32)  # saved for the backward: int32 (half the bytes of int64)
     cos, sin = rope_cos_sin(q.shape[1], q.shape[3], cfg.rope_theta, q.device)
-    o, lse_loc, lse_long, rstd = attention_forward(q, k, v, idx, beta.to(torch.float32), cos, sin, cfg)
+    # the selection is saved for the backward in int32 (half the bytes of int64); with window-first
+    # tiles it runs on a side stream beside the window kernel (`forward_with_selection`)
+    idx, (o, lse_loc, lse_long, rstd) = forward_with_selection(
+        q, k, v, lambda q_, k_: _select(q_, k_, cfg, torch.int32), beta.to(torch.float32), cos, sin, cfg
+    )
     return o, idx, lse_loc, lse_long, rstd
 
 
