@@ -42,13 +42,14 @@ def tile_union_sizes(idx: torch.Tensor, rows: int) -> np.ndarray:
     return np.asarray(sizes)
 
 
-def capture_qk(model, tokens: torch.Tensor) -> list:
-    """Run the model on tokens [1, T]; return every attention call's (q, k) (unrotated, float32)."""
+def capture_qk(model, tokens: torch.Tensor, with_v: bool = False) -> list:
+    """Run the model on tokens [1, T]; return every attention call's (q, k) (unrotated, float32),
+    or (q, k, v) with with_v."""
     seen = []
     original = fnn.freesolo_attention
 
     def recording(q, k, v, cfg, **kw):
-        seen.append((q.detach().float().clone(), k.detach().float().clone()))
+        seen.append(tuple(x.detach().float().clone() for x in ((q, k, v) if with_v else (q, k))))
         return original(q, k, v, cfg, **kw)
 
     fnn.freesolo_attention = recording
