@@ -9,6 +9,7 @@ Usage (repository root; TRITON_INTERPRET must be unset):
     python benchmarks/triton_selection_sm90_check.py
     python benchmarks/triton_selection_sm90_check.py fsb    # the FS-B prefill and decode searches only
     python benchmarks/triton_selection_sm90_check.py score  # the FS / FS-L scoring + top-K kernel only
+    python benchmarks/triton_selection_sm90_check.py forward  # the split forward's long / window kernels
 Look for: every line "ok", STACK:0 (no spills).
 """
 
@@ -30,17 +31,17 @@ from freesolo import FreeSoloConfig  # noqa: E402
 from freesolo.backends.triton import fsb_search as FSB  # noqa: E402
 from freesolo.backends.triton import selection as S  # noqa: E402
 
-__all__ = ["TARGET", "fsb_check", "fsb_main", "main", "score_check", "usage"]
+__all__ = ["TARGET", "forward_check", "fsb_check", "fsb_main", "main", "score_check", "usage"]
 
 TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
-def usage(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int = 3) -> str:
+def usage(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int = 3, maxnreg=None) -> str:
     """Compile fn for sm_90; return cuobjdump's 'REG:.. STACK:..' resource line."""
     signature = {**signature, **{name: "constexpr" for name in constexprs}}
-    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=TARGET,
-                            options={"num_warps": num_warps, "num_stages": num_stages})
+    options = {"num_warps": num_warps, "num_stages": num_stages, **({} if maxnreg is None else {"maxnreg": maxnreg})}
+    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=TARGET, options=options)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
@@ -108,6 +109,33 @@ def score_check(cfg) -> None:
                 print(f"ok  _score_topk_kernel {dtype} {'fsl' if fsl else 'fs'} D={D} {tiles}: {r}")
 
 
+def forward_check() -> None:
+    """The split forward's long kernel and window kernel (bf16, D 64, the default tiles) with each
+    value of their window-first switches (ADD_TO_OUT / READ_LONG). The pointers are not specialized
+    as 16-byte aligned here (a launch does that), so the counts are upper bounds of a real launch's."""
+    from freesolo.backends.triton import attention as A
+
+    common = dict(D=64, D_P=64, CELL=32, CELL_P=32, KSEL=4, K_P=4, PREFETCH=True)
+    ptrs = ("Q", "K", "V", "IDX", "UNION", "NUNION", "BETA", "LONG_TERM", "LSE_LONG", "RSTD")
+    kinds = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "IDX": "*i32", "UNION": "*i32", "NUNION": "*i32",
+             "BETA": "*fp32", "LONG_TERM": "*bf16", "LSE_LONG": "*fp32", "RSTD": "*fp32"}  # fmt: skip
+    long_sig = {**{p: kinds[p] for p in ptrs}, "T": "i32", "Hq": "i32", "Hkv": "i32", "NT": "i32", "qk_scale": "fp32",
+                "eps": "fp32"}  # fmt: skip
+    for add in (False, True):
+        r = usage(A._long_fwd_kernel, long_sig, {**common, "BLOCK_M": 64, "U_MAX": 256, "ADD_TO_OUT": add}, 4, 1)
+        print(f"ok  _long_fwd_kernel ADD_TO_OUT={add}: {r}")
+    window_sig = {"Q": "*bf16", "K": "*bf16", "KR": "*bf16", "V": "*bf16", "IDX": "*i32", "UNION": "*i32",
+                  "NUNION": "*i32", "BETA": "*fp32", "LONG_TERM": "*bf16", "COS": "*fp32", "SIN": "*fp32", "O": "*bf16",
+                  "LSE_LOC": "*fp32", "LSE_LONG": "*fp32", "RSTD": "*fp32", "T": "i32", "Hq": "i32", "Hkv": "i32",
+                  "NT": "i32", "TILE0": "i32", "KR_T": "i32", "KR_START": "i32", "W": "i32", "qk_scale": "fp32",
+                  "eps": "fp32"}  # fmt: skip
+    for read in (True, False):
+        constexprs = {**common, "HALF": 32, "BLOCK_M": 64, "BLOCK_N": 64, "U_MAX": 256, "WINDOW_PHASES": True,
+                      "HAS_LONG": False, "READ_LONG": read}  # fmt: skip
+        r = usage(A._attention_fwd_kernel, window_sig, constexprs, 4, 2, maxnreg=128)
+        print(f"ok  _attention_fwd_kernel READ_LONG={read} (maxnreg 128): {r}")
+
+
 def fsb_main(cfg) -> None:
     """The FS-B prefill search at its default launch, then `fsb_check`."""
     s, K = cfg.cell, cfg.top_k
@@ -164,5 +192,7 @@ if __name__ == "__main__":
         fsb_check(FreeSoloConfig(variant="fsb"))
     elif sys.argv[1:] == ["score"]:
         score_check(FreeSoloConfig())
+    elif sys.argv[1:] == ["forward"]:
+        forward_check()
     else:
         main()

@@ -37,6 +37,7 @@ depend on (D, dtype, device) and process-wide switches only, never on B or T.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -684,6 +685,7 @@ def attention_forward(q, k, v, idx, beta, cos, sin, cfg, tiles: AttentionTiles |
 
 
 def _check_union(union, count, q, cfg, tiles: AttentionTiles) -> None:
+    """union / count must have the shapes `tile_unions(idx, tiles.union_rows)` gives."""
     B, T, Hq, _ = q.shape
     rows, K = tiles.union_rows, cfg.top_k
     NU = -(-T // rows)
@@ -803,19 +805,16 @@ def forward_with_selection(q, k, v, select, beta, cos, sin, cfg, tiles: Attentio
     _check_inputs(q, k, v, None, beta, cos, sin, cfg)
     outputs = _outputs(q, tiles)
     unused = torch.empty(1, dtype=torch.int32, device=q.device)  # the window kernel's idx / union / count (not read)
-    if q.is_cuda:
-        main = torch.cuda.current_stream(q.device)
-        side = _side_stream(q.device)
+    main = torch.cuda.current_stream(q.device) if q.is_cuda else None
+    side = _side_stream(q.device) if q.is_cuda else None
+    if side is not None:
         side.wait_stream(main)
-        with torch.cuda.stream(side):
-            idx = select(q, k)
-            union, count = tile_unions(idx, tiles.union_rows)
-        _launch_window(q, k, v, unused, unused, unused, beta, cos, sin, cfg, tiles, outputs)
-        main.wait_stream(side)
-    else:
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
         idx = select(q, k)
         union, count = tile_unions(idx, tiles.union_rows)
-        _launch_window(q, k, v, unused, unused, unused, beta, cos, sin, cfg, tiles, outputs)
+    _launch_window(q, k, v, unused, unused, unused, beta, cos, sin, cfg, tiles, outputs)
+    if side is not None:
+        main.wait_stream(side)
     _check_inputs(q, k, v, idx, beta, cos, sin, cfg)
     _launch_long(q, k, v, idx, union, count, beta, cfg, tiles, outputs)
     return idx, outputs[:4]

@@ -272,6 +272,17 @@ def _topk_round(top_s, top_c, kth_s, kth_c, s, cells, cs, cc):
 
 
 @triton.jit
+def _gather_cells(kbar_rows, amax_row, cells, d_off32, d_ok, D: tl.constexpr):
+    """(kbar [N, BLOCK_D] fp32, a [N] fp32, c_ok [N]) of the cells [N] (int32, -1 or negative: none,
+    zeros) from one (b, kv head)'s rows of KBAR / AMAX (int32 offsets inside them)."""
+    c_ok = cells >= 0
+    c_safe = tl.where(c_ok, cells, 0)
+    kb = tl.load(kbar_rows + c_safe[:, None] * D + d_off32[None, :], mask=c_ok[:, None] & d_ok[None, :], other=0.0)
+    a = tl.load(amax_row + c_safe, mask=c_ok, other=0.0)
+    return kb, a, c_ok
+
+
+@triton.jit
 def _score_chunk(
     top_s, top_c, kth_s, kth_c,  # the running top-K [BLOCK_M, K_PAD] and its K-th pair [BLOCK_M]
     q,  # [BLOCK_M, BLOCK_D] queries (q's dtype with SPLIT_DOT, else fp32)
@@ -426,15 +437,8 @@ def _score_topk_kernel(
         for n0 in range(0, N_CAND, BLOCK_N):
             pos = n0 + n_off
             cells = tl.load(cand_row + pos, mask=pos < N_CAND, other=-1)  # int32, -1: an empty slot
-            c_ok = cells >= 0
-            c_safe = tl.where(c_ok, cells, 0)
-            kb = tl.load(
-                kbar_rows + c_safe[:, None] * D + d_off32[None, :],
-                mask=c_ok[:, None] & d_ok[None, :],
-                other=0.0,
-            )  # [BLOCK_N, BLOCK_D]
-            a = tl.load(amax_row + c_safe, mask=c_ok, other=0.0)  # [BLOCK_N]
-            c_max = tl.reduce(c_safe, 0, _MAX)
+            kb, a, c_ok = _gather_cells(kbar_rows, amax_row, cells, d_off32, d_ok, D)
+            c_max = tl.reduce(tl.where(c_ok, cells, 0), 0, _MAX)
             top_s, top_c, kth_s, kth_c = _score_chunk(
                 top_s, top_c, kth_s, kth_c, q, kb, a, cells, c_ok, c_max, i_f, i_f0, coef, lam, scale,
                 CELL, TOP_K, SPLIT_DOT, EARLY_EXIT, COUNT_ROUNDS, ERF_SKIP, True,
@@ -463,10 +467,7 @@ def _score_topk_kernel(
         if n_j % BLOCK_N != 0:
             c0 = n_j % BLOCK_N - BLOCK_N  # < 0: the oldest cells [0, n_j % BLOCK_N)
             cells = c0.to(tl.int32) + reversed_rows
-            c_ok = cells >= 0
-            c_safe = tl.where(c_ok, cells, 0)
-            kb = tl.load(kbar_rows + c_safe[:, None] * D + d_off32[None, :], mask=c_ok[:, None] & d_ok[None, :], other=0.0)
-            a = tl.load(amax_row + c_safe, mask=c_ok, other=0.0)
+            kb, a, c_ok = _gather_cells(kbar_rows, amax_row, cells, d_off32, d_ok, D)
             top_s, top_c, kth_s, kth_c = _score_chunk(
                 top_s, top_c, kth_s, kth_c, q, kb, a, cells, c_ok, c0 + BLOCK_N - 1, i_f, i_f0, coef, lam,
                 scale, CELL, TOP_K, SPLIT_DOT, EARLY_EXIT, COUNT_ROUNDS, ERF_SKIP, True,
@@ -633,13 +634,13 @@ class ScoreTiles:
     count_rounds: bool = False
     erf_skip: bool = True  # a chunk whose prior arguments all reach ERF_ONE takes prior 1.0 without erf (same bits)
     # software-pipelining depth of the cell loop (triton's num_stages). sm_90, FS bf16 D 64: 3 stages
-    # need 157 registers per thread (3 programs of 4 warps per SM), 1 stage 115 (4 programs).
+    # need 157 registers per thread (3 programs of 4 warps per SM), 1 stage 117 (4 programs).
     num_stages: int = 1
 
 
 def score_tiles(cfg: FreeSoloConfig, D: int, dtype: torch.dtype) -> ScoreTiles:
-    """Default tiles: BLOCK_M = the query block (16..64), 4 warps, one pipeline stage (sm_90: 115
-    registers per thread for FS bf16 D 64, 80 for FS-L; no spills, for D 64 / 128 and every dtype).
+    """Default tiles: BLOCK_M = the query block (16..64), 4 warps, one pipeline stage (sm_90: 117
+    registers per thread for FS bf16 D 64, 102 for FS-L; no spills, for D 64 / 128 and every dtype).
     FS: 32 cells per step, the top-K rounds counted per chunk (count_rounds);
     FS-L (72 candidates): 32 per step, every round run. H200 (bf16 H16 D64, select_cells, same-run
     sweeps, every variant's selection bitwise equal): FS at 64k 4.42 ms (s23 tiles) -> 3.71
