@@ -1,0 +1,214 @@
+"""A/B of the Triton forward's launch order and long-kernel steps (issue 10), through the public API.
+
+Configurations (`CONFIGS`; 16-bit default tiles of `attention.default_tiles` changed as named):
+- split:          the default since s24: long kernel (writes beta * rmsnorm(o_long) into o), then
+                  the window kernel adds o_loc; selection, unions, kernels in one stream.
+- wfirst:         AttentionTiles.window_first: the window kernel writes o = o_loc while the
+                  selection and the unions run on the side stream (high priority), then the long
+                  kernel adds its term.
+- wfirst-prio0:   the same with the side stream at the default priority (s26 call1 ran this).
+- pairs:          split with AttentionTiles.long_group = 2 (one aligned pair of cells per long step).
+- wfirst+pairs:   both.
+For FS-L (and FS at 64k), B 1, H 16, D 64, bf16, iid keys, at 4k / 16k / 64k / 128k: the API time
+(eager, `check_finite=False`, do_bench median), the API call captured in a CUDA graph (GPU time
+without the host), the host time of one eager call (perf_counter over calls that queue on the GPU
+without syncs; at small T the eager time is this), the rms-rel difference of the output from
+split's, and the mean union size (cells, or pairs) of the long tiles. SDPA causal and
+FlexAttention SWA-512 (compiled) in the same run. The side stream's priority is set by replacing
+`attention._SIDE_STREAMS` (the module creates it at priority -1).
+
+    python benchmarks/forward_overlap_ab.py --out $OUT/forward_overlap_ab.json   # ~2 min on an H200
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from gpu_attention import _versions  # noqa: E402
+from triton_attention_bench import _bench, _inputs, flex_swa512, sdpa_causal  # noqa: E402
+
+import freesolo  # noqa: E402
+from freesolo.backends.triton import attention as att  # noqa: E402
+from freesolo.backends.triton.selection import select_cells  # noqa: E402
+
+__all__ = ["CONFIGS", "main"]
+
+CONFIGS = {
+    "split": (dict(window_first=False), -1),
+    "wfirst": (dict(window_first=True), -1),
+    "wfirst-prio0": (dict(window_first=True), 0),
+    "pairs": (dict(window_first=False, long_group=2), -1),
+    "wfirst+pairs": (dict(window_first=True, long_group=2), -1),
+}
+H, D = 16, 64
+
+
+def _use(config: str):
+    """Make the API's `default_tiles` return the configuration's tiles; set the side stream priority."""
+    change, priority = CONFIGS[config]
+    base = _ORIGINAL_DEFAULT_TILES
+
+    def tiles(D_, dtype, device):
+        t = base(D_, dtype, device)
+        return dataclasses.replace(t, **change) if t.long_block else t
+
+    att.default_tiles = tiles
+    dev = torch.cuda.current_device()
+    stream = att._SIDE_STREAMS.get(dev)
+    if stream is None or stream.priority != priority:
+        att._SIDE_STREAMS[dev] = torch.cuda.Stream(priority=priority)
+
+
+_ORIGINAL_DEFAULT_TILES = att.default_tiles
+
+
+def _graph_ms(fn, rep: int) -> float:
+    """fn captured once in a CUDA graph (warm-up on a side stream), replay timed."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return _bench(graph.replay, rep)
+
+
+def _host_ms(fn, calls: int = 20) -> float:
+    """Host time per call (no syncs between calls: the GPU queue absorbs them while not full)."""
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - t) / calls * 1e3
+    torch.cuda.synchronize()
+    return host
+
+
+def _rms_rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30))
+
+
+def case(variant: str, T: int, rep: int, configs) -> dict:
+    cfg = freesolo.FreeSoloConfig(variant=variant)
+    q, k, v = _inputs(T, H, H, D, torch.bfloat16, "iid")
+
+    def api():
+        with torch.no_grad():
+            return freesolo.freesolo_attention(q, k, v, cfg, backend="triton", check_finite=False)
+
+    row = {"variant": variant, "T": T}
+    ref = None
+    idx = select_cells(q, k, cfg)
+    for config in configs:
+        _use(config)
+        out = api()
+        ref = out if ref is None else ref
+        tiles = att.default_tiles(D, q.dtype, q.device)
+        count = tiles.unions(idx)[1]
+        row[config] = {
+            "api_ms": _bench(api, rep),
+            "graph_ms": _graph_ms(api, rep),
+            "host_ms": _host_ms(api),
+            "rms_rel_vs_first": _rms_rel(out, ref),
+            "union_mean": float(count.float().mean()),
+        }
+        r = row[config]
+        print(f"{variant:3s} T={T:6d} {config:13s} api {r['api_ms']:7.3f}  graph {r['graph_ms']:7.3f}  "
+              f"host {r['host_ms']:6.3f} ms  union {r['union_mean']:5.1f}  rms-rel {r['rms_rel_vs_first']:.1e}", flush=True)  # fmt: skip
+    _use(configs[0])
+    att.default_tiles = _ORIGINAL_DEFAULT_TILES
+    if variant == "fsl":
+        row["sdpa_causal_ms"] = sdpa_causal(T, H, H, D, torch.bfloat16, rep)
+        row["flex_swa512_ms"] = flex_swa512(T, H, H, D, torch.bfloat16, rep)
+        print(f"    T={T:6d} sdpa_causal {row['sdpa_causal_ms']:.3f}  flex_swa512 {row['flex_swa512_ms']:.3f} ms", flush=True)
+    return row
+
+
+def kernel_usage() -> list:
+    """Registers and spills of every compiled long / window kernel of this process (the launches'
+    real specializations, unlike benchmarks/triton_selection_sm90_check.py's upper bounds)."""
+    rows = []
+    for name in ("_long_fwd_kernel", "_attention_fwd_kernel"):
+        for caches in getattr(att, name).device_caches.values():
+            for kernel in caches[0].values():
+                try:
+                    consts = {k[0] if isinstance(k, tuple) else k: v for k, v in kernel.src.constants.items()}
+                    keep = {k: consts[k] for k in ("GROUP", "ADD_TO_OUT", "READ_LONG", "HAS_LONG", "BLOCK_M") if k in consts}
+                    rows.append({"kernel": name, **{k: str(v) for k, v in keep.items()},
+                                 "n_regs": int(kernel.n_regs), "n_spills": int(kernel.n_spills)})  # fmt: skip
+                except Exception as e:  # noqa: BLE001 (a Triton version without these fields: report, go on)
+                    rows.append({"kernel": name, "error": f"{type(e).__name__}: {e}"[:200]})
+    for r in rows:
+        print("  ", r, flush=True)
+    return rows
+
+
+def plot(payload: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in payload["results"] if r["variant"] == "fsl"]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    Ts = [r["T"] for r in rows]
+    for config in payload["configs"]:
+        ax.plot(Ts, [r[config]["api_ms"] for r in rows], marker="o", label=f"FS-L {config}")
+    ax.plot(Ts, [r["flex_swa512_ms"] for r in rows], "k--", marker="s", label="Flex SWA-512")
+    ax.plot(Ts, [3 * r["flex_swa512_ms"] for r in rows], "k:", label="3x Flex (issue 10 bar)")
+    ax.plot(Ts, [r["sdpa_causal_ms"] for r in rows], "r--", marker="^", label="SDPA causal")
+    ax.set(xscale="log", yscale="log", xlabel="T", ylabel="forward ms (median)",
+           title=f"FS-L forward, launch order / long steps ({payload['env']['gpu']})")  # fmt: skip
+    ax.legend(fontsize=7)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lengths", nargs="+", type=int, default=[4096, 16384, 65536, 131072])
+    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument("--fs-lengths", nargs="+", type=int, default=[65536], help="FS at these lengths too")
+    ap.add_argument("--rep", type=int, default=30, help="do_bench rep (ms)")
+    ap.add_argument("--out", default=None, help="JSON output path (and a .png beside it)")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA device")
+    for name in ("recompile_limit", "cache_size_limit"):  # FlexAttention: one compile per shape
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 64)
+    payload = {"env": _versions(torch.device("cuda")), "dtype": "bfloat16", "B": 1, "H": H, "D": D, "keys": "iid",
+               "rep_ms": args.rep, "configs": args.configs, "results": []}  # fmt: skip
+    env = payload["env"]
+    print(f"GPU: {env['gpu']} | torch {env['torch']} | triton {env['triton']} | commit {env['git_commit']}", flush=True)
+    t0 = time.perf_counter()
+    for T in args.lengths:
+        payload["results"].append(case("fsl", T, args.rep, args.configs))
+    for T in args.fs_lengths:
+        payload["results"].append(case("fs", T, args.rep, args.configs))
+    payload["kernels"] = kernel_usage()
+    payload["seconds"] = time.perf_counter() - t0
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(payload, f, indent=1)
+        plot(payload, os.path.splitext(args.out)[0] + ".png")
+        print(f"wrote {args.out} and the .png ({payload['seconds']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
