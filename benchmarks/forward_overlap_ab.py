@@ -1,21 +1,20 @@
-"""A/B of the Triton forward's launch order and long-kernel steps (issue 10), through the public API.
+"""A/B of the Triton forward's launch order (issue 10), through the public API.
 
 Configurations (`CONFIGS`; 16-bit default tiles of `attention.default_tiles` changed as named):
-- split:          the default since s24: long kernel (writes beta * rmsnorm(o_long) into o), then
-                  the window kernel adds o_loc; selection, unions, kernels in one stream.
-- wfirst:         AttentionTiles.window_first: the window kernel writes o = o_loc while the
-                  selection and the unions run on the side stream (high priority), then the long
-                  kernel adds its term.
-- wfirst-prio0:   the same with the side stream at the default priority (s26 call1 ran this).
-- pairs:          split with AttentionTiles.long_group = 2 (one aligned pair of cells per long step).
-- wfirst+pairs:   both.
+- split:   s24 .. s25's default: long kernel (writes beta * rmsnorm(o_long) into o), then the
+           window kernel adds o_loc; selection, unions, kernels in one stream.
+- wfirst:  AttentionTiles.window_first (the default since s26): the window kernel writes
+           o = o_loc while the selection and the unions run on a side stream, then the long
+           kernel adds its term.
+results/session_2026-12-02_s26/call2 ran an earlier version of this script (commit 570ce1a) that
+also had the side stream at priority -1 vs 0 (no difference) and the long kernel over aligned
+pairs of cells (`AttentionTiles.long_group`, 27 % slower at 64k; removed).
 For FS-L (and FS at 64k), B 1, H 16, D 64, bf16, iid keys, at 4k / 16k / 64k / 128k: the API time
 (eager, `check_finite=False`, do_bench median), the API call captured in a CUDA graph (GPU time
 without the host), the host time of one eager call (perf_counter over calls that queue on the GPU
 without syncs; at small T the eager time is this), the rms-rel difference of the output from
 split's, and the mean union size (cells, or pairs) of the long tiles. SDPA causal and
-FlexAttention SWA-512 (compiled) in the same run. The side stream's priority is set by replacing
-`attention._SIDE_STREAMS` (the module creates it at priority -1).
+FlexAttention SWA-512 (compiled) in the same run.
 
     python benchmarks/forward_overlap_ab.py --out $OUT/forward_overlap_ab.json   # ~2 min on an H200
 """
@@ -44,18 +43,15 @@ from freesolo.backends.triton.selection import select_cells  # noqa: E402
 __all__ = ["CONFIGS", "main"]
 
 CONFIGS = {
-    "split": (dict(window_first=False), -1),
-    "wfirst": (dict(window_first=True), -1),
-    "wfirst-prio0": (dict(window_first=True), 0),
-    "pairs": (dict(window_first=False, long_group=2), -1),
-    "wfirst+pairs": (dict(window_first=True, long_group=2), -1),
+    "split": dict(window_first=False),
+    "wfirst": dict(window_first=True),
 }
 H, D = 16, 64
 
 
 def _use(config: str):
-    """Make the API's `default_tiles` return the configuration's tiles; set the side stream priority."""
-    change, priority = CONFIGS[config]
+    """Make the API's `default_tiles` return the configuration's tiles."""
+    change = CONFIGS[config]
     base = _ORIGINAL_DEFAULT_TILES
 
     def tiles(D_, dtype, device):
@@ -63,10 +59,6 @@ def _use(config: str):
         return dataclasses.replace(t, **change) if t.long_block else t
 
     att.default_tiles = tiles
-    dev = torch.cuda.current_device()
-    stream = att._SIDE_STREAMS.get(dev)
-    if stream is None or stream.priority != priority:
-        att._SIDE_STREAMS[dev] = torch.cuda.Stream(priority=priority)
 
 
 _ORIGINAL_DEFAULT_TILES = att.default_tiles
@@ -118,7 +110,7 @@ def case(variant: str, T: int, rep: int, configs) -> dict:
         out = api()
         ref = out if ref is None else ref
         tiles = att.default_tiles(D, q.dtype, q.device)
-        count = tiles.unions(idx)[1]
+        count = att.tile_unions(idx, tiles.union_rows)[1]
         row[config] = {
             "api_ms": _bench(api, rep),
             "graph_ms": _graph_ms(api, rep),
@@ -147,7 +139,7 @@ def kernel_usage() -> list:
             for kernel in caches[0].values():
                 try:
                     consts = {k[0] if isinstance(k, tuple) else k: v for k, v in kernel.src.constants.items()}
-                    keep = {k: consts[k] for k in ("GROUP", "ADD_TO_OUT", "READ_LONG", "HAS_LONG", "BLOCK_M") if k in consts}
+                    keep = {k: consts[k] for k in ("ADD_TO_OUT", "READ_LONG", "HAS_LONG", "BLOCK_M") if k in consts}
                     rows.append({"kernel": name, **{k: str(v) for k, v in keep.items()},
                                  "n_regs": int(kernel.n_regs), "n_spills": int(kernel.n_spills)})  # fmt: skip
                 except Exception as e:  # noqa: BLE001 (a Triton version without these fields: report, go on)

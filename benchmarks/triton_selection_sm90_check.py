@@ -111,8 +111,7 @@ def score_check(cfg) -> None:
 
 def forward_check() -> None:
     """The split forward's long kernel and window kernel (bf16, D 64, the default tiles) with each
-    value of their window-first switches (ADD_TO_OUT / READ_LONG), the long kernel also over aligned
-    pairs of cells (GROUP 2, AttentionTiles.long_group). The pointers are not specialized
+    value of their window-first switches (ADD_TO_OUT / READ_LONG). The pointers are not specialized
     as 16-byte aligned here (a launch does that), so the counts are upper bounds of a real launch's."""
     from freesolo.backends.triton import attention as A
 
@@ -122,10 +121,9 @@ def forward_check() -> None:
              "BETA": "*fp32", "LONG_TERM": "*bf16", "LSE_LONG": "*fp32", "RSTD": "*fp32"}  # fmt: skip
     long_sig = {**{p: kinds[p] for p in ptrs}, "T": "i32", "Hq": "i32", "Hkv": "i32", "NT": "i32", "qk_scale": "fp32",
                 "eps": "fp32"}  # fmt: skip
-    for add, group in ((False, 1), (True, 1), (False, 2), (True, 2)):
-        constexprs = {**common, "BLOCK_M": 64, "U_MAX": 256, "ADD_TO_OUT": add, "GROUP": group}
-        r = usage(A._long_fwd_kernel, long_sig, constexprs, 4, 1)
-        print(f"ok  _long_fwd_kernel ADD_TO_OUT={add} GROUP={group}: {r}")
+    for add in (False, True):
+        r = usage(A._long_fwd_kernel, long_sig, {**common, "BLOCK_M": 64, "U_MAX": 256, "ADD_TO_OUT": add}, 4, 1)
+        print(f"ok  _long_fwd_kernel ADD_TO_OUT={add}: {r}")
     window_sig = {"Q": "*bf16", "K": "*bf16", "KR": "*bf16", "V": "*bf16", "IDX": "*i32", "UNION": "*i32",
                   "NUNION": "*i32", "BETA": "*fp32", "LONG_TERM": "*bf16", "COS": "*fp32", "SIN": "*fp32", "O": "*bf16",
                   "LSE_LOC": "*fp32", "LSE_LONG": "*fp32", "RSTD": "*fp32", "T": "i32", "Hq": "i32", "Hkv": "i32",

@@ -201,24 +201,22 @@ def test_any_order_int32_and_padding_in_the_middle():
     assert_close(a[0], _oracle(q, k, v, idx, cfg, beta), 1e-5, "o")
 
 
-@pytest.mark.parametrize("group", [1, 2])
 @pytest.mark.parametrize("use_kernel", [False, True], ids=["torch", "kernel"])
-def test_tile_unions(use_kernel, group):
-    """Each tile's union: the distinct cells (group > 1: aligned groups cell // group) of its
-    queries, ascending, -1 padded, with its count (torch sorts, and the Triton kernel that CUDA
-    uses: tl.sort + neighbour dedup + prefix sum)."""
+def test_tile_unions(use_kernel):
+    """Each tile's union: the distinct cells of its queries, ascending, -1 padded, with its count
+    (torch sorts, and the Triton kernel that CUDA uses: tl.sort + neighbour dedup + prefix sum)."""
     rng = np.random.default_rng(1)
     B, T, Hq, K, bm = (1, 7, 2, 3, 4) if use_kernel else (2, 13, 3, 2, 4)  # kernel: few programs (slow tl.sort)
     idx = rng.integers(-1, 9, size=(B, T, Hq, K))
     idx[0, 0, 0] = [5, 5, -1] if use_kernel else [5, 5]  # a duplicate inside one query
-    union, count = tile_unions(torch.from_numpy(idx).to(DEVICE), bm, use_kernel=use_kernel, group=group)
+    union, count = tile_unions(torch.from_numpy(idx).to(DEVICE), bm, use_kernel=use_kernel)
     NT = -(-T // bm)
     assert union.shape == (B * Hq, NT, bm * K) and count.shape == (B * Hq, NT) and union.dtype == torch.int32
     union, count = union.cpu(), count.cpu()
     for b in range(B):
         for h in range(Hq):
             for j in range(NT):
-                want = sorted({int(c) // group for c in idx[b, bm * j : bm * j + bm, h].ravel() if c >= 0})
+                want = sorted({int(c) for c in idx[b, bm * j : bm * j + bm, h].ravel() if c >= 0})
                 row = union[b * Hq + h, j].tolist()
                 assert row == want + [-1] * (bm * K - len(want)), (b, h, j, row, want)
                 assert count[b * Hq + h, j] == len(want)
@@ -229,12 +227,10 @@ def test_cuda_union_kernel_matches_torch_sorts():
     """The union kernel (tl.sort, one launch) == the torch sorts on a large random selection."""
     g = torch.Generator(device="cuda").manual_seed(2)
     idx = torch.randint(-1, 300, (2, 3001, 5, 4), device="cuda", generator=g)
-    for block_m, group in ((32, 1), (64, 1), (128, 1), (64, 2), (64, 4)):
-        a = tile_unions(idx, block_m, use_kernel=True, group=group)
-        b = tile_unions(idx, block_m, use_kernel=False, group=group)
-        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), f"block_m={block_m}, group={group}"
-    with pytest.raises(ValueError, match="group"):
-        tile_unions(idx, 64, group=3)
+    for block_m in (32, 64, 128):
+        a = tile_unions(idx, block_m, use_kernel=True)
+        b = tile_unions(idx, block_m, use_kernel=False)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), f"block_m={block_m}"
 
 
 @pytest.mark.parametrize("D", [8, 48])
@@ -285,8 +281,8 @@ def test_l12_prefix_equals_full_sequence():
 
 @pytest.mark.parametrize(
     "tiles",
-    [None, AttentionTiles(32, 32, 1, 1, long_block=16), AttentionTiles(32, 32, 1, 1, long_block=16, long_group=2)],
-    ids=["fused", "long-block-16", "long-block-16-pairs"],
+    [None, AttentionTiles(32, 32, 1, 1, long_block=16)],
+    ids=["fused", "long-block-16"],
 )
 def test_l12_other_queries_selections_change_nothing(tiles):
     """Queries 40 and 41 keep their cells; every other query of the sequence selects other cells
@@ -306,7 +302,7 @@ def test_l12_other_queries_selections_change_nothing(tiles):
         n_avail = (i // cfg.block) * cfg.block // cfg.cell
         other[0, i, :, :] = [rng.choice(n_avail, size=2, replace=False) for _ in range(2)]
     other[0, 44, :, :] = [[3, 5], [2, 6]]  # cells strictly between 1 and 7, in the same tile
-    other[0, 42, :, :] = [[0, 4], [3, 6]]  # and in the same 16-query long tile (0, 6: in 1's and 7's pairs)
+    other[0, 42, :, :] = [[2, 4], [3, 6]]  # and in the same 16-query long tile
     a = _run(q, k, v, idx, beta, cfg, tiles=tiles)
     b = _run(q, k, v, other, beta, cfg, tiles=tiles)
     keep = [40, 41]
@@ -317,26 +313,20 @@ def test_l12_other_queries_selections_change_nothing(tiles):
 
 
 def test_long_block_equals_fused_path():
-    """The separate long kernel (long_block 16 and 64; one cell, or an aligned group of 2 or 4
-    cells, per step) gives the fused kernel's outputs and statistics: the same per-row steps over
-    smaller or larger unions (float32; equal to rounding: different tile shapes, and groups of a
-    query's cells in one softmax step, round differently). Cell 4 pads to 16 key rows per cell:
-    the grouped steps' padded rows are masked."""
+    """The separate long kernel (long_block 16 and 64) gives the fused kernel's outputs and
+    statistics: the same per-row steps over smaller or larger unions (float32; equal to
+    rounding: different tile shapes may round differently on a GPU)."""
     cfg = _cfg(variant="fsl", top_k=3)
     q, k, v = random_qkv(11, 2, 90, 4, 2, 16)
     beta = np.array([1.0, -0.5, 0.25, 2.0])
     idx = _selection(q, k, cfg)
     ref = _run(q, k, v, idx, beta, cfg, tiles=AttentionTiles(32, 32, 1, 1))
-    for long_block, group in ((16, 1), (64, 1), (16, 2), (64, 2), (16, 4)):
-        got = _run(q, k, v, idx, beta, cfg, tiles=AttentionTiles(32, 32, 1, 1, long_block=long_block, long_group=group))
-        where = f"long_block={long_block}, long_group={group}"
+    for long_block in (16, 64):
+        got = _run(q, k, v, idx, beta, cfg, tiles=AttentionTiles(32, 32, 1, 1, long_block=long_block))
         for name, x, y in zip(("o", "lse_loc", "lse_long", "rstd"), got, ref):
             fin = np.isfinite(y)
-            assert np.array_equal(fin, np.isfinite(x)), f"{where}: {name} finite pattern"
-            assert_close(x[fin], y[fin], 1e-6, f"{where} {name}")
-    for bad in (dict(long_group=2), dict(long_block=16, long_group=3), dict(long_block=16, long_group=0)):
-        with pytest.raises(ValueError, match="long_group"):
-            AttentionTiles(32, 32, 1, 1, **bad)
+            assert np.array_equal(fin, np.isfinite(x)), f"long_block={long_block}: {name} finite pattern"
+            assert_close(x[fin], y[fin], 1e-6, f"long_block={long_block} {name}")
 
 
 def test_long_into_out_equals_fp32_buffer():
@@ -460,7 +450,9 @@ def test_tiles_switches():
         assert (tiles.long_block, tiles.maxnreg, tiles.union_rows) == (16, None, 16)  # no cap for fp32
         assert tiles.block_m == base.block_m
         assert att.default_tiles(16, torch.bfloat16, torch.device(DEVICE)).maxnreg == 128
-        assert tiles.long_into_out  # the default of the split kernels
+        assert tiles.long_into_out and tiles.window_first  # the defaults of the split kernels
+        mp.setenv(att.ENV_WINDOW_FIRST, "0")
+        assert not att.default_tiles(16, torch.float32, torch.device(DEVICE)).window_first
         mp.setenv(att.ENV_LONG_INTO_OUT, "0")
         assert not att.default_tiles(16, torch.float32, torch.device(DEVICE)).long_into_out
         mp.setenv(att.ENV_LONG_INTO_OUT, "1")
@@ -481,7 +473,7 @@ def test_tiles_switches():
     args = _inputs(T=40)
     q, k, v, idx, beta, cos, sin = args
     union, count = tile_unions(idx, 32)
-    with pytest.raises(ValueError, match="rows 16"):
+    with pytest.raises(ValueError, match="tile_unions\\(idx, 16\\)"):
         att.launch_forward(q, k, v, idx, union, count, beta, cos, sin, _cfg(top_k=2),
                            AttentionTiles(32, 32, 1, 1, long_block=16))  # fmt: skip
 
@@ -531,27 +523,12 @@ def test_unsupported_head_dim_raises(D):
 # ---- CUDA: bf16 / fp16 / fp32, long T, int64 offsets ---------------------------------------------
 
 
-def _cuda_tiles(kind: str, D: int, dtype) -> AttentionTiles | None:
-    """None: the default tiles; "pairs": them with the separate long kernel (64-query tiles where
-    the default fuses it) stepping over aligned pairs of cells (AttentionTiles.long_group = 2)."""
-    if kind == "default":
-        return None
-    import dataclasses
-
-    from freesolo.backends.triton.attention import default_tiles
-
-    base = default_tiles(D, dtype, torch.device("cuda"))
-    return dataclasses.replace(base, long_block=base.long_block or 64, long_group=2)
-
-
 @needs_cuda
-@pytest.mark.parametrize("tiles", ["default", "pairs"])
 @pytest.mark.parametrize("D", [32, 64, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
-def test_cuda_matches_oracle(dtype, D, tiles):
+def test_cuda_matches_oracle(dtype, D):
     """fp32: < 1e-5 rms-rel vs the oracle; bf16 / fp16: within 2x the error of the naive dense
-    implementation in the same dtype (spec §13), both against float64 on the same rounded inputs.
-    With the default tiles and with one aligned pair of cells per long step."""
+    implementation in the same dtype (spec §13), both against float64 on the same rounded inputs."""
     from .test_torch_backend import dense_reference
 
     cfg = FreeSoloConfig(variant="fsl", window=64, cell=16, block=32, pool=6, recent=3, top_k=3)
@@ -561,7 +538,7 @@ def test_cuda_matches_oracle(dtype, D, tiles):
     beta = np.linspace(-1.0, 1.5, Hq)
     idx = _selection(q, k, cfg)
     ref = _oracle(q, k, v, idx, cfg, beta)
-    got = _run(q, k, v, idx, beta, cfg, dtype, "cuda", tiles=_cuda_tiles(tiles, D, dtype))
+    got = _run(q, k, v, idx, beta, cfg, dtype, "cuda")
     if dtype == torch.float32:
         assert_close(got[0], ref, 1e-5, "o fp32")
         _check_stats(got, q, k, v, idx, cfg, 1e-5)
@@ -574,12 +551,10 @@ def test_cuda_matches_oracle(dtype, D, tiles):
 
 
 @needs_cuda
-@pytest.mark.parametrize("tiles", ["default", "pairs"])
 @pytest.mark.parametrize("variant", ["fs", "fsl"])
-def test_cuda_long_sequence_matches_torch_backend(variant, tiles):
+def test_cuda_long_sequence_matches_torch_backend(variant):
     """T = 8191, H 16, D 64 at the default sizes: the fp32 kernel vs the torch backend (float64) with
-    the same idx < 1e-5 rms-rel, the bf16 kernel < 1e-2 (on the same bf16-rounded inputs); with
-    the default tiles and with one aligned pair of cells per long step."""
+    the same idx < 1e-5 rms-rel, the bf16 kernel < 1e-2 (on the same bf16-rounded inputs)."""
     from freesolo.backends.torch import attention
 
     cfg = FreeSoloConfig(variant=variant)
@@ -590,11 +565,11 @@ def test_cuda_long_sequence_matches_torch_backend(variant, tiles):
     idx = select_cells(q, k, cfg)
     ref = attention(q.double(), k.double(), v.double(), cfg, beta.double(), idx=idx)
     cos, sin = rope_tables(T, D, cfg.rope_theta, "cuda", torch.float32)
-    o = attention_forward(q, k, v, idx, beta, cos, sin, cfg, _cuda_tiles(tiles, D, torch.float32))[0]
+    o = attention_forward(q, k, v, idx, beta, cos, sin, cfg)[0]
     assert_close(o.double().cpu().numpy(), ref.cpu().numpy(), 1e-5, "fp32 o")
     lo = [x.bfloat16() for x in (q, k, v)]
     ref = attention(*(x.double() for x in lo), cfg, beta.double(), idx=idx).cpu().numpy()
-    o = attention_forward(*lo, idx, beta, cos, sin, cfg, _cuda_tiles(tiles, D, torch.bfloat16))[0].double().cpu().numpy()
+    o = attention_forward(*lo, idx, beta, cos, sin, cfg)[0].double().cpu().numpy()
     # the 2x-naive rule of spec §13 is checked at T = 333 (test_cuda_matches_oracle); here a bf16
     # bound (a few ulps of 2^-8: operands rounded to bf16 before the tensor-core dots)
     assert_close(o, ref, 1e-2, "bf16 o")

@@ -222,7 +222,7 @@ def test_cuda_training_step_has_no_host_sync_and_captures_in_a_cuda_graph(varian
     """With check_finite=False a triton forward + backward never synchronizes with the host
     (set_sync_debug_mode("error") around a whole step), so a training step can be captured in a
     CUDA graph: a replay gives the eager output and gradients bit for bit (deterministic backward).
-    window_first (FREESOLO_TRITON_WINDOW_FIRST=1): the selection on a side stream, forked from and
+    window_first (the default; FREESOLO_TRITON_WINDOW_FIRST=0 turns it off): the selection on a side stream, forked from and
     joined to the capturing stream."""
     from freesolo.backends.triton import attention as att
 
@@ -274,9 +274,10 @@ def test_cuda_training_step_has_no_host_sync_and_captures_in_a_cuda_graph(varian
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (16-bit split kernels, streams)")
 @pytest.mark.parametrize("variant", ["fsl", "fs"])
 def test_cuda_window_first_matches_default(variant, monkeypatch):
-    """FREESOLO_TRITON_WINDOW_FIRST=1 (the window kernel first, the selection on a side stream, then
-    the long kernel adds its term) gives the default's selection and statistics bit for bit, and its
-    output up to one bf16 rounding order (rms-rel <= 1e-2); repeated calls give the same bits."""
+    """The window kernel first (the default since s26: the selection on a side stream, then the long
+    kernel adds its term) gives the selection and statistics of FREESOLO_TRITON_WINDOW_FIRST=0 (the
+    long kernel first, one stream) bit for bit, and its output up to one bf16 rounding order
+    (rms-rel <= 1e-2); repeated calls give the same bits."""
     from freesolo.backends.triton import attention as att
     from freesolo.backends.triton.backend import _forward_impl, config_to_json
 

@@ -30,8 +30,8 @@ Row independence (spec L12, bitwise). A query's steps in the long loop are its o
 ascending order, whatever the other queries selected: a cell selected only by other queries
 is a fully masked step (logits -inf, running max starting at the finite NEG_BIG), so
 m_new = m, alpha = exp2(0) = 1, p = 0, and (m, l, acc) keep every bit. One cell per step
-(or, `AttentionTiles.long_group`, one aligned group of cells per step, never a grouping that
-depends on the union) keeps the grouping of a query's tokens independent of the others. The window phases depend on the tile start only; tile sizes (block_m, long_block)
+(never two cells grouped in one step) keeps the grouping of a query's tokens independent of
+the others. The window phases depend on the tile start only; tile sizes (block_m, long_block)
 depend on (D, dtype, device) and process-wide switches only, never on B or T.
 """
 
@@ -126,41 +126,26 @@ def _load_sel(IDX, b, T, Hq, h, offs_m, row_ok, KSEL: tl.constexpr, K_P: tl.cons
 
 
 @triton.jit
-def _cell_kv(k_base, v_base, cell, ok, cell_offs, kv_mask, kv_stride, rel, T, CELL: tl.constexpr, GROUP: tl.constexpr):
-    """(k, v) [GROUP * CELL_P, D_P] of the tokens of step `cell` (GROUP == 1: that cell; else the
-    aligned group of cells cell * GROUP + [0, GROUP)), rows kv_stride apart from k_base / v_base;
-    zeros where not `ok` (a scalar: a prefetch past the union reads nothing), outside kv_mask, or
-    (GROUP > 1) at tokens >= T (rel [GROUP * CELL_P]: each row's token offset inside the group)."""
-    cb = cell.to(tl.int64) * (GROUP * CELL * kv_stride)  # element offset of the step's first token
-    mask = kv_mask & ok
-    if GROUP > 1:  # a group's last cells may lie past T (nobody selected them; never read)
-        mask = mask & (rel < T - cell.to(tl.int64) * (GROUP * CELL))[:, None]
-    kc = tl.load(k_base + cb + cell_offs, mask=mask, other=0.0)
-    vc = tl.load(v_base + cb + cell_offs, mask=mask, other=0.0)
+def _cell_kv(k_base, v_base, cell, ok, cell_offs, kv_mask, kv_stride, CELL: tl.constexpr):
+    """(k, v) [CELL_P, D_P] of one cell's tokens (rows kv_stride apart from k_base / v_base); zeros
+    where not `ok` (a scalar: a prefetch past the union reads nothing) or outside kv_mask."""
+    cb = cell.to(tl.int64) * (CELL * kv_stride)  # element offset of the cell's first token
+    kc = tl.load(k_base + cb + cell_offs, mask=kv_mask & ok, other=0.0)
+    vc = tl.load(v_base + cb + cell_offs, mask=kv_mask & ok, other=0.0)
     return kc, vc
 
 
 @triton.jit
-def _cell_step(acc, l_j, m_j, q, sel, cell, kc, vc, c_ok, sub, qk_scale,
-               CELL: tl.constexpr, CELL_P: tl.constexpr, GROUP: tl.constexpr):  # fmt: skip
-    """One online-softmax step of the long branch over one cell (GROUP == 1) or one aligned group
-    of GROUP cells (cells cell * GROUP + sub, sub [GROUP * CELL_P] the cell of each key row):
-    logits [M, GROUP * CELL_P] = q . kc (tensor cores), each key column masked to the rows whose
-    selections sel [M, K_P] hold its cell; a row without any of the step's cells keeps every bit of
-    (acc, l_j, m_j) (m_j starts at the finite NEG_BIG)."""
+def _cell_step(acc, l_j, m_j, q, sel, cell, kc, vc, c_ok, qk_scale, CELL: tl.constexpr, CELL_P: tl.constexpr):
+    """One online-softmax step of the long branch over one cell: logits [M, CELL_P] = q . kc
+    (tensor cores), masked to the rows whose selections sel [M, K_P] hold `cell`; a row without it
+    keeps every bit of (acc, l_j, m_j) (m_j starts at the finite NEG_BIG)."""
+    hit = tl.sum((sel == cell).to(tl.int32), 1) > 0  # [M]: queries that selected this cell
     s = tl.dot(q, tl.trans(kc), input_precision="ieee")
-    if GROUP == 1:
-        hit = tl.sum((sel == cell).to(tl.int32), 1) > 0  # [M]: queries that selected this cell
-        if CELL == CELL_P:
-            s = tl.where(hit[:, None], s * qk_scale, float("-inf"))
-        else:
-            s = tl.where(hit[:, None] & c_ok[None, :], s * qk_scale, float("-inf"))
+    if CELL == CELL_P:
+        s = tl.where(hit[:, None], s * qk_scale, float("-inf"))
     else:
-        # bit j of bits[m]: row m selected cell cell * GROUP + j (its cells are distinct: sum = or)
-        mine = (sel >= 0) & (sel // GROUP == cell)
-        bits = tl.sum(tl.where(mine, 1 << (sel & (GROUP - 1)), 0), 1)  # [M]
-        hit = ((bits[:, None] >> sub[None, :]) & 1) != 0  # [M, GROUP * CELL_P]
-        s = tl.where(hit & c_ok[None, :], s * qk_scale, float("-inf"))
+        s = tl.where(hit[:, None] & c_ok[None, :], s * qk_scale, float("-inf"))
     m_new = tl.maximum(m_j, tl.max(s, 1))
     alpha = tl.math.exp2(m_j - m_new)
     p = tl.math.exp2(s - m_new[:, None])
@@ -173,48 +158,45 @@ def _cell_step(acc, l_j, m_j, q, sel, cell, kc, vc, c_ok, sub, qk_scale,
 def _long_steps(
     q, IDX, urow, NU_PTR, k_base, v_base, b, h, T, Hq, offs_m, row_ok, kv_stride, qk_scale,
     D: tl.constexpr, D_P: tl.constexpr, CELL: tl.constexpr, CELL_P: tl.constexpr, KSEL: tl.constexpr,
-    K_P: tl.constexpr, BLOCK_M: tl.constexpr, PREFETCH: tl.constexpr, GROUP: tl.constexpr,
+    K_P: tl.constexpr, BLOCK_M: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
     """Online-softmax steps of the long branch for the queries offs_m [BLOCK_M] (q [BLOCK_M, D_P]
-    unrotated, q's dtype) over their tile's union: urow points at the union's sorted ids (cells;
-    GROUP > 1: aligned groups of GROUP cells, `tile_unions(idx, rows, group=GROUP)`), NU_PTR at its
-    length. One id per step (`_cell_step`). Returns (acc [BLOCK_M, D_P], l [BLOCK_M], m [BLOCK_M]),
-    fp32, exp2 domain (m starts at the finite NEG_BIG: a fully masked step keeps every bit)."""
+    unrotated, q's dtype) over their tile's cell union: urow points at the union's sorted cell ids,
+    NU_PTR at its length. One cell per step (`_cell_step`). Returns (acc [BLOCK_M, D_P], l [BLOCK_M],
+    m [BLOCK_M]), fp32, exp2 domain (m starts at the finite NEG_BIG: a fully masked step keeps every bit)."""
     dd = tl.arange(0, D_P)
     d_ok = dd < D
     sel = _load_sel(IDX, b, T, Hq, h, offs_m, row_ok, KSEL, K_P)  # [BLOCK_M, K_P]
     n_u = tl.load(NU_PTR)
-    offs_c = tl.arange(0, GROUP * CELL_P)  # key rows of one step
-    sub = offs_c // CELL_P  # the cell of the group each key row belongs to (GROUP == 1: 0)
-    within = offs_c % CELL_P
-    c_ok = within < CELL
-    rel = sub * CELL + within  # token offset of each key row from the step's first token
-    cell_offs = rel[:, None] * kv_stride + dd[None, :]  # [GROUP * CELL_P, D_P] int32 inside one step
+    offs_c = tl.arange(0, CELL_P)
+    c_ok = offs_c < CELL
+    cell_offs = offs_c[:, None] * kv_stride + dd[None, :]  # [CELL_P, D_P] int32 inside one cell
     kv_mask = c_ok[:, None] & d_ok[None, :]
     m_j = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
     l_j = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D_P], dtype=tl.float32)
     if PREFETCH:
-        # software pipelining by hand: the ids two steps ahead and the keys / values one step
-        # ahead are loaded before the current step computes (the loop is latency-bound:
+        # software pipelining by hand: the cell ids two steps ahead and the keys / values one
+        # step ahead are loaded before the current step computes (the loop is latency-bound:
         # id -> address -> k -> dot -> v -> dot; the compiler's pipeliner does not hoist the
         # id-dependent loads). Out-of-union prefetches are masked (no reads past the union).
         cell = tl.load(urow, mask=n_u > 0, other=0)
         cell_n = tl.load(urow + 1, mask=n_u > 1, other=0)
-        kc, vc = _cell_kv(k_base, v_base, cell, n_u > 0, cell_offs, kv_mask, kv_stride, rel, T, CELL, GROUP)
+        kc, vc = _cell_kv(k_base, v_base, cell, n_u > 0, cell_offs, kv_mask, kv_stride, CELL)
     for u in range(0, n_u):
         if PREFETCH:
             cell_nn = tl.load(urow + u + 2, mask=u + 2 < n_u, other=0)
-            kc_n, vc_n = _cell_kv(k_base, v_base, cell_n, u + 1 < n_u, cell_offs, kv_mask, kv_stride, rel, T, CELL, GROUP)
+            kc_n, vc_n = _cell_kv(k_base, v_base, cell_n, u + 1 < n_u, cell_offs, kv_mask, kv_stride, CELL)
         else:
             cell = tl.load(urow + u)
-            cb = cell.to(tl.int64) * (GROUP * CELL * kv_stride)  # element offset of the step's first token
-            if CELL == CELL_P and D == D_P and GROUP == 1:
+            cb = cell.to(tl.int64) * (CELL * kv_stride)  # element offset of the cell's first token
+            if CELL == CELL_P and D == D_P:
                 kc = tl.load(k_base + cb + cell_offs)
                 vc = tl.load(v_base + cb + cell_offs)
             else:
-                kc, vc = _cell_kv(k_base, v_base, cell, True, cell_offs, kv_mask, kv_stride, rel, T, CELL, GROUP)
-        acc, l_j, m_j = _cell_step(acc, l_j, m_j, q, sel, cell, kc, vc, c_ok, sub, qk_scale, CELL, CELL_P, GROUP)
+                kc = tl.load(k_base + cb + cell_offs, mask=kv_mask, other=0.0)
+                vc = tl.load(v_base + cb + cell_offs, mask=kv_mask, other=0.0)
+        acc, l_j, m_j = _cell_step(acc, l_j, m_j, q, sel, cell, kc, vc, c_ok, qk_scale, CELL, CELL_P)
         if PREFETCH:
             cell = cell_n
             cell_n = cell_nn
@@ -263,7 +245,6 @@ def _long_fwd_kernel(
     U_MAX: tl.constexpr,
     PREFETCH: tl.constexpr,
     ADD_TO_OUT: tl.constexpr,  # AttentionTiles.window_first: LONG_TERM is O holding o_loc; add the long term to it
-    GROUP: tl.constexpr,  # AttentionTiles.long_group: cells per step (UNION holds aligned group ids)
 ):
     """The long branch alone (AttentionTiles.long_block > 0): one program per (tile of BLOCK_M
     queries, b * Hq + h), the same steps as the fused kernel's long loop over this smaller tile's
@@ -282,7 +263,7 @@ def _long_fwd_kernel(
     q, row_ok = _load_rows(Q, b, h, T, Hq, offs_m, D, D_P)
     acc, l_j, m_j = _long_steps(
         q, IDX, urow, nu_ptr, k_base, v_base, b, h, T, Hq, offs_m, row_ok, kv_stride, qk_scale,
-        D, D_P, CELL, CELL_P, KSEL, K_P, BLOCK_M, PREFETCH, GROUP,
+        D, D_P, CELL, CELL_P, KSEL, K_P, BLOCK_M, PREFETCH,
     )  # fmt: skip
     _long_store(acc, l_j, m_j, offs_m, b, h, T, Hq, BETA, eps, LONG_TERM, LSE_LONG, RSTD, D, D_P, ADD_TO_OUT)
 
@@ -424,7 +405,7 @@ def _attention_fwd_kernel(
         acc, l_j, m_j = _long_steps(
             q, IDX, UNION + (pid_bh * NT + pid_m) * U_MAX, NUNION + pid_bh * NT + pid_m, k_base, v_base,
             b, h, T, Hq, offs_m, row_ok, kv_stride, qk_scale,
-            D, D_P, CELL, CELL_P, KSEL, K_P, BLOCK_M, PREFETCH, 1,
+            D, D_P, CELL, CELL_P, KSEL, K_P, BLOCK_M, PREFETCH,
         )  # fmt: skip
         long_term, lse_long, rstd = _long_finish(acc, l_j, m_j, BETA + h, eps, D)
         tl.store(LSE_LONG + stat, lse_long, mask=row_ok)
@@ -451,9 +432,8 @@ def _tile_union_kernel(
     BLOCK_M: tl.constexpr,
     U_MAX: tl.constexpr,
     U_P: tl.constexpr,
-    GROUP: tl.constexpr,  # > 1: the aligned groups cell // GROUP instead of the cells
 ):
-    """One program per (tile, b * Hq + h): the tile's BLOCK_M * KSEL selections (// GROUP), sorted (bitonic,
+    """One program per (tile, b * Hq + h): the tile's BLOCK_M * KSEL selections, sorted (bitonic,
     tl.sort), deduplicated (first of each run, tl.gather of the left neighbour), compacted by a
     prefix sum; the rest of the row is -1."""
     pid_m = tl.program_id(0).to(tl.int64)
@@ -465,7 +445,7 @@ def _tile_union_kernel(
     ok = (e < U_MAX) & (row < T)
     big = 2147483647
     x = tl.load(IDX + ((b * T + row) * Hq + h) * KSEL + e % KSEL, mask=ok, other=-1).to(tl.int32)
-    x = tl.sort(tl.where(x < 0, big, x // GROUP), 0)
+    x = tl.sort(tl.where(x < 0, big, x), 0)
     prev = tl.gather(x, tl.maximum(e - 1, 0), 0)
     first = (x != big) & ((e == 0) | (x != prev))
     pos = tl.cumsum(first.to(tl.int32), 0) - 1
@@ -506,23 +486,22 @@ class AttentionTiles:
     # bits either way. H200 (s24 call1, bf16 H16 D64): FS-L forward 2.39 -> 2.34 ms at 64k, peak
     # 1.117 -> 0.617 GiB at 128k; the CUDA forward / backward / API / L11-L12 / model tests pass.
     long_into_out: bool = False
-    # long_into_out only (opt-in, s25, not yet run on a GPU; FREESOLO_TRITON_WINDOW_FIRST=1): the
-    # window kernel writes o = o_loc first (q's dtype) and the long kernel then adds its term (fp32
-    # sum, one rounding). The window does not need the selection, so `forward_with_selection` runs
-    # the selection and the unions on a side stream while the window runs (CUDA): the FS-L pool scan
-    # (16 programs at 64k, H 16) and the small kernels then overlap the window instead of idling the
-    # GPU. The streams change no bits; the output differs from long_into_out's by one rounding order.
+    # long_into_out only (`default_tiles` sets it with long_into_out since s26; the environment
+    # switch FREESOLO_TRITON_WINDOW_FIRST=0 turns it off): the window kernel writes o = o_loc first
+    # (q's dtype) and the long kernel then adds its term (fp32 sum, one rounding). The window does
+    # not need the selection, so `forward_with_selection` runs the selection and the unions on a side
+    # stream while the window runs (CUDA): the FS-L pool scan (16 programs at 64k, H 16) and the
+    # small kernels then overlap the window instead of idling the GPU. The streams change no bits;
+    # the output differs from long_into_out's by one rounding order (16-bit dtypes; fp32: the same
+    # bits). H200 (s26 call2, bf16 H16 D64, FS-L through the API, benchmarks/forward_overlap_ab.py):
+    # 64k 2.20 -> 2.04 ms, 128k 4.48 -> 4.23; GPU time in a CUDA graph at 16k 0.544 -> 0.493; about
+    # 0.1 ms more host time per call (4k: 0.50 -> 0.65 ms, the call is host-bound there). The side
+    # stream at priority -1 instead of 0 changed nothing (2.04 vs 2.02 ms at 64k).
     window_first: bool = False
-    # long_block > 0 only (opt-in, s26): cells per step of the long kernel, a power of two. With 2
-    # its union holds aligned pairs of cells (cells 2j, 2j + 1: 64 contiguous tokens at cell 32) and
-    # one step reads a pair (logits [long_block, 64], each half masked to the rows that selected
-    # that cell): half the steps of one cell per step where a tile's cells come in neighbours (the
-    # FS-L recent cells, a query's cells near its window), more masked columns elsewhere. Row
-    # independence holds: a query's steps are the aligned groups holding its own cells, in
-    # ascending order, each with the same masked columns whatever the other queries selected; a
-    # group with none of its cells keeps every bit. The output differs from one cell per step by
-    # rounding (a query's two cells of one pair share one softmax step).
-    long_group: int = 1
+    # (s26 also tried the long kernel over aligned pairs of cells, one softmax step per pair, which
+    # keeps row independence: on iid keys a 64-query tile's pair union held 22.8 pairs against 23.3
+    # cells (the pool's high-norm cells are rarely neighbours), so every step doubled for nothing:
+    # 64k 2.20 -> 2.79 ms (results/session_2026-12-02_s26/call2); removed.)
     # (s24 also tried four 16-row sub-tiles of the long tile sharing one load of each union cell,
     # a sub-tile stepping only over the cells its rows selected: 2.5x slower at 64k on the H200,
     # results/session_2026-12-02_s25/call1; removed.)
@@ -534,21 +513,13 @@ class AttentionTiles:
             raise ValueError(f"maxnreg={self.maxnreg} must be None or in [24, 255]")
         if self.long_into_out and not self.long_block:
             raise ValueError("long_into_out=True needs the separate long kernel (long_block > 0)")
-        if self.long_group < 1 or self.long_group & (self.long_group - 1):
-            raise ValueError(f"long_group={self.long_group} must be a power of two >= 1")
-        if self.long_group > 1 and not self.long_block:
-            raise ValueError("long_group > 1 needs the separate long kernel (long_block > 0)")
         if self.window_first and not self.long_into_out:
             raise ValueError("window_first=True needs the long term written into o (long_into_out=True)")
 
     @property
     def union_rows(self) -> int:
-        """Queries per cell union (`tiles.unions(idx)` feeds `launch_forward`)."""
+        """Queries per cell union (`tile_unions(idx, tiles.union_rows)` feeds `launch_forward`)."""
         return self.long_block or self.block_m
-
-    def unions(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The (union, count) of idx that `launch_forward` reads with these tiles."""
-        return tile_unions(idx, self.union_rows, group=self.long_group)
 
 
 # A/B switches for the default tiles (benchmarks/triton_forward_ab.py passes tiles explicitly):
@@ -556,7 +527,7 @@ class AttentionTiles:
 ENV_LONG_BLOCK = "FREESOLO_TRITON_LONG_BLOCK"
 ENV_MAXNREG = "FREESOLO_TRITON_MAXNREG"
 ENV_LONG_INTO_OUT = "FREESOLO_TRITON_LONG_INTO_OUT"  # 0: the fp32 hand-over buffer instead of o (split kernels only)
-ENV_WINDOW_FIRST = "FREESOLO_TRITON_WINDOW_FIRST"  # 1: AttentionTiles.window_first (with long_into_out only)
+ENV_WINDOW_FIRST = "FREESOLO_TRITON_WINDOW_FIRST"  # 0: window_first off (on by default with long_into_out)
 
 
 def _env_int(name: str) -> Optional[int]:
@@ -571,9 +542,9 @@ def _env_int(name: str) -> Optional[int]:
 
 def default_tiles(D: int, dtype: torch.dtype, device: torch.device) -> AttentionTiles:
     """Tile sizes by head dim and dtype (see AttentionTiles). On the CPU (interpreter) small tiles.
-    With long_block > 0 the long term goes into o (long_into_out). The environment variables
-    ENV_LONG_BLOCK / ENV_MAXNREG / ENV_LONG_INTO_OUT (0: the fp32 buffer) / ENV_WINDOW_FIRST (1: on,
-    with long_into_out) override long_block / maxnreg / long_into_out / window_first (process-wide,
+    With long_block > 0 the long term goes into o (long_into_out), the window kernel first
+    (window_first). The environment variables ENV_LONG_BLOCK / ENV_MAXNREG / ENV_LONG_INTO_OUT
+    (0: the fp32 buffer) / ENV_WINDOW_FIRST (0: off; it needs long_into_out) override long_block / maxnreg / long_into_out / window_first (process-wide,
     read at each call; they never depend on B or T). ENV_MAXNREG applies to 16-bit
     dtypes only (fp32 D 128 at 128 registers spills ~1.2 kB per thread on sm_90)."""
     tiles = _base_tiles(D, dtype, device)
@@ -586,8 +557,8 @@ def default_tiles(D: int, dtype: torch.dtype, device: torch.device) -> Attention
     if tiles.long_block:
         tiles = dataclasses.replace(tiles, long_into_out=True if into_out is None else bool(into_out))
     window_first = _env_int(ENV_WINDOW_FIRST)
-    if window_first is not None and tiles.long_into_out:
-        tiles = dataclasses.replace(tiles, window_first=bool(window_first))
+    if tiles.long_into_out:
+        tiles = dataclasses.replace(tiles, window_first=True if window_first is None else bool(window_first))
     return tiles
 
 
@@ -613,23 +584,17 @@ def _base_tiles(D: int, dtype: torch.dtype, device: torch.device) -> AttentionTi
     return AttentionTiles(block_m=32, block_n=32, num_warps=8, num_stages=1)
 
 
-def tile_unions(
-    idx: torch.Tensor, block_m: int, use_kernel: bool | None = None, group: int = 1
-) -> tuple[torch.Tensor, torch.Tensor]:
+def tile_unions(idx: torch.Tensor, block_m: int, use_kernel: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The cells selected by the queries of each tile of `block_m` positions, per (b, h).
 
     Args:
         idx: int [B, T, Hq, K] selected cells, -1 padded, any order (contiguous).
         use_kernel: one Triton launch (`_tile_union_kernel`) instead of torch sorts; default: on
             CUDA (the interpreter runs tl.sort slowly, so CPU uses torch unless asked).
-        group: a power of two; > 1: the union of the aligned groups cell // group instead of the
-            cells (`AttentionTiles.long_group`).
     Returns:
-        union int32 [B * Hq, NT, block_m * K]: each tile's distinct cells (groups) ascending, -1
-        padded (NT = ceil(T / block_m)); count int32 [B * Hq, NT]: the number in each union.
+        union int32 [B * Hq, NT, block_m * K]: each tile's distinct cells ascending, -1 padded
+        (NT = ceil(T / block_m)); count int32 [B * Hq, NT]: the number of cells in each union.
     """
-    if group < 1 or group & (group - 1):
-        raise ValueError(f"group={group} must be a power of two >= 1")
     B, T, Hq, K = idx.shape
     NT = -(-T // block_m)
     if use_kernel is None:
@@ -640,7 +605,7 @@ def tile_unions(
         if union.numel():
             u_p = next_pow2(block_m * K)
             _tile_union_kernel[(NT, B * Hq)](
-                idx, union, count, T, Hq, NT, KSEL=K, BLOCK_M=block_m, U_MAX=block_m * K, U_P=u_p, GROUP=group,
+                idx, union, count, T, Hq, NT, KSEL=K, BLOCK_M=block_m, U_MAX=block_m * K, U_P=u_p,
                 num_warps=4 if u_p >= 256 else 1,
             )  # fmt: skip
         return union, count
@@ -648,7 +613,7 @@ def tile_unions(
     x = torch.nn.functional.pad(x, (0, 0, 0, NT * block_m - T), value=-1)
     x = x.reshape(B * Hq, NT, block_m * K)  # (B*Hq, NT, block_m*K)
     big = torch.iinfo(torch.int32).max
-    x = torch.where(x < 0, big, x // group)
+    x = torch.where(x < 0, big, x)
     x = torch.sort(x, dim=-1).values
     dup = torch.zeros_like(x, dtype=torch.bool)
     dup[..., 1:] = x[..., 1:] == x[..., :-1]
@@ -687,22 +652,33 @@ def _check_inputs(q, k, v, idx, beta, cos, sin, cfg) -> None:
     for name, x in (("k", k), ("v", v)):
         if x.dtype != q.dtype:
             raise TypeError(f"{name} dtype {x.dtype} must equal q dtype {q.dtype}")
-    named = [("q", q), ("k", k), ("v", v), ("idx", idx), ("beta", beta), ("cos", cos), ("sin", sin)]
-    for name, x in (item for item in named if item[1] is not None):
-        if x.device != q.device:
-            raise ValueError(f"{name} is on {x.device} but q is on {q.device}")
-        if not x.is_contiguous():
-            raise ValueError(f"{name} must be contiguous (shape {tuple(x.shape)}, strides {x.stride()})")
+    for name, x in (("q", q), ("k", k), ("v", v), ("beta", beta), ("cos", cos), ("sin", sin)):
+        _check_placed(name, x, q)
     padded_dims(D)  # ValueError on odd or too large D
-    if idx is not None and tuple(idx.shape) != (B, T, Hq, cfg.top_k):
-        raise ValueError(f"idx shape {tuple(idx.shape)} must be [B={B}, T={T}, Hq={Hq}, K={cfg.top_k}]")
-    if idx is not None and idx.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"idx dtype {idx.dtype} must be int32 or int64")
+    if idx is not None:
+        _check_idx(idx, q, cfg)
     if tuple(beta.shape) != (Hq,) or beta.dtype != torch.float32:
         raise ValueError(f"beta must be float32 [Hq={Hq}], got {beta.dtype} {tuple(beta.shape)}")
     for name, x in (("cos", cos), ("sin", sin)):
         if tuple(x.shape) != (T, D // 2) or x.dtype != torch.float32:
             raise ValueError(f"{name} must be float32 [T={T}, D/2={D // 2}], got {x.dtype} {tuple(x.shape)}")
+
+
+def _check_placed(name: str, x: torch.Tensor, q: torch.Tensor) -> None:
+    if x.device != q.device:
+        raise ValueError(f"{name} is on {x.device} but q is on {q.device}")
+    if not x.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (shape {tuple(x.shape)}, strides {x.stride()})")
+
+
+def _check_idx(idx: torch.Tensor, q: torch.Tensor, cfg) -> None:
+    """idx: int32 / int64 [B, T, Hq, K] contiguous, on q's device."""
+    B, T, Hq, _ = q.shape
+    _check_placed("idx", idx, q)
+    if tuple(idx.shape) != (B, T, Hq, cfg.top_k):
+        raise ValueError(f"idx shape {tuple(idx.shape)} must be [B={B}, T={T}, Hq={Hq}, K={cfg.top_k}]")
+    if idx.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"idx dtype {idx.dtype} must be int32 or int64")
 
 
 def attention_forward(q, k, v, idx, beta, cos, sin, cfg, tiles: AttentionTiles | None = None):
@@ -724,18 +700,18 @@ def attention_forward(q, k, v, idx, beta, cos, sin, cfg, tiles: AttentionTiles |
     """
     _check_inputs(q, k, v, idx, beta, cos, sin, cfg)
     tiles = tiles or default_tiles(q.shape[3], q.dtype, q.device)
-    union, count = tiles.unions(idx)
+    union, count = tile_unions(idx, tiles.union_rows)
     return launch_forward(q, k, v, idx, union, count, beta, cos, sin, cfg, tiles)
 
 
 def _check_union(union, count, q, cfg, tiles: AttentionTiles) -> None:
-    """union / count must have the shapes `tiles.unions(idx)` gives."""
+    """union / count must have the shapes `tile_unions(idx, tiles.union_rows)` gives."""
     B, T, Hq, _ = q.shape
     rows, K = tiles.union_rows, cfg.top_k
     NU = -(-T // rows)
     if tuple(union.shape) != (B * Hq, NU, rows * K) or tuple(count.shape) != (B * Hq, NU):
         raise ValueError(
-            f"union {tuple(union.shape)} / count {tuple(count.shape)} must come from tiles.unions(idx) (rows {rows}): "
+            f"union {tuple(union.shape)} / count {tuple(count.shape)} must come from tile_unions(idx, {rows}): "
             f"[{B * Hq}, {NU}, {rows * K}] / [{B * Hq}, {NU}]"
         )
 
@@ -766,7 +742,7 @@ def _launch_long(q, k, v, idx, union, count, beta, cfg, tiles: AttentionTiles, o
     NU = -(-T // rows)
     _long_fwd_kernel[(NU, B * Hq)](
         q, k, v, idx, union, count, beta, long_term, lse_long, rstd, T, Hq, k.shape[2], NU, LOG2E / math.sqrt(D), cfg.eps,
-        BLOCK_M=rows, U_MAX=rows * cfg.top_k, ADD_TO_OUT=tiles.window_first, GROUP=tiles.long_group, num_warps=tiles.long_warps, num_stages=1,
+        BLOCK_M=rows, U_MAX=rows * cfg.top_k, ADD_TO_OUT=tiles.window_first, num_warps=tiles.long_warps, num_stages=1,
         **_common_constexprs(D, cfg, tiles),
     )  # fmt: skip
 
@@ -806,7 +782,7 @@ def _launch_window(q, k, v, idx, union, count, beta, cos, sin, cfg, tiles: Atten
 
 def launch_forward(q, k, v, idx, union, count, beta, cos, sin, cfg, tiles: AttentionTiles):
     """The kernel launches of `attention_forward` on validated inputs and
-    `tiles.unions(idx)` (exposed so that benchmarks can time the kernels apart
+    `tile_unions(idx, tiles.union_rows)` (exposed so that benchmarks can time the kernels apart
     from the union's sort): the fused kernel, or (tiles.long_block > 0) the long kernel and then
     the window kernel (window_first: the window kernel, then the long kernel adding its term)."""
     _check_union(union, count, q, cfg, tiles)
@@ -823,12 +799,10 @@ _SIDE_STREAMS: dict = {}
 
 
 def _side_stream(device: torch.device):
-    """One side stream per CUDA device, for the selection that `forward_with_selection` overlaps.
-    High priority (-1): the selection's small, long-latency kernels (the FS-L pool scan: one program
-    per (b, kv head)) take SMs as soon as window tiles retire, instead of queueing behind them."""
+    """One side stream per CUDA device, for the selection that `forward_with_selection` overlaps."""
     key = device.index if device.index is not None else torch.cuda.current_device()
     if key not in _SIDE_STREAMS:
-        _SIDE_STREAMS[key] = torch.cuda.Stream(device=device, priority=-1)
+        _SIDE_STREAMS[key] = torch.cuda.Stream(device=device)
     return _SIDE_STREAMS[key]
 
 
@@ -857,10 +831,10 @@ def forward_with_selection(q, k, v, select, beta, cos, sin, cfg, tiles: Attentio
         side.wait_stream(main)
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
         idx = select(q, k)
-        union, count = tiles.unions(idx)
+        union, count = tile_unions(idx, tiles.union_rows)
     _launch_window(q, k, v, unused, unused, unused, beta, cos, sin, cfg, tiles, outputs)
     if side is not None:
         main.wait_stream(side)
-    _check_inputs(q, k, v, idx, beta, cos, sin, cfg)
+    _check_idx(idx, q, cfg)
     _launch_long(q, k, v, idx, union, count, beta, cfg, tiles, outputs)
     return idx, outputs[:4]
