@@ -14,11 +14,14 @@ g = h // (Hq // Hkv). The program
    (unrotated, tensor cores), masked to the queries that selected that cell, online softmax;
 3. writes o = o_loc + beta_h * o_long * rstd and the statistics the backward needs
    (lse_loc, lse_long, rstd).
-With `AttentionTiles.long_block > 0` step 2 runs first, in its own kernel (`_long_fwd_kernel`)
-over tiles of long_block queries whose unions are computed per long_block queries (fewer
-masked steps per query, smaller programs, more of them resident), and writes
-beta_h * rmsnorm(o_long) in fp32; the window kernel then adds it (same fp32 formula as the
-fused path). `AttentionTiles.maxnreg` caps the window kernel's registers (occupancy).
+With `AttentionTiles.long_block > 0` (the 16-bit default) step 2 runs in its own kernel
+(`_long_fwd_kernel`) over tiles of long_block queries whose unions are computed per long_block
+queries (fewer masked steps per query, smaller programs, more of them resident). By default
+(`window_first`) the window kernel runs first and writes o = o_loc while the selection and the
+unions run on a side stream (`forward_with_selection`), then the long kernel adds
+beta_h * rmsnorm(o_long) to o; otherwise the long kernel writes its term first (into o, or an
+fp32 buffer) and the window kernel adds o_loc. `AttentionTiles.maxnreg` caps the window
+kernel's registers (occupancy).
 Why a tile union and not a per-query gather: per-query-head selections leave no group of
 queries sharing one selection (NSA's trick: fla's parallel_nsa puts the G heads of a GQA group
 on the M side of the dot); the union keeps the tensor cores busy at the price of masked work
