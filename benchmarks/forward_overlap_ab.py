@@ -33,14 +33,13 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from gpu_attention import _versions  # noqa: E402
-from triton_attention_bench import _bench, _inputs, flex_swa512, sdpa_causal  # noqa: E402
+from triton_attention_bench import _bench, _inputs, flex_swa512, gpu_payload, sdpa_causal  # noqa: E402
 
 import freesolo  # noqa: E402
 from freesolo.backends.triton import attention as att  # noqa: E402
 from freesolo.backends.triton.selection import select_cells  # noqa: E402
 
-__all__ = ["CONFIGS", "main"]
+__all__ = ["CONFIGS", "host_ms", "main"]
 
 CONFIGS = {
     "split": dict(window_first=False),
@@ -78,7 +77,7 @@ def _graph_ms(fn, rep: int) -> float:
     return _bench(graph.replay, rep)
 
 
-def _host_ms(fn, calls: int = 20) -> float:
+def host_ms(fn, calls: int = 20) -> float:
     """Host time per call (no syncs between calls: the GPU queue absorbs them while not full)."""
     torch.cuda.synchronize()
     t = time.perf_counter()
@@ -114,7 +113,7 @@ def case(variant: str, T: int, rep: int, configs) -> dict:
         row[config] = {
             "api_ms": _bench(api, rep),
             "graph_ms": _graph_ms(api, rep),
-            "host_ms": _host_ms(api),
+            "host_ms": host_ms(api),
             "rms_rel_vs_first": _rms_rel(out, ref),
             "union_mean": float(count.float().mean()),
         }
@@ -179,15 +178,7 @@ def main(argv=None):
     ap.add_argument("--rep", type=int, default=30, help="do_bench rep (ms)")
     ap.add_argument("--out", default=None, help="JSON output path (and a .png beside it)")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("needs a CUDA device")
-    for name in ("recompile_limit", "cache_size_limit"):  # FlexAttention: one compile per shape
-        if hasattr(torch._dynamo.config, name):
-            setattr(torch._dynamo.config, name, 64)
-    payload = {"env": _versions(torch.device("cuda")), "dtype": "bfloat16", "B": 1, "H": H, "D": D, "keys": "iid",
-               "rep_ms": args.rep, "configs": args.configs, "results": []}  # fmt: skip
-    env = payload["env"]
-    print(f"GPU: {env['gpu']} | torch {env['torch']} | triton {env['triton']} | commit {env['git_commit']}", flush=True)
+    payload = gpu_payload(dtype="bfloat16", B=1, H=H, D=D, keys="iid", rep_ms=args.rep, configs=args.configs, results=[])
     t0 = time.perf_counter()
     for T in args.lengths:
         payload["results"].append(case("fsl", T, args.rep, args.configs))

@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from forward_overlap_ab import host_ms  # noqa: E402
 from gpu_attention import _versions  # noqa: E402
 from triton_attention_bench import _bench, _inputs  # noqa: E402
 
@@ -57,12 +58,7 @@ def probe(T: int, rep: int) -> dict:
     stats_after = _alloc_stats()
     gc_after = sum(s["collections"] for s in gc.get_stats())
     n = 100
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        api()
-    host_ms = (time.perf_counter() - t) / n * 1e3
-    torch.cuda.synchronize()
+    host = host_ms(api, n)
     t = time.perf_counter()
     for _ in range(n):
         api()
@@ -75,7 +71,7 @@ def probe(T: int, rep: int) -> dict:
         "T": T,
         "do_bench_ms": bench_ms,
         "do_bench_gc_off_ms": bench_nogc_ms,
-        "host_ms_per_call": host_ms,
+        "host_ms_per_call": host,
         "synced_ms_per_call": synced_ms,
         "gc_collections_during_do_bench": gc_after - gc_before,
         "allocator_during_do_bench": {k: stats_after[k] - stats_before[k] for k in _STATS},

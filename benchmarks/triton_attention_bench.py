@@ -77,6 +77,23 @@ def _versions() -> dict:
     }
 
 
+def gpu_payload(**fields) -> dict:
+    """The start of a GPU A/B script's run: exits without CUDA, raises dynamo's recompile limits
+    (FlexAttention compiles once per shape), prints the GPU / versions / commit line, and returns
+    {"env": gpu_attention._versions(...), **fields} for the JSON."""
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA device")
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 64)
+    from gpu_attention import _versions as gpu_versions
+
+    payload = {"env": gpu_versions(torch.device("cuda")), **fields}
+    env = payload["env"]
+    print(f"GPU: {env['gpu']} | torch {env['torch']} | triton {env['triton']} | commit {env['git_commit']}", flush=True)
+    return payload
+
+
 def _bench(fn, rep: int) -> float:
     import triton.testing
 

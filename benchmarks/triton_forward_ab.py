@@ -38,8 +38,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from gpu_attention import _versions  # noqa: E402
-from triton_attention_bench import _bench, _inputs, flex_swa512, sdpa_causal  # noqa: E402
+from triton_attention_bench import _bench, _inputs, flex_swa512, gpu_payload, sdpa_causal  # noqa: E402
 
 import freesolo  # noqa: E402
 from freesolo.backends.triton import attention as att  # noqa: E402
@@ -179,15 +178,8 @@ def main(argv=None):
     ap.add_argument("--variants", nargs="+", default=["fsl", "fs"])
     ap.add_argument("--out", default=None, help="JSON output path")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("needs a CUDA device")
-    for name in ("recompile_limit", "cache_size_limit"):  # FlexAttention: one compile per shape
-        if hasattr(torch._dynamo.config, name):
-            setattr(torch._dynamo.config, name, 64)
     t0 = time.perf_counter()
-    payload = {"env": _versions(torch.device("cuda")), "dtype": "bfloat16", "B": 1, "keys": "iid", "rep_ms": args.rep}
-    env = payload["env"]
-    print(f"GPU: {env['gpu']} | torch {env['torch']} | triton {env['triton']} | commit {env['git_commit']}", flush=True)
+    payload = gpu_payload(dtype="bfloat16", B=1, keys="iid", rep_ms=args.rep)
     if args.skip_sweep and not args.new:
         sys.exit("--skip-sweep needs --new NAME")
     payload["sweep"] = {} if args.skip_sweep else sweep(args.rep, args.sweep_names)
