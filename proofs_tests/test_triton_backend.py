@@ -301,6 +301,44 @@ def test_cuda_window_first_matches_default(variant, monkeypatch):
         assert torch.equal(x, y), "window_first: two calls differ"
 
 
+def test_on_device_of_is_a_no_op_off_other_cuda_devices():
+    """`on_device_of` switches the current CUDA device only for tensors on another CUDA device."""
+    import contextlib
+
+    from freesolo.backends.triton.backend import on_device_of
+
+    assert isinstance(on_device_of(torch.zeros(1)), contextlib.nullcontext)
+    if CUDA:
+        assert isinstance(on_device_of(torch.zeros(1, device="cuda")), contextlib.nullcontext)
+
+
+@pytest.mark.skipif(not CUDA or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (the H200 machine has one)")
+@pytest.mark.parametrize("variant", ["fsl", "fs"])
+def test_cuda_tensors_on_a_device_that_is_not_current(variant):
+    """Triton launches on the current device: with the tensors on cuda:1 while cuda:0 is current,
+    the forward, the backward and a decode step run on cuda:1 (`on_device_of`) and give the bits
+    they give with cuda:1 current."""
+    cfg = FreeSoloConfig(variant=variant)
+    gen = torch.Generator(device="cuda:1").manual_seed(3)
+    B, T, Hq, Hkv, D = 1, 2048 + 5, 4, 2, 64
+    q, k, v = (torch.randn(B, T, h, D, device="cuda:1", dtype=torch.bfloat16, generator=gen) for h in (Hq, Hkv, Hkv))
+
+    def run(current: int):
+        with torch.cuda.device(current):
+            leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
+            o = freesolo.freesolo_attention(*leaves, cfg, backend="triton")
+            o.float().square().sum().backward()
+            cache = freesolo.FreeSoloCache(cfg, B, Hq, Hkv, D, backend="torch", decode_kernel="triton",
+                                           device="cuda:1", dtype=torch.bfloat16)  # fmt: skip
+            cache.prefill(k[:, : T - 1], v[:, : T - 1])
+            step = cache.extend(q[:, T - 1 :], k[:, T - 1 :], v[:, T - 1 :])
+            torch.cuda.synchronize("cuda:1")
+            return [o, *(x.grad for x in leaves), step]
+
+    for name, x, y in zip(("o", "dq", "dk", "dv", "decode"), run(0), run(1)):
+        assert x.device == torch.device("cuda:1") and torch.equal(x, y), f"{variant}: {name} differs"
+
+
 def test_refuses_what_it_cannot_run():
     q, k, v = random_qkv(1, 1, 8, 2, 1, 8)
     cfg = FreeSoloConfig(**SMALL)

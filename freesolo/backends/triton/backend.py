@@ -44,12 +44,23 @@ __all__ = [
     "deterministic",
     "interpreting",
     "is_deterministic",
+    "on_device_of",
     "set_deterministic",
     "triton_attention",
     "triton_select_cells",
 ]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def on_device_of(x: torch.Tensor):
+    """A context in which x's CUDA device is the current one. Triton launches a kernel on the
+    current device (torch ops follow their tensors), so every host entry point that launches
+    kernels on caller tensors runs inside it: tensors on cuda:1 while cuda:0 is current then run on
+    cuda:1. A no-op (nullcontext) for CPU tensors and when x's device is current already."""
+    if x.is_cuda and x.device.index is not None and x.device.index != torch.cuda.current_device():
+        return torch.cuda.device(x.device)
+    return contextlib.nullcontext()
 MAX_HEAD_DIM = 256
 
 _deterministic: Optional[bool] = None
@@ -214,12 +225,13 @@ def _forward_impl(q, k, v, beta, cfg_json):
 
     cfg = config_from_json(cfg_json)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    cos, sin = rope_cos_sin(q.shape[1], q.shape[3], cfg.rope_theta, q.device)
-    # the selection is saved for the backward in int32 (half the bytes of int64); with window-first
-    # tiles it runs on a side stream beside the window kernel (`forward_with_selection`)
-    idx, (o, lse_loc, lse_long, rstd) = forward_with_selection(
-        q, k, v, lambda q_, k_: _select(q_, k_, cfg, torch.int32), beta.to(torch.float32), cos, sin, cfg
-    )
+    with on_device_of(q):
+        cos, sin = rope_cos_sin(q.shape[1], q.shape[3], cfg.rope_theta, q.device)
+        # the selection is saved for the backward in int32 (half the bytes of int64); with window-first
+        # tiles it runs on a side stream beside the window kernel (`forward_with_selection`)
+        idx, (o, lse_loc, lse_long, rstd) = forward_with_selection(
+            q, k, v, lambda q_, k_: _select(q_, k_, cfg, torch.int32), beta.to(torch.float32), cos, sin, cfg
+        )
     return o, idx, lse_loc, lse_long, rstd
 
 
@@ -245,11 +257,12 @@ def _backward_impl(do, q, k, v, o, idx, beta, lse_loc, lse_long, rstd, cfg_json,
     from .attention_bwd import attention_backward
 
     cfg = config_from_json(cfg_json)
-    cos, sin = rope_cos_sin(q.shape[1], q.shape[3], cfg.rope_theta, q.device)
-    return attention_backward(
-        do.contiguous(), q, k, v, o, idx, beta.to(torch.float32), lse_loc, lse_long, rstd, cos, sin, cfg,
-        deterministic=deterministic_sum,
-    )
+    with on_device_of(q):
+        cos, sin = rope_cos_sin(q.shape[1], q.shape[3], cfg.rope_theta, q.device)
+        return attention_backward(
+            do.contiguous(), q, k, v, o, idx, beta.to(torch.float32), lse_loc, lse_long, rstd, cos, sin, cfg,
+            deterministic=deterministic_sum,
+        )
 
 
 @torch.library.custom_op("freesolo::triton_backward", mutates_args=())
@@ -339,7 +352,7 @@ def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: Fre
 
 def triton_select_cells(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig) -> torch.Tensor:
     """Selected cells int64 [B, T, Hq, K] (-1 padded, descending score); q [B, T, Hq, D], k [B, T, Hkv, D]."""
-    with torch.no_grad():
+    with torch.no_grad(), on_device_of(q):
         return _select(q.detach().contiguous(), k.detach().contiguous(), cfg)
 
 

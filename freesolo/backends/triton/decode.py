@@ -53,6 +53,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .backend import on_device_of
+
 __all__ = ["decode_step", "decode_supported_reasons", "fsl_boundary"]
 
 
@@ -856,11 +858,12 @@ def decode_step(
             raise ValueError("active needs pos (rows at different positions)")
         if active.shape != (B,) or active.dtype != torch.int8 or active.device != state.device:
             raise ValueError(f"active must be an int8 [{B}] tensor on {state.device}")
-    if tiles.impl == "single":
-        _single_step(state, q, k, v, beta.contiguous(), out, tiles)
-        state.pos += 1
-    else:
-        _split_step(state, q, k, v, beta.contiguous(), out, tiles, pos, active)
+    with on_device_of(state.pos):  # the cache's device current while the kernels launch
+        if tiles.impl == "single":
+            _single_step(state, q, k, v, beta.contiguous(), out, tiles)
+            state.pos += 1
+        else:
+            _split_step(state, q, k, v, beta.contiguous(), out, tiles, pos, active)
     return out
 
 
@@ -881,31 +884,32 @@ def fsl_boundary(state, pos=None, active=None) -> None:
     slots = state.cell_ids.shape[2]
     m = cfg.block // cfg.cell
     pos_t, pos_stride = (state.pos, 0) if pos is None else (pos, 1)
-    _fsl_boundary_kernel[(B * Hkv,)](
-        pos_t,
-        pos_t if active is None else active,
-        pos_stride,
-        state.block_k,
-        state.block_v,
-        state.cell_ids,
-        state.cell_kbar,
-        state.cell_a,
-        state.cell_k,
-        state.cell_v,
-        slots,
-        HKV=Hkv,
-        D=D,
-        QBLOCK=cfg.block,
-        CELL=cfg.cell,
-        RECENT=cfg.recent,
-        M=m,
-        M_P2=_pow2(m),
-        S_P2=_pow2(slots),
-        BLOCK_D=_pow2(D),
-        BLOCK_CELL=_pow2(cfg.cell),
-        HAS_ACTIVE=active is not None,
-        num_warps=8,
-    )
+    with on_device_of(state.pos):  # the cache's device current while the kernel launches
+        _fsl_boundary_kernel[(B * Hkv,)](
+            pos_t,
+            pos_t if active is None else active,
+            pos_stride,
+            state.block_k,
+            state.block_v,
+            state.cell_ids,
+            state.cell_kbar,
+            state.cell_a,
+            state.cell_k,
+            state.cell_v,
+            slots,
+            HKV=Hkv,
+            D=D,
+            QBLOCK=cfg.block,
+            CELL=cfg.cell,
+            RECENT=cfg.recent,
+            M=m,
+            M_P2=_pow2(m),
+            S_P2=_pow2(slots),
+            BLOCK_D=_pow2(D),
+            BLOCK_CELL=_pow2(cfg.cell),
+            HAS_ACTIVE=active is not None,
+            num_warps=8,
+        )
 
 
 def _split_scratch(state, nw: int, n_part: int):

@@ -455,4 +455,7 @@ def build_tree_slot(
     rad covers the node's leaves about the stored mu. One kernel launch (plus, for "content",
     a gather of the codes and a stable sort); no host synchronisation.
     """
-    _build_tree_slot(fields, lo, elems, first, changed, h, cell, leaf_order, outward, first_host=first_host, check=check)
+    from .backend import on_device_of
+
+    with on_device_of(first):  # first's CUDA device current while the kernels launch
+        _build_tree_slot(fields, lo, elems, first, changed, h, cell, leaf_order, outward, first_host=first_host, check=check)
