@@ -547,8 +547,9 @@ def default_tiles(D: int, dtype: torch.dtype, device: torch.device) -> Attention
     """Tile sizes by head dim and dtype (see AttentionTiles). On the CPU (interpreter) small tiles.
     With long_block > 0 the long term goes into o (long_into_out), the window kernel first
     (window_first). The environment variables ENV_LONG_BLOCK / ENV_MAXNREG / ENV_LONG_INTO_OUT
-    (0: the fp32 buffer) / ENV_WINDOW_FIRST (0: off; it needs long_into_out) override long_block / maxnreg / long_into_out / window_first (process-wide,
-    read at each call; they never depend on B or T). ENV_MAXNREG applies to 16-bit
+    (0: the fp32 buffer) / ENV_WINDOW_FIRST (0: off; it needs long_into_out) override long_block
+    / maxnreg / long_into_out / window_first (process-wide, read at each call; they never depend
+    on B or T). ENV_MAXNREG applies to 16-bit
     dtypes only (fp32 D 128 at 128 registers spills ~1.2 kB per thread on sm_90)."""
     tiles = _base_tiles(D, dtype, device)
     long_block, maxnreg = _env_int(ENV_LONG_BLOCK), _env_int(ENV_MAXNREG)

@@ -52,6 +52,10 @@ __all__ = [
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
+MAX_HEAD_DIM = 256
+
+_deterministic: Optional[bool] = None
+
 
 def on_device_of(x: torch.Tensor):
     """A context in which x's CUDA device is the current one. Triton launches a kernel on the
@@ -61,9 +65,6 @@ def on_device_of(x: torch.Tensor):
     if x.is_cuda and x.device.index is not None and x.device.index != torch.cuda.current_device():
         return torch.cuda.device(x.device)
     return contextlib.nullcontext()
-MAX_HEAD_DIM = 256
-
-_deterministic: Optional[bool] = None
 
 
 def interpreting() -> bool:
