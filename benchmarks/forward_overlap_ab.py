@@ -3,9 +3,11 @@
 Configurations (`CONFIGS`; 16-bit default tiles of `attention.default_tiles` changed as named):
 - split:   s24 .. s25's default: long kernel (writes beta * rmsnorm(o_long) into o), then the
            window kernel adds o_loc; selection, unions, kernels in one stream.
-- wfirst:  AttentionTiles.window_first (the default since s26): the window kernel writes
+- wfirst:  AttentionTiles.window_first (s26's default): the window kernel writes
            o = o_loc while the selection and the unions run on a side stream, then the long
            kernel adds its term.
+- sorted:  wfirst + AttentionTiles.sorted_long (the default since s27): the long tiles hold
+           queries sorted by their selected cells (`attention.long_query_order`).
 results/session_2026-12-02_s26/call2 ran an earlier version of this script (commit 570ce1a) that
 also had the side stream at priority -1 vs 0 (no difference) and the long kernel over aligned
 pairs of cells (`AttentionTiles.long_group`, 27 % slower at 64k; removed).
@@ -13,8 +15,9 @@ For FS-L (and FS at 64k), B 1, H 16, D 64, bf16, iid keys, at 4k / 16k / 64k / 1
 (eager, `check_finite=False`, do_bench median), the API call captured in a CUDA graph (GPU time
 without the host), the host time of one eager call (perf_counter over calls that queue on the GPU
 without syncs; at small T the eager time is this), the rms-rel difference of the output from
-split's, and the mean union size (cells, or pairs) of the long tiles. SDPA causal and
-FlexAttention SWA-512 (compiled) in the same run.
+the first configuration's, the mean union size (cells, or pairs) of the long tiles, and two
+kernels alone: the long kernel (`_launch_long`) and the unions (`forward_unions`, the order
+included). SDPA causal and FlexAttention SWA-512 (compiled) in the same run.
 
     python benchmarks/forward_overlap_ab.py --out $OUT/forward_overlap_ab.json   # ~2 min on an H200
 """
@@ -42,8 +45,9 @@ from freesolo.backends.triton.selection import select_cells  # noqa: E402
 __all__ = ["CONFIGS", "host_ms", "main"]
 
 CONFIGS = {
-    "split": dict(window_first=False),
-    "wfirst": dict(window_first=True),
+    "split": dict(window_first=False, sorted_long=False),
+    "wfirst": dict(window_first=True, sorted_long=False),
+    "sorted": dict(window_first=True, sorted_long=True),
 }
 H, D = 16, 64
 
@@ -109,8 +113,13 @@ def case(variant: str, T: int, rep: int, configs) -> dict:
         out = api()
         ref = out if ref is None else ref
         tiles = att.default_tiles(D, q.dtype, q.device)
-        count = att.tile_unions(idx, tiles.union_rows)[1]
+        unions = att.forward_unions(idx, cfg, tiles)
+        count = unions.count
+        beta = torch.ones(H, device=q.device, dtype=torch.float32)
+        outputs = att._outputs(q, tiles)
         row[config] = {
+            "long_kernel_ms": _bench(lambda: att._launch_long(q, k, v, idx, unions, beta, cfg, tiles, outputs), rep),
+            "unions_ms": _bench(lambda: att.forward_unions(idx, cfg, tiles), rep),
             "api_ms": _bench(api, rep),
             "graph_ms": _graph_ms(api, rep),
             "host_ms": host_ms(api),
@@ -119,7 +128,8 @@ def case(variant: str, T: int, rep: int, configs) -> dict:
         }
         r = row[config]
         print(f"{variant:3s} T={T:6d} {config:13s} api {r['api_ms']:7.3f}  graph {r['graph_ms']:7.3f}  "
-              f"host {r['host_ms']:6.3f} ms  union {r['union_mean']:5.1f}  rms-rel {r['rms_rel_vs_first']:.1e}", flush=True)  # fmt: skip
+              f"host {r['host_ms']:6.3f} ms  union {r['union_mean']:5.1f}  rms-rel {r['rms_rel_vs_first']:.1e}  "
+              f"long kernel {r['long_kernel_ms']:.3f}  unions {r['unions_ms']:.3f} ms", flush=True)  # fmt: skip
     _use(configs[0])
     att.default_tiles = _ORIGINAL_DEFAULT_TILES
     if variant == "fsl":
@@ -173,7 +183,7 @@ def plot(payload: dict, path: str) -> None:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", nargs="+", type=int, default=[4096, 16384, 65536, 131072])
-    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument("--configs", nargs="+", default=["wfirst", "sorted"], choices=list(CONFIGS))
     ap.add_argument("--fs-lengths", nargs="+", type=int, default=[65536], help="FS at these lengths too")
     ap.add_argument("--rep", type=int, default=30, help="do_bench rep (ms)")
     ap.add_argument("--out", default=None, help="JSON output path (and a .png beside it)")

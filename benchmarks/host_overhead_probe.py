@@ -89,7 +89,7 @@ def main() -> None:
         kbar, amax = selection.cell_stats(k, cfg.cell)
         idx = selection.select_cells(q, k, cfg)
         tiles = attention.default_tiles(64, q.dtype, dev)
-        union, count = attention.tile_unions(idx, tiles.union_rows)
+        unions = attention.forward_unions(idx, cfg, tiles)
         x = torch.zeros(1024, device=dev)
         stages = {
             "api freesolo_attention": lambda: freesolo.freesolo_attention(q, k, v, cfg, backend="triton", check_finite=False),
@@ -100,8 +100,8 @@ def main() -> None:
             "  cell_stats": lambda: selection.cell_stats(k, cfg.cell),
             "  fsl_candidates": lambda: selection.fsl_candidates(amax, T, cfg),
             "attention_forward": lambda: attention.attention_forward(q, k, v, idx, beta, cos, sin, cfg),
-            "  tile_unions": lambda: attention.tile_unions(idx, tiles.union_rows),
-            "  launch_forward": lambda: attention.launch_forward(q, k, v, idx, union, count, beta, cos, sin, cfg, tiles),
+            "  forward_unions": lambda: attention.forward_unions(idx, cfg, tiles),
+            "  launch_forward": lambda: attention.launch_forward(q, k, v, idx, unions, beta, cos, sin, cfg, tiles),
             "empty triton launch": lambda: _empty_kernel[(1,)](x, 1024, BLOCK=1024),
             "torch.empty": lambda: torch.empty(1, T, 16, 64, device=dev),
         }

@@ -31,7 +31,7 @@ from gpu_attention import _versions, bench_ms, make_call, plot_bars, smoke_or_gp
 from union_real_keys import capture_qk  # noqa: E402
 
 import freesolo  # noqa: E402
-from freesolo.backends.triton.attention import tile_unions  # noqa: E402
+from freesolo.backends.triton.attention import long_query_order, tile_unions  # noqa: E402
 from freesolo.retrieval import tasks  # noqa: E402
 from freesolo.retrieval.modelio import backend_scope, load_model  # noqa: E402
 
@@ -40,11 +40,12 @@ __all__ = ["main", "mean_union"]
 UNION_ROWS = 64  # the split long kernel's tile rows (AttentionTiles.long_block of the 16-bit defaults)
 
 
-def mean_union(q: torch.Tensor, k: torch.Tensor, cfg, backend: str) -> float:
-    """Mean number of distinct cells in a tile of UNION_ROWS queries' selections (all tiles, all heads)."""
-    idx = freesolo.select_cells(q, k, cfg, backend=backend, check_finite=False)
-    _, count = tile_unions(torch.as_tensor(idx).contiguous(), UNION_ROWS, use_kernel=q.is_cuda)
-    return float(count.float().mean())
+def mean_union(q: torch.Tensor, k: torch.Tensor, cfg, backend: str, sort: bool = False) -> float:
+    """Mean number of distinct cells in a tile of UNION_ROWS queries' selections (all tiles, all
+    heads): consecutive queries, or (sort) queries sorted by selection (`long_query_order`)."""
+    idx = torch.as_tensor(freesolo.select_cells(q, k, cfg, backend=backend, check_finite=False)).contiguous()
+    order = long_query_order(idx, cfg.cell) if sort else None
+    return float(tile_unions(idx, UNION_ROWS, use_kernel=q.is_cuda, order=order).count.float().mean())
 
 
 def main() -> None:
@@ -74,7 +75,8 @@ def main() -> None:
         iid = [torch.randn(x.shape, device=device, dtype=dtype, generator=gen) for x in real]
         for name, (qq, kk, vv) in (("model", real), ("iid", iid)):
             row = {"layer": layer, "inputs": name, "T": T, "Hq": qq.shape[2], "Hkv": kk.shape[2], "D": qq.shape[3],
-                   "union_mean": mean_union(qq, kk, cfg, "torch" if args.dry_run else "triton")}
+                   "union_mean": mean_union(qq, kk, cfg, "torch" if args.dry_run else "triton"),
+                   "union_mean_sorted": mean_union(qq, kk, cfg, "torch" if args.dry_run else "triton", sort=True)}
             for provider in providers:
                 if name == "iid" and provider != "triton_fsl":
                     continue  # the peers do not depend on the values

@@ -39,8 +39,8 @@ from freesolo.backends.triton.attention import (  # noqa: E402
     AttentionTiles,
     attention_forward,
     default_tiles,
+    forward_unions,
     launch_forward,
-    tile_unions,
 )
 
 WINDOW = 512
@@ -123,14 +123,14 @@ def triton_case(T, Hq, Hkv, D, dtype, rep, variant, keys, check=False) -> dict:
     beta = torch.ones(Hq, device="cuda", dtype=torch.float32)
     cos, sin = rope_tables(T, D, cfg.rope_theta, q.device, torch.float32)
     tiles = default_tiles(D, dtype, q.device)
-    union, count = tile_unions(idx, tiles.block_m)
-    full = count[:, (T // 2) // tiles.block_m :].float()  # tiles of the second half
+    unions = forward_unions(idx, cfg, tiles)
+    full = unions.count[:, (T // 2) // tiles.union_rows :].float()  # tiles of the second half
     res["tiles"] = list(tiles.__dict__.values())
     res["union_mean"], res["union_max"] = float(full.mean()), int(full.max())
     res["fwd_ms"] = _bench(lambda: attention_forward(q, k, v, idx, beta, cos, sin, cfg), rep)
-    res["unions_ms"] = _bench(lambda: tile_unions(idx, tiles.block_m), rep)
+    res["unions_ms"] = _bench(lambda: forward_unions(idx, cfg, tiles), rep)
     res["rope_k_ms"] = _bench(lambda: rope_rotate(k, cos, sin), rep)
-    res["kernel+rope_ms"] = _bench(lambda: launch_forward(q, k, v, idx, union, count, beta, cos, sin, cfg, tiles), rep)
+    res["kernel+rope_ms"] = _bench(lambda: launch_forward(q, k, v, idx, unions, beta, cos, sin, cfg, tiles), rep)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -155,8 +155,8 @@ def sweep(T, Hq, Hkv, D, dtype, rep, variant="fsl", keys="iid") -> list:
     ref = None
     for tiles in SWEEP:
         try:
-            union, count = tile_unions(idx, tiles.block_m)
-            fn = lambda: launch_forward(q, k, v, idx, union, count, beta, cos, sin, cfg, tiles)  # noqa: E731
+            unions = forward_unions(idx, cfg, tiles)
+            fn = lambda: launch_forward(q, k, v, idx, unions, beta, cos, sin, cfg, tiles)  # noqa: E731
             o = fn()[0].float()
             ref = o if ref is None else ref
             err = float((o - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt())

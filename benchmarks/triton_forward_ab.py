@@ -109,8 +109,8 @@ def kernels_call(q, k, v, idx, cfg, tiles):
     """() -> launch_forward on precomputed unions (RoPE of k + long + window kernels), and the unions."""
     beta = torch.ones(q.shape[2], device=q.device, dtype=torch.float32)
     cos, sin = rope_cos_sin(q.shape[1], q.shape[3], cfg.rope_theta, q.device)
-    union, count = att.tile_unions(idx, tiles.union_rows)
-    return lambda: att.launch_forward(q, k, v, idx, union, count, beta, cos, sin, cfg, tiles)
+    unions = att.forward_unions(idx, cfg, tiles)
+    return lambda: att.launch_forward(q, k, v, idx, unions, beta, cos, sin, cfg, tiles)
 
 
 def sweep(rep: int, names=None) -> dict:
@@ -157,10 +157,10 @@ def case(variant, T, Hq, Hkv, D, rep, tiles_old, tiles_new) -> dict:
     idx = select_cells(q, k, cfg)
     res["selection_ms"] = _bench(lambda: select_cells(q, k, cfg), rep)
     for tag, tiles in (("old", tiles_old), ("new", tiles_new)):
-        res[f"unions_{tag}_ms"] = _bench(lambda rows=tiles.union_rows: att.tile_unions(idx, rows), rep)
+        res[f"unions_{tag}_ms"] = _bench(lambda tiles=tiles: att.forward_unions(idx, cfg, tiles), rep)
         res[f"kernels_{tag}_ms"] = _bench(kernels_call(q, k, v, idx, cfg, tiles), rep)
         if tag == "old" or tiles.union_rows != tiles_old.union_rows:
-            count = att.tile_unions(idx, tiles.union_rows)[1]
+            count = att.forward_unions(idx, cfg, tiles).count
             res[f"union_cells_{tag}"] = float(count[:, count.shape[1] // 2 :].float().mean())  # second half
         else:
             res[f"union_cells_{tag}"] = res["union_cells_old"]

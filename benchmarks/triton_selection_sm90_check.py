@@ -116,14 +116,23 @@ def forward_check() -> None:
     from freesolo.backends.triton import attention as A
 
     common = dict(D=64, D_P=64, CELL=32, CELL_P=32, KSEL=4, K_P=4, PREFETCH=True)
-    ptrs = ("Q", "K", "V", "IDX", "UNION", "NUNION", "BETA", "LONG_TERM", "LSE_LONG", "RSTD")
+    ptrs = ("Q", "K", "V", "IDX", "UNION", "NUNION", "ORDER", "BETA", "LONG_TERM", "LSE_LONG", "RSTD")
     kinds = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "IDX": "*i32", "UNION": "*i32", "NUNION": "*i32",
-             "BETA": "*fp32", "LONG_TERM": "*bf16", "LSE_LONG": "*fp32", "RSTD": "*fp32"}  # fmt: skip
+             "ORDER": "*i32", "BETA": "*fp32", "LONG_TERM": "*bf16", "LSE_LONG": "*fp32", "RSTD": "*fp32"}  # fmt: skip
     long_sig = {**{p: kinds[p] for p in ptrs}, "T": "i32", "Hq": "i32", "Hkv": "i32", "NT": "i32", "qk_scale": "fp32",
                 "eps": "fp32"}  # fmt: skip
-    for add in (False, True):
-        r = usage(A._long_fwd_kernel, long_sig, {**common, "BLOCK_M": 64, "U_MAX": 256, "ADD_TO_OUT": add}, 4, 1)
-        print(f"ok  _long_fwd_kernel ADD_TO_OUT={add}: {r}")
+    for add, order in ((False, False), (True, False), (True, True)):
+        constexprs = {**common, "BLOCK_M": 64, "U_MAX": 256, "ADD_TO_OUT": add, "HAS_ORDER": order}
+        r = usage(A._long_fwd_kernel, long_sig, constexprs, 4, 1)
+        print(f"ok  _long_fwd_kernel ADD_TO_OUT={add} HAS_ORDER={order}: {r}")
+    key_sig = {"IDX": "*i32", "KEY": "*i64", "T": "i32", "Hq": "i32", "ROW0": "i32", "N_CELLS": "i32", "BITS": "i32",
+               "SLOTS": "i32"}  # fmt: skip
+    r = usage(A._order_key_kernel, key_sig, {"KSEL": 4, "K_P": 4, "BLOCK": 256}, 4, 1)
+    print(f"ok  _order_key_kernel: {r}")
+    union_sig = {"IDX": "*i32", "ORDER": "*i32", "UNION": "*i32", "COUNT": "*i32", "T": "i32", "Hq": "i32", "NT": "i32"}
+    for order in (False, True):
+        r = usage(A._tile_union_kernel, union_sig, {"KSEL": 4, "BLOCK_M": 64, "U_MAX": 256, "U_P": 256, "HAS_ORDER": order}, 4, 1)
+        print(f"ok  _tile_union_kernel HAS_ORDER={order}: {r}")
     window_sig = {"Q": "*bf16", "K": "*bf16", "KR": "*bf16", "V": "*bf16", "IDX": "*i32", "UNION": "*i32",
                   "NUNION": "*i32", "BETA": "*fp32", "LONG_TERM": "*bf16", "COS": "*fp32", "SIN": "*fp32", "O": "*bf16",
                   "LSE_LOC": "*fp32", "LSE_LONG": "*fp32", "RSTD": "*fp32", "T": "i32", "Hq": "i32", "Hkv": "i32",

@@ -20,6 +20,7 @@ tests); the CUDA tests (bf16 / fp16 / fp32, long T, int64 offsets) skip without 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -209,7 +210,7 @@ def test_tile_unions(use_kernel):
     B, T, Hq, K, bm = (1, 7, 2, 3, 4) if use_kernel else (2, 13, 3, 2, 4)  # kernel: few programs (slow tl.sort)
     idx = rng.integers(-1, 9, size=(B, T, Hq, K))
     idx[0, 0, 0] = [5, 5, -1] if use_kernel else [5, 5]  # a duplicate inside one query
-    union, count = tile_unions(torch.from_numpy(idx).to(DEVICE), bm, use_kernel=use_kernel)
+    union, count, _ = tile_unions(torch.from_numpy(idx).to(DEVICE), bm, use_kernel=use_kernel)
     NT = -(-T // bm)
     assert union.shape == (B * Hq, NT, bm * K) and count.shape == (B * Hq, NT) and union.dtype == torch.int32
     union, count = union.cpu(), count.cpu()
@@ -378,6 +379,91 @@ def test_window_first_equals_long_into_out():
         AttentionTiles(32, 32, 1, 1, long_block=16, window_first=True)
 
 
+def test_sorted_long_tiles_change_no_bit():
+    """AttentionTiles.sorted_long (the long tiles hold queries sorted by selection,
+    `long_query_order`) gives the bits of consecutive tiles, every output and statistic (spec L12:
+    a row's steps are its own cells in ascending order whatever tile it lands in), with GQA, B 2,
+    a partial last tile and queries without cells; and matches the oracle."""
+    cfg = _cfg(variant="fsl", top_k=3)
+    q, k, v = random_qkv(14, 2, 90, 4, 2, 16)
+    beta = np.array([1.0, -0.5, 0.25, 2.0])
+    idx = _selection(q, k, cfg)
+    for long_block in (16, 64):
+        for first in (False, True):
+            plain = AttentionTiles(32, 32, 1, 1, long_block=long_block, long_into_out=True, window_first=first)
+            ref = _run(q, k, v, idx, beta, cfg, tiles=plain)
+            got = _run(q, k, v, idx, beta, cfg, tiles=dataclasses.replace(plain, sorted_long=True))
+            _bitwise_equal(got, ref, f"sorted_long, long_block={long_block}, window_first={first}")
+    assert_close(got[0], _oracle(q, k, v, idx, cfg, beta), 1e-5, "o (sorted_long)")
+
+
+@pytest.mark.parametrize("use_kernel", [False, True], ids=["torch", "kernel"])
+def test_long_query_order(use_kernel):
+    """long_query_order: per (b, h) a permutation of the positions, sorted by the key of
+    `order_key_layout` (the query's cells ascending, absent last, lexicographic), ties in position
+    order; the key packs only what fits (few slots for many cells); tile_unions over the order
+    are the unions of the ordered positions."""
+    from freesolo.backends.triton.attention import long_query_order, order_key_layout
+
+    assert order_key_layout(2048, 4) == (12, 4) and order_key_layout(2**20, 4) == (21, 2)
+    rng = np.random.default_rng(4)
+    B, T, Hq, K, cell = (1, 9, 2, 3, 4) if use_kernel else (2, 37, 3, 3, 4)
+    idx = rng.integers(-1, 6, size=(B, T, Hq, K))
+    idx[0, 1, 0] = [2, -1, 0]  # absent in the middle: sorts as (0, 2, absent)
+    order = long_query_order(torch.from_numpy(idx).to(DEVICE), cell, use_kernel=use_kernel)
+    assert order.dtype == torch.int32 and order.shape == (B * Hq, T)
+    n_cells = -(-T // cell)
+    for b in range(B):
+        for h in range(Hq):
+            keys = [tuple(sorted(n_cells if c < 0 else int(c) for c in idx[b, t, h])) for t in range(T)]
+            want = sorted(range(T), key=lambda t: (keys[t], t))
+            assert order[b * Hq + h].tolist() == want, (b, h)
+    bm = 4
+    union, count, got_order = tile_unions(torch.from_numpy(idx).to(DEVICE), bm, use_kernel=use_kernel, order=order)
+    assert got_order is order
+    for b in range(B):
+        for h in range(Hq):
+            rows = order[b * Hq + h].tolist()
+            for j in range(-(-T // bm)):
+                want = sorted({int(c) for t in rows[bm * j : bm * j + bm] for c in idx[b, t, h] if c >= 0})
+                assert union[b * Hq + h, j].tolist() == want + [-1] * (bm * K - len(want)), (b, h, j)
+                assert count[b * Hq + h, j] == len(want)
+    with pytest.raises(ValueError, match="order must be int32"):
+        tile_unions(torch.from_numpy(idx).to(DEVICE), bm, order=order.long())
+
+
+@needs_cuda
+def test_cuda_sorted_long_kernels_match():
+    """On the GPU: the key kernel's order == the torch keys' order, the union kernel over an order
+    == the torch sorts over it (large random selections, several key chunks), and sorted long
+    tiles change no bit of the bf16 forward."""
+    from freesolo.backends.triton import attention as att
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    idx = torch.randint(-1, 300, (2, 30001, 5, 4), device="cuda", generator=g)
+    for chunk in (att.ORDER_CHUNK_BYTES, 30001 * 24 * 3):  # 1 and 4 key chunks of rows
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(att, "ORDER_CHUNK_BYTES", chunk)
+            a = att.long_query_order(idx, 32, use_kernel=True)
+            b = att.long_query_order(idx, 32, use_kernel=False)
+        assert torch.equal(a, b)
+    for block_m in (16, 64):
+        x = tile_unions(idx, block_m, use_kernel=True, order=a)
+        y = tile_unions(idx, block_m, use_kernel=False, order=a)
+        assert torch.equal(x.union, y.union) and torch.equal(x.count, y.count), f"block_m={block_m}"
+    cfg = FreeSoloConfig(variant="fsl")
+    q, k, v = (torch.randn(1, 8192, 4, 64, device="cuda", generator=g).bfloat16() for _ in range(3))
+    idx = select_cells(q.float(), k.float(), cfg).to(torch.int32)
+    beta = torch.ones(4, device="cuda")
+    cos, sin = rope_tables(8192, 64, cfg.rope_theta, q.device, torch.float32)
+    tiles = att.default_tiles(64, torch.bfloat16, q.device)
+    assert tiles.sorted_long
+    ref = attention_forward(q, k, v, idx, beta, cos, sin, cfg, dataclasses.replace(tiles, sorted_long=False))
+    got = attention_forward(q, k, v, idx, beta, cos, sin, cfg, tiles)
+    for name, x, y in zip(("o", "lse_loc", "lse_long", "rstd"), got, ref):
+        assert torch.equal(x, y), name
+
+
 @pytest.mark.parametrize("long_block", [0, 16])
 def test_rotation_chunks_do_not_change_bits(monkeypatch, long_block):
     """The window kernel runs once per chunk of query tiles over that chunk's rotated keys
@@ -450,7 +536,10 @@ def test_tiles_switches():
         assert (tiles.long_block, tiles.maxnreg, tiles.union_rows) == (16, None, 16)  # no cap for fp32
         assert tiles.block_m == base.block_m
         assert att.default_tiles(16, torch.bfloat16, torch.device(DEVICE)).maxnreg == 128
-        assert tiles.long_into_out and tiles.window_first  # the defaults of the split kernels
+        assert tiles.long_into_out and tiles.window_first and tiles.sorted_long  # the defaults of the split kernels
+        mp.setenv(att.ENV_SORTED_LONG, "0")
+        assert not att.default_tiles(16, torch.float32, torch.device(DEVICE)).sorted_long
+        mp.delenv(att.ENV_SORTED_LONG)
         mp.setenv(att.ENV_WINDOW_FIRST, "0")
         assert not att.default_tiles(16, torch.float32, torch.device(DEVICE)).window_first
         mp.setenv(att.ENV_LONG_INTO_OUT, "0")
@@ -464,7 +553,7 @@ def test_tiles_switches():
         mp.setenv(att.ENV_LONG_INTO_OUT, "1")
         mp.setenv(att.ENV_LONG_BLOCK, "0")  # the fused kernel has no hand-over: the switches do not apply
         tiles = att.default_tiles(16, torch.float32, torch.device(DEVICE))
-        assert not tiles.long_into_out and not tiles.window_first
+        assert not tiles.long_into_out and not tiles.window_first and not tiles.sorted_long
         mp.setenv(att.ENV_LONG_BLOCK, "x")
         with pytest.raises(ValueError, match=att.ENV_LONG_BLOCK):
             att.default_tiles(16, torch.float32, torch.device(DEVICE))
@@ -472,10 +561,15 @@ def test_tiles_switches():
         mp.undo()
     args = _inputs(T=40)
     q, k, v, idx, beta, cos, sin = args
-    union, count = tile_unions(idx, 32)
+    unions = tile_unions(idx, 32)
     with pytest.raises(ValueError, match="tile_unions\\(idx, 16\\)"):
-        att.launch_forward(q, k, v, idx, union, count, beta, cos, sin, _cfg(top_k=2),
+        att.launch_forward(q, k, v, idx, unions, beta, cos, sin, _cfg(top_k=2),
                            AttentionTiles(32, 32, 1, 1, long_block=16))  # fmt: skip
+    with pytest.raises(ValueError, match="sorted_long=True but the unions were made without an order"):
+        att.launch_forward(q, k, v, idx, tile_unions(idx, 16), beta, cos, sin, _cfg(top_k=2),
+                           AttentionTiles(32, 32, 1, 1, long_block=16, sorted_long=True))  # fmt: skip
+    with pytest.raises(ValueError, match="sorted_long=True needs the separate long kernel"):
+        AttentionTiles(32, 32, 1, 1, sorted_long=True)
 
 
 # ---- errors ------------------------------------------------------------------------------------

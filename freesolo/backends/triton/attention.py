@@ -45,7 +45,7 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -57,16 +57,22 @@ __all__ = [
     "ENV_LONG_BLOCK",
     "ENV_LONG_INTO_OUT",
     "ENV_WINDOW_FIRST",
+    "ENV_SORTED_LONG",
     "ENV_MAXNREG",
     "AttentionTiles",
     "attention_forward",
     "default_tiles",
+    "forward_unions",
     "forward_with_selection",
     "launch_forward",
+    "long_query_order",
+    "order_key_layout",
+    "ORDER_CHUNK_BYTES",
     "ROTATION_CHUNK_BYTES",
     "ROTATION_CHUNK_MIN_POSITIONS",
     "rotation_chunk_tiles",
     "tile_unions",
+    "TileUnions",
 ]
 
 LOG2E = 1.4426950408889634
@@ -228,6 +234,7 @@ def _long_fwd_kernel(
     IDX,  # int32 / int64 [B, T, Hq, KSEL], -1 padded
     UNION,  # int32 [B * Hq, NT, U_MAX]: sorted cells of each tile of BLOCK_M queries, -1 padded
     NUNION,  # int32 [B * Hq, NT]
+    ORDER,  # int32 [B * Hq, T]: tile t holds the positions ORDER[b * Hq + h, t * BLOCK_M:][:BLOCK_M] (HAS_ORDER)
     BETA,  # fp32 [Hq]
     LONG_TERM,  # fp32 [B, T, Hq, D] (out): beta_h * rmsnorm(o_long); or O itself (long_into_out)
     LSE_LONG,  # fp32 [B, Hq, T] (out)
@@ -248,6 +255,7 @@ def _long_fwd_kernel(
     U_MAX: tl.constexpr,
     PREFETCH: tl.constexpr,
     ADD_TO_OUT: tl.constexpr,  # AttentionTiles.window_first: LONG_TERM is O holding o_loc; add the long term to it
+    HAS_ORDER: tl.constexpr,  # AttentionTiles.sorted_long: the tiles' positions come from ORDER (else consecutive)
 ):
     """The long branch alone (AttentionTiles.long_block > 0): one program per (tile of BLOCK_M
     queries, b * Hq + h), the same steps as the fused kernel's long loop over this smaller tile's
@@ -262,13 +270,23 @@ def _long_fwd_kernel(
     v_base = V + (b * T * Hkv + g) * D
     urow = UNION + (pid_bh * NT + pid_m) * U_MAX
     nu_ptr = NUNION + pid_bh * NT + pid_m
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    offs_m = _tile_positions(ORDER, pid_bh, pid_m, T, BLOCK_M, HAS_ORDER)
     q, row_ok = _load_rows(Q, b, h, T, Hq, offs_m, D, D_P)
     acc, l_j, m_j = _long_steps(
         q, IDX, urow, nu_ptr, k_base, v_base, b, h, T, Hq, offs_m, row_ok, kv_stride, qk_scale,
         D, D_P, CELL, CELL_P, KSEL, K_P, BLOCK_M, PREFETCH,
     )  # fmt: skip
     _long_store(acc, l_j, m_j, offs_m, b, h, T, Hq, BETA, eps, LONG_TERM, LSE_LONG, RSTD, D, D_P, ADD_TO_OUT)
+
+
+@triton.jit
+def _tile_positions(ORDER, pid_bh, tile, T, BLOCK_M: tl.constexpr, HAS_ORDER: tl.constexpr):
+    """int64 [BLOCK_M]: the query positions of long tile `tile` of row pid_bh = b * Hq + h:
+    ORDER[pid_bh, tile * BLOCK_M:][:BLOCK_M] (HAS_ORDER) or consecutive; T (no query) past the end."""
+    slot = tile * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    if HAS_ORDER:
+        return tl.load(ORDER + pid_bh * T + slot, mask=slot < T, other=T).to(tl.int64)
+    return slot
 
 
 @triton.jit
@@ -426,6 +444,7 @@ def _attention_fwd_kernel(
 @triton.jit
 def _tile_union_kernel(
     IDX,  # int32 / int64 [B, T, Hq, KSEL]
+    ORDER,  # int32 [B * Hq, T]: the positions of the tiles, BLOCK_M after BLOCK_M (HAS_ORDER)
     UNION,  # int32 [B * Hq, NT, U_MAX] (out)
     COUNT,  # int32 [B * Hq, NT] (out)
     T,
@@ -435,6 +454,7 @@ def _tile_union_kernel(
     BLOCK_M: tl.constexpr,
     U_MAX: tl.constexpr,
     U_P: tl.constexpr,
+    HAS_ORDER: tl.constexpr,
 ):
     """One program per (tile, b * Hq + h): the tile's BLOCK_M * KSEL selections, sorted (bitonic,
     tl.sort), deduplicated (first of each run, tl.gather of the left neighbour), compacted by a
@@ -445,6 +465,8 @@ def _tile_union_kernel(
     h = pid_bh % Hq
     e = tl.arange(0, U_P)
     row = pid_m * BLOCK_M + e // KSEL
+    if HAS_ORDER:
+        row = tl.load(ORDER + pid_bh * T + row, mask=(e < U_MAX) & (row < T), other=T).to(tl.int64)
     ok = (e < U_MAX) & (row < T)
     big = 2147483647
     x = tl.load(IDX + ((b * T + row) * Hq + h) * KSEL + e % KSEL, mask=ok, other=-1).to(tl.int32)
@@ -501,6 +523,12 @@ class AttentionTiles:
     # 0.1 ms more host time per call (4k: 0.50 -> 0.65 ms, the call is host-bound there). The side
     # stream at priority -1 instead of 0 changed nothing (2.04 vs 2.02 ms at 64k).
     window_first: bool = False
+    # long_block > 0 only (`default_tiles` sets it whenever long_block > 0 since s27; the environment
+    # switch FREESOLO_TRITON_SORTED_LONG=0 turns it off): the long kernel's tiles hold the queries
+    # of each (b, h) sorted by their selected cells (`long_query_order`) instead of consecutive
+    # positions, so a tile's union holds few cells (iid keys, FS-L 64k: ~7 against ~19). The order
+    # changes no output bit (row independence, L12).
+    sorted_long: bool = False
     # (s26 also tried the long kernel over aligned pairs of cells, one softmax step per pair, which
     # keeps row independence: on iid keys a 64-query tile's pair union held 22.8 pairs against 23.3
     # cells (the pool's high-norm cells are rarely neighbours), so every step doubled for nothing:
@@ -518,10 +546,12 @@ class AttentionTiles:
             raise ValueError("long_into_out=True needs the separate long kernel (long_block > 0)")
         if self.window_first and not self.long_into_out:
             raise ValueError("window_first=True needs the long term written into o (long_into_out=True)")
+        if self.sorted_long and not self.long_block:
+            raise ValueError("sorted_long=True needs the separate long kernel (long_block > 0)")
 
     @property
     def union_rows(self) -> int:
-        """Queries per cell union (`tile_unions(idx, tiles.union_rows)` feeds `launch_forward`)."""
+        """Queries per long tile (`forward_unions(idx, cfg, tiles)` feeds `launch_forward`)."""
         return self.long_block or self.block_m
 
 
@@ -531,6 +561,7 @@ ENV_LONG_BLOCK = "FREESOLO_TRITON_LONG_BLOCK"
 ENV_MAXNREG = "FREESOLO_TRITON_MAXNREG"
 ENV_LONG_INTO_OUT = "FREESOLO_TRITON_LONG_INTO_OUT"  # 0: the fp32 hand-over buffer instead of o (split kernels only)
 ENV_WINDOW_FIRST = "FREESOLO_TRITON_WINDOW_FIRST"  # 0: window_first off (on by default with long_into_out)
+ENV_SORTED_LONG = "FREESOLO_TRITON_SORTED_LONG"  # 0: sorted_long off (on by default with long_block > 0)
 
 
 def _env_int(name: str) -> Optional[int]:
@@ -546,9 +577,10 @@ def _env_int(name: str) -> Optional[int]:
 def default_tiles(D: int, dtype: torch.dtype, device: torch.device) -> AttentionTiles:
     """Tile sizes by head dim and dtype (see AttentionTiles). On the CPU (interpreter) small tiles.
     With long_block > 0 the long term goes into o (long_into_out), the window kernel first
-    (window_first). The environment variables ENV_LONG_BLOCK / ENV_MAXNREG / ENV_LONG_INTO_OUT
-    (0: the fp32 buffer) / ENV_WINDOW_FIRST (0: off; it needs long_into_out) override long_block
-    / maxnreg / long_into_out / window_first (process-wide, read at each call; they never depend
+    (window_first), the long tiles sorted by selection (sorted_long). The environment variables
+    ENV_LONG_BLOCK / ENV_MAXNREG / ENV_LONG_INTO_OUT (0: the fp32 buffer) / ENV_WINDOW_FIRST (0:
+    off; it needs long_into_out) / ENV_SORTED_LONG (0: off) override long_block / maxnreg /
+    long_into_out / window_first / sorted_long (process-wide, read at each call; they never depend
     on B or T). ENV_MAXNREG applies to 16-bit
     dtypes only (fp32 D 128 at 128 registers spills ~1.2 kB per thread on sm_90)."""
     tiles = _base_tiles(D, dtype, device)
@@ -563,6 +595,9 @@ def default_tiles(D: int, dtype: torch.dtype, device: torch.device) -> Attention
     window_first = _env_int(ENV_WINDOW_FIRST)
     if tiles.long_into_out:
         tiles = dataclasses.replace(tiles, window_first=True if window_first is None else bool(window_first))
+    sorted_long = _env_int(ENV_SORTED_LONG)
+    if tiles.long_block:
+        tiles = dataclasses.replace(tiles, sorted_long=True if sorted_long is None else bool(sorted_long))
     return tiles
 
 
@@ -588,19 +623,35 @@ def _base_tiles(D: int, dtype: torch.dtype, device: torch.device) -> AttentionTi
     return AttentionTiles(block_m=32, block_n=32, num_warps=8, num_stages=1)
 
 
-def tile_unions(idx: torch.Tensor, block_m: int, use_kernel: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+class TileUnions(NamedTuple):
+    """The long tiles of a forward: which queries each tile holds and the cells they selected.
+
+    union int32 [B * Hq, NT, block_m * K]: each tile's distinct cells ascending, -1 padded
+    (NT = ceil(T / block_m)); count int32 [B * Hq, NT]: the number of cells in each union;
+    order int32 [B * Hq, T] or None: tile t of row b * Hq + h holds the positions
+    order[b * Hq + h, t * block_m:][:block_m] (`long_query_order`); None: consecutive positions."""
+
+    union: torch.Tensor
+    count: torch.Tensor
+    order: Optional[torch.Tensor]
+
+
+def tile_unions(idx: torch.Tensor, block_m: int, use_kernel: bool | None = None, order=None) -> TileUnions:
     """The cells selected by the queries of each tile of `block_m` positions, per (b, h).
 
     Args:
         idx: int [B, T, Hq, K] selected cells, -1 padded, any order (contiguous).
         use_kernel: one Triton launch (`_tile_union_kernel`) instead of torch sorts; default: on
             CUDA (the interpreter runs tl.sort slowly, so CPU uses torch unless asked).
+        order: int32 [B * Hq, T] (`long_query_order`): the tiles hold these positions, block_m
+            after block_m; None: consecutive positions.
     Returns:
-        union int32 [B * Hq, NT, block_m * K]: each tile's distinct cells ascending, -1 padded
-        (NT = ceil(T / block_m)); count int32 [B * Hq, NT]: the number of cells in each union.
+        TileUnions(union, count, order).
     """
     B, T, Hq, K = idx.shape
     NT = -(-T // block_m)
+    if order is not None and (tuple(order.shape) != (B * Hq, T) or order.dtype != torch.int32 or order.device != idx.device):
+        raise ValueError(f"order must be int32 [B * Hq={B * Hq}, T={T}] on {idx.device}, got {order.dtype} {tuple(order.shape)} on {order.device}")
     if use_kernel is None:
         use_kernel = idx.is_cuda
     if use_kernel:
@@ -609,11 +660,13 @@ def tile_unions(idx: torch.Tensor, block_m: int, use_kernel: bool | None = None)
         if union.numel():
             u_p = next_pow2(block_m * K)
             _tile_union_kernel[(NT, B * Hq)](
-                idx, union, count, T, Hq, NT, KSEL=K, BLOCK_M=block_m, U_MAX=block_m * K, U_P=u_p,
-                num_warps=4 if u_p >= 256 else 1,
+                idx, order if order is not None else count, union, count, T, Hq, NT, KSEL=K, BLOCK_M=block_m,
+                U_MAX=block_m * K, U_P=u_p, HAS_ORDER=order is not None, num_warps=4 if u_p >= 256 else 1,
             )  # fmt: skip
-        return union, count
-    x = idx.permute(0, 2, 1, 3).to(torch.int32)  # (B, Hq, T, K)
+        return TileUnions(union, count, order)
+    x = idx.permute(0, 2, 1, 3).reshape(B * Hq, T, K).to(torch.int32)  # (B*Hq, T, K)
+    if order is not None:
+        x = x.gather(1, order.long()[:, :, None].expand(-1, -1, K))
     x = torch.nn.functional.pad(x, (0, 0, 0, NT * block_m - T), value=-1)
     x = x.reshape(B * Hq, NT, block_m * K)  # (B*Hq, NT, block_m*K)
     big = torch.iinfo(torch.int32).max
@@ -623,7 +676,102 @@ def tile_unions(idx: torch.Tensor, block_m: int, use_kernel: bool | None = None)
     dup[..., 1:] = x[..., 1:] == x[..., :-1]
     x = torch.sort(torch.where(dup, big, x), dim=-1).values
     count = (x != big).sum(dim=-1, dtype=torch.int32)
-    return torch.where(x == big, -1, x).contiguous(), count.contiguous()
+    return TileUnions(torch.where(x == big, -1, x).contiguous(), count.contiguous(), order)
+
+
+@triton.jit
+def _order_key_kernel(
+    IDX,  # int32 / int64 [B, T, Hq, KSEL]
+    KEY,  # int64 [ROWS, T] (out): the keys of rows ROW0 .. ROW0 + ROWS - 1 (row = b * Hq + h)
+    T,
+    Hq,
+    ROW0,
+    N_CELLS,  # cells of a sequence; an absent cell (-1) counts as N_CELLS
+    BITS,  # bits per cell in the key (N_CELLS < 2**BITS)
+    SLOTS,  # cells packed into the key (<= KSEL, SLOTS * BITS <= 62)
+    KSEL: tl.constexpr,
+    K_P: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One program per (BLOCK positions, row of the chunk): the query's cells ascending, the first
+    SLOTS of them packed BITS apart (the lowest cell in the highest bits)."""
+    pid = tl.program_id(0).to(tl.int64)
+    row = tl.program_id(1).to(tl.int64)
+    b = (ROW0 + row) // Hq
+    h = (ROW0 + row) % Hq
+    offs = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    ok = offs < T
+    kk = tl.arange(0, K_P)
+    x = tl.load(IDX + ((b * T + offs) * Hq + h)[:, None] * KSEL + kk[None, :],
+                mask=ok[:, None] & (kk < KSEL)[None, :], other=-1).to(tl.int64)  # fmt: skip
+    x = tl.sort(tl.where(x < 0, N_CELLS, x), 1)
+    shift = tl.where(kk < SLOTS, (SLOTS - 1 - kk) * BITS, 0).to(tl.int64)
+    key = tl.sum(tl.where((kk < SLOTS)[None, :], x << shift[None, :], 0), 1)
+    tl.store(KEY + row * T + offs, key, mask=ok)
+
+
+# Bytes of sort keys and sort outputs `long_query_order` holds at once (heads are sorted in chunks:
+# the forward's peak memory at 128k, H 16, stays within o + the statistics + ~0.1 GiB).
+ORDER_CHUNK_BYTES = 8 << 20
+
+
+def order_key_layout(n_cells: int, top_k: int) -> tuple[int, int]:
+    """(bits per cell, cells packed) of the sort key of `long_query_order`: the cells 0 .. n_cells
+    (n_cells: absent) need BITS bits; as many of a query's top_k cells as fit in 62 bits."""
+    bits = max(1, int(n_cells).bit_length())
+    return bits, max(1, min(top_k, 62 // bits))
+
+
+def long_query_order(idx: torch.Tensor, cell: int, use_kernel: bool | None = None) -> torch.Tensor:
+    """The positions of each (b, h) sorted by their selections: int32 [B * Hq, T].
+
+    The long kernel's tiles then hold queries that selected the same or nearly the same cells, so a
+    tile's union is small: on iid keys (FS-L, T 65536) a 64-query tile of consecutive positions
+    selects ~19 distinct cells, a tile of sorted positions ~7. The key of a query: its cells
+    ascending (absent last), as many packed in an int64 as fit (`order_key_layout`: all 4 up to
+    T = 2**20 with cell 32), lexicographic; ties keep position order (stable sort). A row's bits
+    never depend on the tile it lands in (spec L12, see the module docstring), so the order changes
+    which queries share a tile, not any output bit.
+
+    Args:
+        idx: int32 / int64 [B, T, Hq, K] selected cells (-1: none), contiguous.
+        cell: tokens per cell (the number of cells is ceil(T / cell)).
+        use_kernel: the key in one Triton launch per chunk of rows; default: on CUDA (torch ops
+            otherwise, same keys).
+    """
+    B, T, Hq, K = idx.shape
+    n_cells = -(-T // cell)
+    bits, slots = order_key_layout(n_cells, K)
+    rows = B * Hq
+    order = torch.empty(rows, T, dtype=torch.int32, device=idx.device)
+    if order.numel() == 0:
+        return order
+    if use_kernel is None:
+        use_kernel = idx.is_cuda
+    chunk = max(1, ORDER_CHUNK_BYTES // (T * 24))  # key, sorted key, indices: 8 bytes each per position
+    for row0 in range(0, rows, chunk):
+        n = min(chunk, rows - row0)
+        if use_kernel:
+            key = torch.empty(n, T, dtype=torch.int64, device=idx.device)
+            block = 256
+            _order_key_kernel[(-(-T // block), n)](
+                idx, key, T, Hq, row0, n_cells, bits, slots, KSEL=K, K_P=next_pow2(K), BLOCK=block, num_warps=4,
+            )  # fmt: skip
+        else:
+            x = idx.permute(0, 2, 1, 3).reshape(rows, T, K)[row0 : row0 + n].to(torch.int64)
+            x = torch.where(x < 0, n_cells, x).sort(dim=-1).values
+            key = torch.zeros(n, T, dtype=torch.int64, device=idx.device)
+            for i in range(slots):
+                key = (key << bits) | x[..., i]
+        order[row0 : row0 + n] = torch.sort(key, dim=-1, stable=True).indices
+    return order
+
+
+def forward_unions(idx: torch.Tensor, cfg, tiles: "AttentionTiles") -> TileUnions:
+    """The long tiles `launch_forward` expects for these tiles: tiles.union_rows queries per tile,
+    sorted by selection (`long_query_order`) when tiles.sorted_long."""
+    order = long_query_order(idx, cfg.cell) if tiles.sorted_long else None
+    return tile_unions(idx, tiles.union_rows, order=order)
 
 
 # Bytes of rotated keys the forward holds at once (`rotation_chunk_tiles`): with H 16, D 64, bf16
@@ -704,20 +852,28 @@ def attention_forward(q, k, v, idx, beta, cos, sin, cfg, tiles: AttentionTiles |
     """
     _check_inputs(q, k, v, idx, beta, cos, sin, cfg)
     tiles = tiles or default_tiles(q.shape[3], q.dtype, q.device)
-    union, count = tile_unions(idx, tiles.union_rows)
-    return launch_forward(q, k, v, idx, union, count, beta, cos, sin, cfg, tiles)
+    return launch_forward(q, k, v, idx, forward_unions(idx, cfg, tiles), beta, cos, sin, cfg, tiles)
 
 
-def _check_union(union, count, q, cfg, tiles: AttentionTiles) -> None:
-    """union / count must have the shapes `tile_unions(idx, tiles.union_rows)` gives."""
+def _check_union(unions: TileUnions, q, cfg, tiles: AttentionTiles) -> None:
+    """unions must have the shapes `forward_unions(idx, cfg, tiles)` gives (an order exactly when
+    tiles.sorted_long)."""
     B, T, Hq, _ = q.shape
     rows, K = tiles.union_rows, cfg.top_k
     NU = -(-T // rows)
+    union, count, order = unions
     if tuple(union.shape) != (B * Hq, NU, rows * K) or tuple(count.shape) != (B * Hq, NU):
         raise ValueError(
             f"union {tuple(union.shape)} / count {tuple(count.shape)} must come from tile_unions(idx, {rows}): "
             f"[{B * Hq}, {NU}, {rows * K}] / [{B * Hq}, {NU}]"
         )
+    if (order is not None) != tiles.sorted_long:
+        raise ValueError(
+            f"tiles.sorted_long={tiles.sorted_long} but the unions were made {'with' if order is not None else 'without'} "
+            "an order: use forward_unions(idx, cfg, tiles)"
+        )
+    for name, x in (("union", union), ("count", count)) + ((("order", order),) if order is not None else ()):
+        _check_placed(name, x, q)
 
 
 def _outputs(q: torch.Tensor, tiles: AttentionTiles) -> tuple:
@@ -737,16 +893,19 @@ def _common_constexprs(D: int, cfg, tiles: AttentionTiles) -> dict:
                 K_P=next_pow2(cfg.top_k), PREFETCH=tiles.prefetch)  # fmt: skip
 
 
-def _launch_long(q, k, v, idx, union, count, beta, cfg, tiles: AttentionTiles, outputs) -> None:
+def _launch_long(q, k, v, idx, unions: TileUnions, beta, cfg, tiles: AttentionTiles, outputs) -> None:
     """The split long kernel (tiles.long_block > 0): writes the long term into outputs' long_term
     (adds it to o with window_first) and lse_long, rstd."""
     B, T, Hq, D = q.shape
     o, _, lse_long, rstd, long_term = outputs
     rows = tiles.union_rows
     NU = -(-T // rows)
+    union, count, order = unions
     _long_fwd_kernel[(NU, B * Hq)](
-        q, k, v, idx, union, count, beta, long_term, lse_long, rstd, T, Hq, k.shape[2], NU, LOG2E / math.sqrt(D), cfg.eps,
-        BLOCK_M=rows, U_MAX=rows * cfg.top_k, ADD_TO_OUT=tiles.window_first, num_warps=tiles.long_warps, num_stages=1,
+        q, k, v, idx, union, count, order if order is not None else count, beta, long_term, lse_long, rstd,
+        T, Hq, k.shape[2], NU, LOG2E / math.sqrt(D), cfg.eps,
+        BLOCK_M=rows, U_MAX=rows * cfg.top_k, ADD_TO_OUT=tiles.window_first, HAS_ORDER=order is not None,
+        num_warps=tiles.long_warps, num_stages=1,
         **_common_constexprs(D, cfg, tiles),
     )  # fmt: skip
 
@@ -784,18 +943,18 @@ def _launch_window(q, k, v, idx, union, count, beta, cos, sin, cfg, tiles: Atten
         )  # fmt: skip
 
 
-def launch_forward(q, k, v, idx, union, count, beta, cos, sin, cfg, tiles: AttentionTiles):
+def launch_forward(q, k, v, idx, unions: TileUnions, beta, cos, sin, cfg, tiles: AttentionTiles):
     """The kernel launches of `attention_forward` on validated inputs and
-    `tile_unions(idx, tiles.union_rows)` (exposed so that benchmarks can time the kernels apart
+    `forward_unions(idx, cfg, tiles)` (exposed so that benchmarks can time the kernels apart
     from the union's sort): the fused kernel, or (tiles.long_block > 0) the long kernel and then
     the window kernel (window_first: the window kernel, then the long kernel adding its term)."""
-    _check_union(union, count, q, cfg, tiles)
+    _check_union(unions, q, cfg, tiles)
     outputs = _outputs(q, tiles)
     if tiles.long_block and not tiles.window_first:
-        _launch_long(q, k, v, idx, union, count, beta, cfg, tiles, outputs)
-    _launch_window(q, k, v, idx, union, count, beta, cos, sin, cfg, tiles, outputs)
+        _launch_long(q, k, v, idx, unions, beta, cfg, tiles, outputs)
+    _launch_window(q, k, v, idx, unions.union, unions.count, beta, cos, sin, cfg, tiles, outputs)
     if tiles.window_first:
-        _launch_long(q, k, v, idx, union, count, beta, cfg, tiles, outputs)
+        _launch_long(q, k, v, idx, unions, beta, cfg, tiles, outputs)
     return outputs[:4]
 
 
@@ -835,10 +994,10 @@ def forward_with_selection(q, k, v, select, beta, cos, sin, cfg, tiles: Attentio
         side.wait_stream(main)
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
         idx = select(q, k)
-        union, count = tile_unions(idx, tiles.union_rows)
+        unions = forward_unions(idx, cfg, tiles)
     _launch_window(q, k, v, unused, unused, unused, beta, cos, sin, cfg, tiles, outputs)
     if side is not None:
         main.wait_stream(side)
     _check_idx(idx, q, cfg)
-    _launch_long(q, k, v, idx, union, count, beta, cfg, tiles, outputs)
+    _launch_long(q, k, v, idx, unions, beta, cfg, tiles, outputs)
     return idx, outputs[:4]

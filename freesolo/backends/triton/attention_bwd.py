@@ -1376,7 +1376,7 @@ def attention_backward(
         from .attention import tile_unions
 
         bu = tiles.block_u
-        union, count = tile_unions(idx, bu)
+        union, count, _ = tile_unions(idx, bu)
         nt = union.shape[1]
         _bwd_long_tile_kernel[(nt, B * Hq)](
             do,
