@@ -399,24 +399,28 @@ def test_sorted_long_tiles_change_no_bit():
 
 @pytest.mark.parametrize("use_kernel", [False, True], ids=["torch", "kernel"])
 def test_long_query_order(use_kernel):
-    """long_query_order: per (b, h) a permutation of the positions, sorted by the key of
-    `order_key_layout` (the query's cells ascending, absent last, lexicographic), ties in position
-    order; the key packs only what fits (few slots for many cells); tile_unions over the order
-    are the unions of the ordered positions."""
+    """long_query_order: per (b, h) and chunk of positions a permutation of the chunk, sorted by
+    the key of `order_key_layout` (the query's cells ascending, absent as the largest id,
+    lexicographic over the packed slots), ties in position order; the key packs only what fits;
+    tile_unions over the order are the unions of the ordered positions."""
     from freesolo.backends.triton.attention import long_query_order, order_key_layout
 
-    assert order_key_layout(2048, 4) == (12, 4) and order_key_layout(2**20, 4) == (21, 2)
+    assert order_key_layout(2048, 4, 4096) == (11, 4) and order_key_layout(4096, 4, 4096) == (12, 4)
+    assert order_key_layout(2**15, 4, 4096) == (15, 3) and order_key_layout(2**20, 4, 4096) == (20, 2)
     rng = np.random.default_rng(4)
-    B, T, Hq, K, cell = (1, 9, 2, 3, 4) if use_kernel else (2, 37, 3, 3, 4)
+    B, T, Hq, K, cell, chunk = (1, 21, 2, 3, 4, 8) if use_kernel else (2, 37, 3, 3, 4, 16)
     idx = rng.integers(-1, 6, size=(B, T, Hq, K))
     idx[0, 1, 0] = [2, -1, 0]  # absent in the middle: sorts as (0, 2, absent)
-    order = long_query_order(torch.from_numpy(idx).to(DEVICE), cell, use_kernel=use_kernel)
+    order = long_query_order(torch.from_numpy(idx).to(DEVICE), cell, use_kernel=use_kernel, chunk=chunk)
     assert order.dtype == torch.int32 and order.shape == (B * Hq, T)
-    n_cells = -(-T // cell)
+    bits, slots = order_key_layout(-(-T // cell), K, chunk)
+    assert slots == K
     for b in range(B):
         for h in range(Hq):
-            keys = [tuple(sorted(n_cells if c < 0 else int(c) for c in idx[b, t, h])) for t in range(T)]
-            want = sorted(range(T), key=lambda t: (keys[t], t))
+            keys = [tuple(sorted((1 << bits) - 1 if c < 0 else int(c) for c in idx[b, t, h])) for t in range(T)]
+            want = []
+            for c0 in range(0, T, chunk):
+                want += sorted(range(c0, min(T, c0 + chunk)), key=lambda t: (keys[t], t))
             assert order[b * Hq + h].tolist() == want, (b, h)
     bm = 4
     union, count, got_order = tile_unions(torch.from_numpy(idx).to(DEVICE), bm, use_kernel=use_kernel, order=order)
@@ -430,6 +434,8 @@ def test_long_query_order(use_kernel):
                 assert count[b * Hq + h, j] == len(want)
     with pytest.raises(ValueError, match="order must be int32"):
         tile_unions(torch.from_numpy(idx).to(DEVICE), bm, order=order.long())
+    with pytest.raises(ValueError, match="chunk=12 must be a power of two"):
+        long_query_order(torch.from_numpy(idx).to(DEVICE), cell, chunk=12)
 
 
 @needs_cuda
@@ -441,12 +447,10 @@ def test_cuda_sorted_long_kernels_match():
 
     g = torch.Generator(device="cuda").manual_seed(5)
     idx = torch.randint(-1, 300, (2, 30001, 5, 4), device="cuda", generator=g)
-    for chunk in (att.ORDER_CHUNK_BYTES, 30001 * 24 * 3):  # 1 and 4 key chunks of rows
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(att, "ORDER_CHUNK_BYTES", chunk)
-            a = att.long_query_order(idx, 32, use_kernel=True)
-            b = att.long_query_order(idx, 32, use_kernel=False)
-        assert torch.equal(a, b)
+    for chunk in (None, 1024):
+        a = att.long_query_order(idx, 32, use_kernel=True, chunk=chunk)
+        b = att.long_query_order(idx, 32, use_kernel=False, chunk=chunk)
+        assert torch.equal(a, b), f"chunk={chunk}"
     for block_m in (16, 64):
         x = tile_unions(idx, block_m, use_kernel=True, order=a)
         y = tile_unions(idx, block_m, use_kernel=False, order=a)

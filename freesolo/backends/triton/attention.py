@@ -67,7 +67,7 @@ __all__ = [
     "launch_forward",
     "long_query_order",
     "order_key_layout",
-    "ORDER_CHUNK_BYTES",
+    "ORDER_CHUNK",
     "ROTATION_CHUNK_BYTES",
     "ROTATION_CHUNK_MIN_POSITIONS",
     "rotation_chunk_tiles",
@@ -525,9 +525,9 @@ class AttentionTiles:
     window_first: bool = False
     # long_block > 0 only (`default_tiles` sets it whenever long_block > 0 since s27; the environment
     # switch FREESOLO_TRITON_SORTED_LONG=0 turns it off): the long kernel's tiles hold the queries
-    # of each (b, h) sorted by their selected cells (`long_query_order`) instead of consecutive
-    # positions, so a tile's union holds few cells (iid keys, FS-L 64k: ~7 against ~19). The order
-    # changes no output bit (row independence, L12).
+    # of each (b, h) sorted by their selected cells within chunks of positions (`long_query_order`)
+    # instead of consecutive positions, so a tile's union holds few cells. The order changes no
+    # output bit (row independence, L12).
     sorted_long: bool = False
     # (s26 also tried the long kernel over aligned pairs of cells, one softmax step per pair, which
     # keeps row independence: on iid keys a 64-query tile's pair union held 22.8 pairs against 23.3
@@ -680,91 +680,98 @@ def tile_unions(idx: torch.Tensor, block_m: int, use_kernel: bool | None = None,
 
 
 @triton.jit
-def _order_key_kernel(
+def _order_kernel(
     IDX,  # int32 / int64 [B, T, Hq, KSEL]
-    KEY,  # int64 [ROWS, T] (out): the keys of rows ROW0 .. ROW0 + ROWS - 1 (row = b * Hq + h)
+    ORDER,  # int32 [B * Hq, T] (out)
     T,
     Hq,
-    ROW0,
-    N_CELLS,  # cells of a sequence; an absent cell (-1) counts as N_CELLS
-    BITS,  # bits per cell in the key (N_CELLS < 2**BITS)
-    SLOTS,  # cells packed into the key (<= KSEL, SLOTS * BITS <= 62)
+    BITS,  # bits per cell in the key (`order_key_layout`)
+    SLOTS,  # cells packed into the key
     KSEL: tl.constexpr,
     K_P: tl.constexpr,
-    BLOCK: tl.constexpr,
+    CHUNK: tl.constexpr,  # positions sorted together (a power of two)
+    POS_BITS: tl.constexpr,  # log2(CHUNK)
 ):
-    """One program per (BLOCK positions, row of the chunk): the query's cells ascending, the first
-    SLOTS of them packed BITS apart (the lowest cell in the highest bits)."""
-    pid = tl.program_id(0).to(tl.int64)
-    row = tl.program_id(1).to(tl.int64)
-    b = (ROW0 + row) // Hq
-    h = (ROW0 + row) % Hq
-    offs = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    ok = offs < T
+    """One program per (chunk of CHUNK positions, b * Hq + h): each query's cells ascending (absent
+    as the largest cell id), the first SLOTS packed BITS apart above its position in the chunk
+    (unique keys), the chunk's keys sorted in registers (tl.sort), their positions written in order."""
+    chunk0 = tl.program_id(0).to(tl.int64) * CHUNK
+    pid_bh = tl.program_id(1).to(tl.int64)
+    b = pid_bh // Hq
+    h = pid_bh % Hq
+    local = tl.arange(0, CHUNK)
+    pos = chunk0 + local
+    ok = pos < T
     kk = tl.arange(0, K_P)
-    x = tl.load(IDX + ((b * T + offs) * Hq + h)[:, None] * KSEL + kk[None, :],
-                mask=ok[:, None] & (kk < KSEL)[None, :], other=-1).to(tl.int64)  # fmt: skip
-    x = tl.sort(tl.where(x < 0, N_CELLS, x), 1)
-    shift = tl.where(kk < SLOTS, (SLOTS - 1 - kk) * BITS, 0).to(tl.int64)
-    key = tl.sum(tl.where((kk < SLOTS)[None, :], x << shift[None, :], 0), 1)
-    tl.store(KEY + row * T + offs, key, mask=ok)
+    x = tl.load(IDX + ((b * T + pos) * Hq + h)[:, None] * KSEL + kk[None, :],
+                mask=ok[:, None] & (kk < KSEL)[None, :], other=-1).to(tl.int32)  # fmt: skip
+    x = tl.sort(tl.where(x < 0, (1 << BITS) - 1, x), 1)
+    shift = tl.where(kk < SLOTS, (SLOTS - 1 - kk) * BITS + POS_BITS, 0).to(tl.int64)
+    key = tl.sum(tl.where((kk < SLOTS)[None, :], x.to(tl.int64) << shift[None, :], 0), 1) | local.to(tl.int64)
+    key = tl.sort(tl.where(ok, key, 9223372036854775807), 0)  # padding (past T) last
+    tl.store(ORDER + pid_bh * T + pos, (chunk0 + (key & (CHUNK - 1))).to(tl.int32), mask=ok)
 
 
-# Bytes of sort keys and sort outputs `long_query_order` holds at once (heads are sorted in chunks:
-# the forward's peak memory at 128k, H 16, stays within o + the statistics + ~0.1 GiB).
-ORDER_CHUNK_BYTES = 8 << 20
+# Positions whose order `long_query_order` sorts together (one program each, in registers): on iid
+# keys (FS-L, T 65536, H 4 on the CPU) 64-query unions of ~9 cells, against ~7 with one sort of
+# all T positions and ~19 without sorting.
+ORDER_CHUNK = 4096
 
 
-def order_key_layout(n_cells: int, top_k: int) -> tuple[int, int]:
-    """(bits per cell, cells packed) of the sort key of `long_query_order`: the cells 0 .. n_cells
-    (n_cells: absent) need BITS bits; as many of a query's top_k cells as fit in 62 bits."""
-    bits = max(1, int(n_cells).bit_length())
-    return bits, max(1, min(top_k, 62 // bits))
+def order_key_layout(n_cells: int, top_k: int, chunk: int) -> tuple[int, int]:
+    """(bits per cell, cells packed) of the sort key of `long_query_order`: the cell ids
+    0 .. n_cells - 1 need BITS bits (an absent cell counts as 2**BITS - 1), the position in the
+    chunk log2(chunk) bits; as many of a query's top_k cells as fit in 62 bits."""
+    bits = max(1, int(n_cells - 1).bit_length())
+    return bits, max(1, min(top_k, (62 - (chunk.bit_length() - 1)) // bits))
 
 
-def long_query_order(idx: torch.Tensor, cell: int, use_kernel: bool | None = None) -> torch.Tensor:
-    """The positions of each (b, h) sorted by their selections: int32 [B * Hq, T].
+def long_query_order(idx: torch.Tensor, cell: int, use_kernel: bool | None = None, chunk: int | None = None) -> torch.Tensor:
+    """The positions of each (b, h), sorted by their selections within chunks: int32 [B * Hq, T].
 
     The long kernel's tiles then hold queries that selected the same or nearly the same cells, so a
-    tile's union is small: on iid keys (FS-L, T 65536) a 64-query tile of consecutive positions
-    selects ~19 distinct cells, a tile of sorted positions ~7. The key of a query: its cells
-    ascending (absent last), as many packed in an int64 as fit (`order_key_layout`: all 4 up to
-    T = 2**20 with cell 32), lexicographic; ties keep position order (stable sort). A row's bits
-    never depend on the tile it lands in (spec L12, see the module docstring), so the order changes
-    which queries share a tile, not any output bit.
+    tile's union is small (iid keys, FS-L, T 65536: ~9 cells per 64-query tile against ~19 for
+    consecutive positions). Within each chunk of `chunk` positions (default ORDER_CHUNK, at most
+    the next power of two >= T), the queries are sorted by their cells ascending (absent last),
+    lexicographic over as many cells as `order_key_layout` packs (all 4 up to T = 2**19 with cell
+    32 and chunk 4096), ties in position order. A row's bits never depend on the tile it lands in
+    (spec L12, see the module docstring): the order changes which queries share a tile, no output bit.
 
     Args:
         idx: int32 / int64 [B, T, Hq, K] selected cells (-1: none), contiguous.
         cell: tokens per cell (the number of cells is ceil(T / cell)).
-        use_kernel: the key in one Triton launch per chunk of rows; default: on CUDA (torch ops
-            otherwise, same keys).
+        use_kernel: one Triton launch (`_order_kernel`); default: on CUDA (torch ops otherwise,
+            the same order).
+        chunk: positions sorted together, a power of two (default ORDER_CHUNK, at most next_pow2(T)).
     """
     B, T, Hq, K = idx.shape
-    n_cells = -(-T // cell)
-    bits, slots = order_key_layout(n_cells, K)
+    chunk = chunk or min(ORDER_CHUNK, next_pow2(max(T, 16)))
+    if chunk & (chunk - 1):
+        raise ValueError(f"chunk={chunk} must be a power of two")
+    bits, slots = order_key_layout(-(-T // cell), K, chunk)
+    pos_bits = chunk.bit_length() - 1
     rows = B * Hq
     order = torch.empty(rows, T, dtype=torch.int32, device=idx.device)
     if order.numel() == 0:
         return order
     if use_kernel is None:
         use_kernel = idx.is_cuda
-    chunk = max(1, ORDER_CHUNK_BYTES // (T * 24))  # key, sorted key, indices: 8 bytes each per position
-    for row0 in range(0, rows, chunk):
-        n = min(chunk, rows - row0)
-        if use_kernel:
-            key = torch.empty(n, T, dtype=torch.int64, device=idx.device)
-            block = 256
-            _order_key_kernel[(-(-T // block), n)](
-                idx, key, T, Hq, row0, n_cells, bits, slots, KSEL=K, K_P=next_pow2(K), BLOCK=block, num_warps=4,
-            )  # fmt: skip
-        else:
-            x = idx.permute(0, 2, 1, 3).reshape(rows, T, K)[row0 : row0 + n].to(torch.int64)
-            x = torch.where(x < 0, n_cells, x).sort(dim=-1).values
-            key = torch.zeros(n, T, dtype=torch.int64, device=idx.device)
-            for i in range(slots):
-                key = (key << bits) | x[..., i]
-        order[row0 : row0 + n] = torch.sort(key, dim=-1, stable=True).indices
-    return order
+    if use_kernel:
+        _order_kernel[(-(-T // chunk), rows)](
+            idx, order, T, Hq, bits, slots, KSEL=K, K_P=next_pow2(K), CHUNK=chunk, POS_BITS=pos_bits,
+            num_warps=8 if chunk >= 4096 else 4,
+        )  # fmt: skip
+        return order
+    x = idx.permute(0, 2, 1, 3).reshape(rows, T, K).to(torch.int64)
+    x = torch.where(x < 0, (1 << bits) - 1, x).sort(dim=-1).values
+    n_chunks = -(-T // chunk)
+    key = torch.full((rows, n_chunks * chunk), torch.iinfo(torch.int64).max, dtype=torch.int64, device=idx.device)
+    key[:, :T] = torch.arange(T, device=idx.device) % chunk  # padding (past T) sorts last
+    for i in range(slots):
+        key[:, :T] |= x[..., i] << ((slots - 1 - i) * bits + pos_bits)
+    key = key.view(rows, n_chunks, chunk).sort(dim=-1).values
+    starts = torch.arange(n_chunks, device=idx.device)[:, None] * chunk
+    return (starts + (key & (chunk - 1))).reshape(rows, -1)[:, :T].to(torch.int32).contiguous()
 
 
 def forward_unions(idx: torch.Tensor, cfg, tiles: "AttentionTiles") -> TileUnions:
