@@ -125,10 +125,9 @@ def forward_check() -> None:
         constexprs = {**common, "BLOCK_M": 64, "U_MAX": 256, "ADD_TO_OUT": add, "HAS_ORDER": order}
         r = usage(A._long_fwd_kernel, long_sig, constexprs, 4, 1)
         print(f"ok  _long_fwd_kernel ADD_TO_OUT={add} HAS_ORDER={order}: {r}")
-    order_sig = {"IDX": "*i32", "ORDER": "*i32", "T": "i32", "Hq": "i32", "BITS": "i32", "SLOTS": "i32"}
-    for chunk, warps in ((4096, 8), (8192, 16)):
-        r = usage(A._order_kernel, order_sig, {"KSEL": 4, "K_P": 4, "CHUNK": chunk, "POS_BITS": chunk.bit_length() - 1}, warps, 1)
-        print(f"ok  _order_kernel CHUNK={chunk} ({warps} warps): {r}")
+    key_sig = {"IDX": "*i32", "KEY": "*i64", "T": "i32", "T_PAD": "i32", "Hq": "i32", "BITS": "i32", "SLOTS": "i32"}
+    r = usage(A._order_key_kernel, key_sig, {"KSEL": 4, "K_P": 4, "POS_BITS": 12, "BLOCK": 256}, 4, 1)
+    print(f"ok  _order_key_kernel: {r}")
     union_sig = {"IDX": "*i32", "ORDER": "*i32", "UNION": "*i32", "COUNT": "*i32", "T": "i32", "Hq": "i32", "NT": "i32"}
     for order in (False, True):
         r = usage(A._tile_union_kernel, union_sig, {"KSEL": 4, "BLOCK_M": 64, "U_MAX": 256, "U_P": 256, "HAS_ORDER": order}, 4, 1)

@@ -379,11 +379,14 @@ def test_window_first_equals_long_into_out():
         AttentionTiles(32, 32, 1, 1, long_block=16, window_first=True)
 
 
-def test_sorted_long_tiles_change_no_bit():
+def test_sorted_long_tiles_change_no_bit(monkeypatch):
     """AttentionTiles.sorted_long (the long tiles hold queries sorted by selection,
     `long_query_order`) gives the bits of consecutive tiles, every output and statistic (spec L12:
     a row's steps are its own cells in ascending order whatever tile it lands in), with GQA, B 2,
     a partial last tile and queries without cells; and matches the oracle."""
+    from freesolo.backends.triton import attention as att
+
+    monkeypatch.setattr(att, "SORTED_LONG_MIN_T", 0)  # sort at any length (the default skips short sequences)
     cfg = _cfg(variant="fsl", top_k=3)
     q, k, v = random_qkv(14, 2, 90, 4, 2, 16)
     beta = np.array([1.0, -0.5, 0.25, 2.0])
@@ -569,9 +572,12 @@ def test_tiles_switches():
     with pytest.raises(ValueError, match="tile_unions\\(idx, 16\\)"):
         att.launch_forward(q, k, v, idx, unions, beta, cos, sin, _cfg(top_k=2),
                            AttentionTiles(32, 32, 1, 1, long_block=16))  # fmt: skip
-    with pytest.raises(ValueError, match="sorted_long=True but the unions were made without an order"):
-        att.launch_forward(q, k, v, idx, tile_unions(idx, 16), beta, cos, sin, _cfg(top_k=2),
-                           AttentionTiles(32, 32, 1, 1, long_block=16, sorted_long=True))  # fmt: skip
+    sorted_tiles = AttentionTiles(32, 32, 1, 1, long_block=16, sorted_long=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(att, "SORTED_LONG_MIN_T", 0)
+        with pytest.raises(ValueError, match="sorted_long=True .* but the unions were made without an order"):
+            att.launch_forward(q, k, v, idx, tile_unions(idx, 16), beta, cos, sin, _cfg(top_k=2), sorted_tiles)
+    assert att.forward_unions(idx, _cfg(top_k=2), sorted_tiles).order is None  # T 40 < SORTED_LONG_MIN_T
     with pytest.raises(ValueError, match="sorted_long=True needs the separate long kernel"):
         AttentionTiles(32, 32, 1, 1, sorted_long=True)
 

@@ -68,6 +68,8 @@ __all__ = [
     "long_query_order",
     "order_key_layout",
     "ORDER_CHUNK",
+    "SORTED_LONG_MIN_T",
+    "sorts_long_tiles",
     "ROTATION_CHUNK_BYTES",
     "ROTATION_CHUNK_MIN_POSITIONS",
     "rotation_chunk_tiles",
@@ -680,42 +682,46 @@ def tile_unions(idx: torch.Tensor, block_m: int, use_kernel: bool | None = None,
 
 
 @triton.jit
-def _order_kernel(
+def _order_key_kernel(
     IDX,  # int32 / int64 [B, T, Hq, KSEL]
-    ORDER,  # int32 [B * Hq, T] (out)
+    KEY,  # int64 [B * Hq, T_PAD] (out), T_PAD = T rounded up to a multiple of the chunk
     T,
+    T_PAD,
     Hq,
     BITS,  # bits per cell in the key (`order_key_layout`)
     SLOTS,  # cells packed into the key
     KSEL: tl.constexpr,
     K_P: tl.constexpr,
-    CHUNK: tl.constexpr,  # positions sorted together (a power of two)
-    POS_BITS: tl.constexpr,  # log2(CHUNK)
+    POS_BITS: tl.constexpr,  # log2(chunk)
+    BLOCK: tl.constexpr,
 ):
-    """One program per (chunk of CHUNK positions, b * Hq + h): each query's cells ascending (absent
-    as the largest cell id), the first SLOTS packed BITS apart above its position in the chunk
-    (unique keys), the chunk's keys sorted in registers (tl.sort), their positions written in order."""
-    chunk0 = tl.program_id(0).to(tl.int64) * CHUNK
+    """One program per (BLOCK positions, b * Hq + h): the sort key of each query of `long_query_order`:
+    its cells ascending (absent as the largest id), the first SLOTS packed BITS apart above its
+    position in the chunk (unique keys); past T the largest int64 (sorts last)."""
+    pid = tl.program_id(0).to(tl.int64)
     pid_bh = tl.program_id(1).to(tl.int64)
     b = pid_bh // Hq
     h = pid_bh % Hq
-    local = tl.arange(0, CHUNK)
-    pos = chunk0 + local
+    pos = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     ok = pos < T
     kk = tl.arange(0, K_P)
     x = tl.load(IDX + ((b * T + pos) * Hq + h)[:, None] * KSEL + kk[None, :],
                 mask=ok[:, None] & (kk < KSEL)[None, :], other=-1).to(tl.int32)  # fmt: skip
     x = tl.sort(tl.where(x < 0, (1 << BITS) - 1, x), 1)
     shift = tl.where(kk < SLOTS, (SLOTS - 1 - kk) * BITS + POS_BITS, 0).to(tl.int64)
-    key = tl.sum(tl.where((kk < SLOTS)[None, :], x.to(tl.int64) << shift[None, :], 0), 1) | local.to(tl.int64)
-    key = tl.sort(tl.where(ok, key, 9223372036854775807), 0)  # padding (past T) last
-    tl.store(ORDER + pid_bh * T + pos, (chunk0 + (key & (CHUNK - 1))).to(tl.int32), mask=ok)
+    key = tl.sum(tl.where((kk < SLOTS)[None, :], x.to(tl.int64) << shift[None, :], 0), 1) | (pos & ((1 << POS_BITS) - 1))
+    tl.store(KEY + pid_bh * T_PAD + pos, tl.where(ok, key, 9223372036854775807), mask=pos < T_PAD)
 
 
-# Positions whose order `long_query_order` sorts together (one program each, in registers): on iid
-# keys (FS-L, T 65536, H 4 on the CPU) 64-query unions of ~9 cells, against ~7 with one sort of
-# all T positions and ~19 without sorting.
+# Positions whose order `long_query_order` sorts together (torch.sort's in-block path holds at most
+# 4096 per row): on iid keys (FS-L, T 65536, H 4 on the CPU) 64-query unions of ~9 cells, against ~7
+# with one sort of all T positions and ~19 without sorting.
 ORDER_CHUNK = 4096
+# Below this many positions the forward keeps consecutive long tiles (AttentionTiles.sorted_long is
+# not applied): there the forward is host-bound and the order's launches cost more than the
+# smaller unions save (H200, s27 call2: FS-L 4k long kernel 0.056 -> 0.049 ms). Output bits do not
+# depend on it (the order never changes a bit).
+SORTED_LONG_MIN_T = 8192
 
 
 def order_key_layout(n_cells: int, top_k: int, chunk: int) -> tuple[int, int]:
@@ -730,18 +736,19 @@ def long_query_order(idx: torch.Tensor, cell: int, use_kernel: bool | None = Non
     """The positions of each (b, h), sorted by their selections within chunks: int32 [B * Hq, T].
 
     The long kernel's tiles then hold queries that selected the same or nearly the same cells, so a
-    tile's union is small (iid keys, FS-L, T 65536: ~9 cells per 64-query tile against ~19 for
-    consecutive positions). Within each chunk of `chunk` positions (default ORDER_CHUNK, at most
-    the next power of two >= T), the queries are sorted by their cells ascending (absent last),
-    lexicographic over as many cells as `order_key_layout` packs (all 4 up to T = 2**19 with cell
-    32 and chunk 4096), ties in position order. A row's bits never depend on the tile it lands in
-    (spec L12, see the module docstring): the order changes which queries share a tile, no output bit.
+    tile's union is small (H200, iid keys, FS-L, T 65536: ~13 cells per 64-query tile against ~23
+    for consecutive positions). Within each chunk of `chunk` positions (default ORDER_CHUNK, at
+    most the next power of two >= T), the queries are sorted by their cells ascending (absent
+    last), lexicographic over as many cells as `order_key_layout` packs (all 4 up to T = 2**19
+    with cell 32 and chunk 4096), ties in position order. A row's bits never depend on the tile it
+    lands in (spec L12, see the module docstring): the order changes which queries share a tile,
+    no output bit.
 
     Args:
         idx: int32 / int64 [B, T, Hq, K] selected cells (-1: none), contiguous.
         cell: tokens per cell (the number of cells is ceil(T / cell)).
-        use_kernel: one Triton launch (`_order_kernel`); default: on CUDA (torch ops otherwise,
-            the same order).
+        use_kernel: the keys in one Triton launch (`_order_key_kernel`); default: on CUDA (torch
+            ops otherwise, the same keys). Then one torch.sort of the keys per chunk.
         chunk: positions sorted together, a power of two (default ORDER_CHUNK, at most next_pow2(T)).
     """
     B, T, Hq, K = idx.shape
@@ -751,40 +758,48 @@ def long_query_order(idx: torch.Tensor, cell: int, use_kernel: bool | None = Non
     bits, slots = order_key_layout(-(-T // cell), K, chunk)
     pos_bits = chunk.bit_length() - 1
     rows = B * Hq
-    order = torch.empty(rows, T, dtype=torch.int32, device=idx.device)
-    if order.numel() == 0:
-        return order
+    n_chunks = -(-T // chunk)
+    if rows * T == 0:
+        return torch.empty(rows, T, dtype=torch.int32, device=idx.device)
     if use_kernel is None:
         use_kernel = idx.is_cuda
     if use_kernel:
-        _order_kernel[(-(-T // chunk), rows)](
-            idx, order, T, Hq, bits, slots, KSEL=K, K_P=next_pow2(K), CHUNK=chunk, POS_BITS=pos_bits,
-            num_warps=8 if chunk >= 4096 else 4,
+        key = torch.empty(rows, n_chunks * chunk, dtype=torch.int64, device=idx.device)
+        block = 256
+        _order_key_kernel[(-(-n_chunks * chunk // block), rows)](
+            idx, key, T, n_chunks * chunk, Hq, bits, slots, KSEL=K, K_P=next_pow2(K), POS_BITS=pos_bits, BLOCK=block,
+            num_warps=4,
         )  # fmt: skip
-        return order
-    x = idx.permute(0, 2, 1, 3).reshape(rows, T, K).to(torch.int64)
-    x = torch.where(x < 0, (1 << bits) - 1, x).sort(dim=-1).values
-    n_chunks = -(-T // chunk)
-    key = torch.full((rows, n_chunks * chunk), torch.iinfo(torch.int64).max, dtype=torch.int64, device=idx.device)
-    key[:, :T] = torch.arange(T, device=idx.device) % chunk  # padding (past T) sorts last
-    for i in range(slots):
-        key[:, :T] |= x[..., i] << ((slots - 1 - i) * bits + pos_bits)
+    else:
+        x = idx.permute(0, 2, 1, 3).reshape(rows, T, K).to(torch.int64)
+        x = torch.where(x < 0, (1 << bits) - 1, x).sort(dim=-1).values
+        key = torch.full((rows, n_chunks * chunk), torch.iinfo(torch.int64).max, dtype=torch.int64, device=idx.device)
+        key[:, :T] = torch.arange(T, device=idx.device) % chunk  # padding (past T) sorts last
+        for i in range(slots):
+            key[:, :T] |= x[..., i] << ((slots - 1 - i) * bits + pos_bits)
     key = key.view(rows, n_chunks, chunk).sort(dim=-1).values
-    starts = torch.arange(n_chunks, device=idx.device)[:, None] * chunk
-    return (starts + (key & (chunk - 1))).reshape(rows, -1)[:, :T].to(torch.int32).contiguous()
+    key &= chunk - 1  # the position in the chunk
+    key += torch.arange(0, n_chunks * chunk, chunk, device=idx.device)[:, None]
+    return key.view(rows, -1)[:, :T].to(torch.int32)
 
 
 def forward_unions(idx: torch.Tensor, cfg, tiles: "AttentionTiles") -> TileUnions:
     """The long tiles `launch_forward` expects for these tiles: tiles.union_rows queries per tile,
     sorted by selection (`long_query_order`) when tiles.sorted_long."""
-    order = long_query_order(idx, cfg.cell) if tiles.sorted_long else None
+    order = long_query_order(idx, cfg.cell) if sorts_long_tiles(tiles, idx.shape[1]) else None
     return tile_unions(idx, tiles.union_rows, order=order)
 
 
+def sorts_long_tiles(tiles: "AttentionTiles", T: int) -> bool:
+    """Whether the forward's long tiles are sorted by selection: tiles.sorted_long and T >= SORTED_LONG_MIN_T."""
+    return tiles.sorted_long and T >= SORTED_LONG_MIN_T
+
+
 # Bytes of rotated keys the forward holds at once (`rotation_chunk_tiles`): with H 16, D 64, bf16
-# and B 1, 16384 positions; at 128k the forward's peak is then o + 0.03 GiB of keys + the saved
-# statistics, against o + 0.25 GiB with every key rotated at once.
-ROTATION_CHUNK_BYTES = 32 << 20
+# and B 1, 8192 positions; at 128k the forward's peak is then o + 0.016 GiB of keys + the saved
+# statistics, selection, unions and long order, against o + 0.25 GiB with every key rotated at
+# once. (32 MiB until s27: the long order's 8 MiB at 128k took the peak to 1.51x SDPA's.)
+ROTATION_CHUNK_BYTES = 16 << 20
 ROTATION_CHUNK_MIN_POSITIONS = 4096
 
 
@@ -864,7 +879,7 @@ def attention_forward(q, k, v, idx, beta, cos, sin, cfg, tiles: AttentionTiles |
 
 def _check_union(unions: TileUnions, q, cfg, tiles: AttentionTiles) -> None:
     """unions must have the shapes `forward_unions(idx, cfg, tiles)` gives (an order exactly when
-    tiles.sorted_long)."""
+    `sorts_long_tiles`)."""
     B, T, Hq, _ = q.shape
     rows, K = tiles.union_rows, cfg.top_k
     NU = -(-T // rows)
@@ -874,10 +889,10 @@ def _check_union(unions: TileUnions, q, cfg, tiles: AttentionTiles) -> None:
             f"union {tuple(union.shape)} / count {tuple(count.shape)} must come from tile_unions(idx, {rows}): "
             f"[{B * Hq}, {NU}, {rows * K}] / [{B * Hq}, {NU}]"
         )
-    if (order is not None) != tiles.sorted_long:
+    if (order is not None) != sorts_long_tiles(tiles, T):
         raise ValueError(
-            f"tiles.sorted_long={tiles.sorted_long} but the unions were made {'with' if order is not None else 'without'} "
-            "an order: use forward_unions(idx, cfg, tiles)"
+            f"tiles.sorted_long={tiles.sorted_long} (T={T}, SORTED_LONG_MIN_T={SORTED_LONG_MIN_T}) but the unions were "
+            f"made {'with' if order is not None else 'without'} an order: use forward_unions(idx, cfg, tiles)"
         )
     for name, x in (("union", union), ("count", count)) + ((("order", order),) if order is not None else ()):
         _check_placed(name, x, q)
