@@ -7,7 +7,9 @@ Configurations (`CONFIGS`; 16-bit default tiles of `attention.default_tiles` cha
            o = o_loc while the selection and the unions run on a side stream, then the long
            kernel adds its term.
 - sorted:  wfirst + AttentionTiles.sorted_long (the default since s27): the long tiles hold
-           queries sorted by their selected cells (`attention.long_query_order`).
+           queries sorted by their selected cells (`attention.long_query_order`), within chunks
+           of attention.ORDER_CHUNK positions; sorted2k / sorted8k: chunks of 2048 / 8192 (torch.sort
+           leaves its in-block path past 4096).
 results/session_2026-12-02_s26/call2 ran an earlier version of this script (commit 570ce1a) that
 also had the side stream at priority -1 vs 0 (no difference) and the long kernel over aligned
 pairs of cells (`AttentionTiles.long_group`, 27 % slower at 64k; removed).
@@ -48,7 +50,10 @@ CONFIGS = {
     "split": dict(window_first=False, sorted_long=False),
     "wfirst": dict(window_first=True, sorted_long=False),
     "sorted": dict(window_first=True, sorted_long=True),
+    "sorted2k": dict(window_first=True, sorted_long=True),
+    "sorted8k": dict(window_first=True, sorted_long=True),
 }
+ORDER_CHUNKS = {"sorted2k": 2048, "sorted8k": 8192}  # attention.ORDER_CHUNK of these configurations
 H, D = 16, 64
 
 
@@ -62,9 +67,11 @@ def _use(config: str):
         return dataclasses.replace(t, **change) if t.long_block else t
 
     att.default_tiles = tiles
+    att.ORDER_CHUNK = ORDER_CHUNKS.get(config, _ORIGINAL_ORDER_CHUNK)
 
 
 _ORIGINAL_DEFAULT_TILES = att.default_tiles
+_ORIGINAL_ORDER_CHUNK = att.ORDER_CHUNK
 
 
 def _graph_ms(fn, rep: int) -> float:

@@ -442,7 +442,7 @@ def test_long_query_order(use_kernel):
 
 
 @needs_cuda
-def test_cuda_sorted_long_kernels_match():
+def test_cuda_sorted_long_kernels_match(monkeypatch):
     """On the GPU: the key kernel's order == the torch keys' order, the union kernel over an order
     == the torch sorts over it (large random selections, several key chunks), and sorted long
     tiles change no bit of the bf16 forward."""
@@ -465,6 +465,7 @@ def test_cuda_sorted_long_kernels_match():
     cos, sin = rope_tables(8192, 64, cfg.rope_theta, q.device, torch.float32)
     tiles = att.default_tiles(64, torch.bfloat16, q.device)
     assert tiles.sorted_long
+    monkeypatch.setattr(att, "SORTED_LONG_MIN_T", 0)  # sort at 8192 positions (the default starts at 32768)
     ref = attention_forward(q, k, v, idx, beta, cos, sin, cfg, dataclasses.replace(tiles, sorted_long=False))
     got = attention_forward(q, k, v, idx, beta, cos, sin, cfg, tiles)
     for name, x, y in zip(("o", "lse_loc", "lse_long", "rstd"), got, ref):

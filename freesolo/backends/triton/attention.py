@@ -718,10 +718,11 @@ def _order_key_kernel(
 # with one sort of all T positions and ~19 without sorting.
 ORDER_CHUNK = 4096
 # Below this many positions the forward keeps consecutive long tiles (AttentionTiles.sorted_long is
-# not applied): there the forward is host-bound and the order's launches cost more than the
-# smaller unions save (H200, s27 call2: FS-L 4k long kernel 0.056 -> 0.049 ms). Output bits do not
-# depend on it (the order never changes a bit).
-SORTED_LONG_MIN_T = 8192
+# not applied): the order costs what the smaller unions save, and the call is host-bound there
+# (H200, s27 call3, FS-L 16k: long kernel 0.197 -> 0.139 ms, order + unions 0.021 -> 0.129, GPU time
+# in a CUDA graph 0.494 -> 0.493, API 0.64 -> 0.91 ms; at 64k the API gains 2.09 -> 1.97 ms). Output
+# bits do not depend on it (the order never changes a bit).
+SORTED_LONG_MIN_T = 32768
 
 
 def order_key_layout(n_cells: int, top_k: int, chunk: int) -> tuple[int, int]:
