@@ -85,6 +85,9 @@ def main(parts=("forward_backward", "decode", "fsb_search", "fsb_build")):
         att.ROTATION_CHUNK_BYTES, att.ROTATION_CHUNK_MIN_POSITIONS = 1, 64  # the window kernel per 64-query chunk
         forward_backward(None)
         att.ROTATION_CHUNK_BYTES, att.ROTATION_CHUNK_MIN_POSITIONS = saved
+        saved_min_t, att.SORTED_LONG_MIN_T = att.SORTED_LONG_MIN_T, 0  # the long tiles sorted by selection at any T
+        forward_backward(None)
+        att.SORTED_LONG_MIN_T = saved_min_t
     if "decode" in parts:
         decode()
     if "fsb_search" in parts:
