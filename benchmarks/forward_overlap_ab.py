@@ -9,7 +9,9 @@ Configurations (`CONFIGS`; 16-bit default tiles of `attention.default_tiles` cha
 - sorted:  wfirst + AttentionTiles.sorted_long (the default since s27): the long tiles hold
            queries sorted by their selected cells (`attention.long_query_order`), within chunks
            of attention.ORDER_CHUNK positions; sorted2k / sorted8k: chunks of 2048 / 8192 (torch.sort
-           leaves its in-block path past 4096).
+           leaves its in-block path past 4096); sorted_lb32 / sorted_lb32w2 / sorted_lb16w1: long
+           tiles of 32 / 32 / 16 queries on 4 / 2 / 1 warps (sorted tiles of fewer queries share
+           fewer cells).
 results/session_2026-12-02_s26/call2 ran an earlier version of this script (commit 570ce1a) that
 also had the side stream at priority -1 vs 0 (no difference) and the long kernel over aligned
 pairs of cells (`AttentionTiles.long_group`, 27 % slower at 64k; removed).
@@ -52,6 +54,9 @@ CONFIGS = {
     "sorted": dict(window_first=True, sorted_long=True),
     "sorted2k": dict(window_first=True, sorted_long=True),
     "sorted8k": dict(window_first=True, sorted_long=True),
+    "sorted_lb32": dict(window_first=True, sorted_long=True, long_block=32),
+    "sorted_lb32w2": dict(window_first=True, sorted_long=True, long_block=32, long_warps=2),
+    "sorted_lb16w1": dict(window_first=True, sorted_long=True, long_block=16, long_warps=1),
 }
 ORDER_CHUNKS = {"sorted2k": 2048, "sorted8k": 8192}  # attention.ORDER_CHUNK of these configurations
 H, D = 16, 64
@@ -191,7 +196,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", nargs="+", type=int, default=[4096, 16384, 65536, 131072])
     ap.add_argument("--configs", nargs="+", default=["wfirst", "sorted"], choices=list(CONFIGS))
-    ap.add_argument("--fs-lengths", nargs="+", type=int, default=[65536], help="FS at these lengths too")
+    ap.add_argument("--fs-lengths", nargs="*", type=int, default=[65536], help="FS at these lengths too")
     ap.add_argument("--rep", type=int, default=30, help="do_bench rep (ms)")
     ap.add_argument("--out", default=None, help="JSON output path (and a .png beside it)")
     args = ap.parse_args(argv)

@@ -2,7 +2,7 @@
 # One H200 call that measures and checks what a session changed (run from the repository root with
 # $OUT set). Every step has its own timeout so that a slow step cannot starve the rest; everything
 # lands in $OUT/session.tar (the device returns at most 8 files) plus $OUT/summary.txt.
-# STEPS picks the steps (default: "fla_install final27", s27's fifth call;
+# STEPS picks the steps (default: "lb27", s27's sixth call;
 # pass timeout_s 600, read summary.txt):
 #   tests_split  CUDA tests of the Triton forward / backward / API / L11-L12 with the split long kernel
 #                (FREESOLO_TRITON_LONG_BLOCK=64 FREESOLO_TRITON_MAXNREG=128: the proposed 16-bit default)
@@ -134,6 +134,10 @@
 #                backend / attention / backward / packed / models; the same-run figures with fla NSA (fwd 4k ... 128k,
 #                fwd+bwd 4k / 16k / 64k; needs fla_install); memcheck + racecheck of the forward / backward kernels
 #                (sorted long tiles included)
+#   lb27         issue 10 (s27): the order decoded in one kernel; sorted long tiles of 64 / 32 / 16 queries
+#                (forward_overlap_ab.py, 64k / 128k) and the API forward at 64k / 128k with
+#                FREESOLO_TRITON_LONG_BLOCK=64 / 32 (SDPA / Flex in each run); the CUDA tests of the forward / backend /
+#                L12 with long_block 32
 #   fsb_long2    issue 12: the Triton FS-B search alone at 256k and 1M (sorted beam selection), last in the s22 call
 set -u
 OUT=${OUT:-/tmp/session_out}
@@ -141,7 +145,7 @@ W=/tmp/session_work
 rm -rf "$W"  # a warm machine keeps /tmp: start empty
 mkdir -p "$OUT" "$W"
 export PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=ci PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-STEPS=${STEPS:-"fla_install final27"}
+STEPS=${STEPS:-"lb27"}
 SPLIT=(env FREESOLO_TRITON_LONG_BLOCK=64 FREESOLO_TRITON_MAXNREG=128)
 step() {  # step NAME SECONDS COMMAND...: run with a timeout, log to $W/NAME.log, one summary line
   local name=$1 secs=$2; shift 2
@@ -216,6 +220,7 @@ step bimodal 200 bash -c "for i in 1 2 3 4 5 6; do python3 benchmarks/host_bimod
 step sorted 500 bash -c "python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k 'cuda or gpu' proofs_tests/test_triton_attention.py proofs_tests/test_triton_backend.py proofs_tests/test_row_independence.py proofs_tests/test_packed.py; python3 benchmarks/forward_overlap_ab.py --out $W/forward_sorted_ab.json; python3 benchmarks/gpu_attention.py --providers triton_fsl sdpa_causal flex_swa512 --shapes H16-D64 --modes fwd --lengths 65536 131072 --budget-s 60 --rep-ms 30 --out $W --tag _sorted"
 step chunks27 420 bash -c "python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k 'cuda or gpu' proofs_tests/test_triton_attention.py; python3 benchmarks/forward_overlap_ab.py --lengths 16384 65536 131072 --configs wfirst sorted sorted2k sorted8k --out $W/forward_chunks_ab.json; python3 benchmarks/gpu_attention.py --providers triton_fsl sdpa_causal flex_swa512 fla_nsa --shapes H16-D64 --modes fwd --lengths 16384 32768 65536 --budget-s 80 --rep-ms 30 --out $W --tag _chunks27; python3 benchmarks/profile_triton.py --T 65536"
 step final27 560 bash -c "python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k 'cuda or gpu' proofs_tests/test_triton_selection.py proofs_tests/test_row_independence.py proofs_tests/test_triton_backend.py proofs_tests/test_triton_attention.py proofs_tests/test_triton_backward.py proofs_tests/test_packed.py proofs_tests/test_models.py; python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fs sdpa_causal flex_swa512 fla_nsa --shapes H16-D64 --modes fwd --lengths 4096 16384 65536 131072 --budget-s 140 --rep-ms 30 --out $W --tag _s27_final_fwd; python3 benchmarks/gpu_attention.py --providers triton_fsl sdpa_causal flex_swa512 fla_nsa --shapes H16-D64 --modes fwd+bwd --lengths 4096 16384 65536 --budget-s 100 --rep-ms 30 --out $W --tag _s27_final_bwd; compute-sanitizer --tool memcheck python3 benchmarks/sanitize_triton.py forward_backward && compute-sanitizer --tool racecheck python3 benchmarks/sanitize_triton.py forward_backward"
+step lb27 330 bash -c "python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k 'sorted or order' proofs_tests/test_triton_attention.py; FREESOLO_TRITON_LONG_BLOCK=32 python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k 'cuda or gpu' proofs_tests/test_triton_attention.py proofs_tests/test_triton_backend.py proofs_tests/test_row_independence.py; python3 benchmarks/forward_overlap_ab.py --lengths 65536 131072 --fs-lengths --configs sorted sorted_lb32 sorted_lb32w2 sorted_lb16w1 --out $W/forward_lb_ab.json; python3 benchmarks/gpu_attention.py --providers triton_fsl sdpa_causal flex_swa512 --shapes H16-D64 --modes fwd --lengths 65536 131072 --budget-s 40 --rep-ms 30 --out $W --tag _lb64; FREESOLO_TRITON_LONG_BLOCK=32 python3 benchmarks/gpu_attention.py --providers triton_fsl sdpa_causal flex_swa512 --shapes H16-D64 --modes fwd --lengths 65536 131072 --budget-s 40 --rep-ms 30 --out $W --tag _lb32"
 step devguard 130 python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k "cuda or gpu" proofs_tests/test_triton_backend.py proofs_tests/test_triton_decode.py
 step realkeys 150 python3 benchmarks/real_keys_bench.py --length 65536 --out "$W/real_keys.json"
 step graph4k 200 bash -c "python3 -m pytest -q -p no:benchmark -k 'graph' proofs_tests/test_triton_backend.py; python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fsl_graph sdpa_causal sdpa_causal_graph flex_swa512 --shapes H16-D64 --modes fwd fwd+bwd --lengths 4096 16384 --budget-s 120 --rep-ms 30 --out $W --tag _graph"

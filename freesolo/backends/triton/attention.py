@@ -713,6 +713,24 @@ def _order_key_kernel(
     tl.store(KEY + pid_bh * T_PAD + pos, tl.where(ok, key, 9223372036854775807), mask=pos < T_PAD)
 
 
+@triton.jit
+def _order_decode_kernel(
+    KEY,  # int64 [ROWS, T_PAD]: the keys of `_order_key_kernel`, sorted within each chunk
+    ORDER,  # int32 [ROWS, T] (out)
+    T,
+    T_PAD,
+    CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One program per (BLOCK slots, row): the position of each sorted key, its chunk's first
+    position + its low log2(CHUNK) bits."""
+    slot = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    row = tl.program_id(1).to(tl.int64)
+    ok = slot < T
+    key = tl.load(KEY + row * T_PAD + slot, mask=ok, other=0)
+    tl.store(ORDER + row * T + slot, ((slot // CHUNK) * CHUNK + (key & (CHUNK - 1))).to(tl.int32), mask=ok)
+
+
 # Positions whose order `long_query_order` sorts together (torch.sort's in-block path holds at most
 # 4096 per row): on iid keys (FS-L, T 65536, H 4 on the CPU) 64-query unions of ~9 cells, against ~7
 # with one sort of all T positions and ~19 without sorting.
@@ -748,8 +766,9 @@ def long_query_order(idx: torch.Tensor, cell: int, use_kernel: bool | None = Non
     Args:
         idx: int32 / int64 [B, T, Hq, K] selected cells (-1: none), contiguous.
         cell: tokens per cell (the number of cells is ceil(T / cell)).
-        use_kernel: the keys in one Triton launch (`_order_key_kernel`); default: on CUDA (torch
-            ops otherwise, the same keys). Then one torch.sort of the keys per chunk.
+        use_kernel: the keys and the positions in one Triton launch each (`_order_key_kernel`,
+            `_order_decode_kernel`) around one torch.sort of the keys per chunk; default: on CUDA
+            (torch ops otherwise, the same order).
         chunk: positions sorted together, a power of two (default ORDER_CHUNK, at most next_pow2(T)).
     """
     B, T, Hq, K = idx.shape
@@ -778,10 +797,14 @@ def long_query_order(idx: torch.Tensor, cell: int, use_kernel: bool | None = Non
         key[:, :T] = torch.arange(T, device=idx.device) % chunk  # padding (past T) sorts last
         for i in range(slots):
             key[:, :T] |= x[..., i] << ((slots - 1 - i) * bits + pos_bits)
-    key = key.view(rows, n_chunks, chunk).sort(dim=-1).values
-    key &= chunk - 1  # the position in the chunk
-    key += torch.arange(0, n_chunks * chunk, chunk, device=idx.device)[:, None]
-    return key.view(rows, -1)[:, :T].to(torch.int32)
+    key = key.view(rows, n_chunks, chunk).sort(dim=-1).values.view(rows, n_chunks * chunk)
+    if use_kernel:
+        order = torch.empty(rows, T, dtype=torch.int32, device=idx.device)
+        block = 1024
+        _order_decode_kernel[(-(-T // block), rows)](key, order, T, n_chunks * chunk, CHUNK=chunk, BLOCK=block, num_warps=4)
+        return order
+    starts = torch.arange(T, device=idx.device) // chunk * chunk
+    return (starts + (key[:, :T] & (chunk - 1))).to(torch.int32)
 
 
 def forward_unions(idx: torch.Tensor, cfg, tiles: "AttentionTiles") -> TileUnions:
