@@ -21,13 +21,17 @@ queries (fewer masked steps per query, smaller programs, more of them resident).
 unions run on a side stream (`forward_with_selection`), then the long kernel adds
 beta_h * rmsnorm(o_long) to o; otherwise the long kernel writes its term first (into o, or an
 fp32 buffer) and the window kernel adds o_loc. `AttentionTiles.maxnreg` caps the window
-kernel's registers (occupancy).
+kernel's registers (occupancy). With `AttentionTiles.sorted_long` (the 16-bit default from
+T = SORTED_LONG_MIN_T) a long tile holds queries sorted by their selected cells
+(`long_query_order`, within chunks of ORDER_CHUNK positions) instead of consecutive positions:
+queries that read the same cells share a tile, and its union shrinks (H200, iid keys, FS-L 64k:
+~13 cells against ~23).
 Why a tile union and not a per-query gather: per-query-head selections leave no group of
 queries sharing one selection (NSA's trick: fla's parallel_nsa puts the G heads of a GQA group
 on the M side of the dot); the union keeps the tensor cores busy at the price of masked work
-(on iid keys a 64-query tile's FS-L union holds ~24 cells, ~6x the 4 each query reads; on keys
-with norm spread ~5), and needs no second pass or partial-result buffer (Flash Sparse
-Attention's inverted loop does).
+(on iid keys a 64-query tile's FS-L union holds ~24 cells, ~6x the 4 each query reads, ~13 with
+sorted tiles; on keys with norm spread ~5), and needs no second pass or partial-result buffer
+(Flash Sparse Attention's inverted loop does).
 
 Row independence (spec L12, bitwise). A query's steps in the long loop are its own cells in
 ascending order, whatever the other queries selected: a cell selected only by other queries
@@ -526,10 +530,14 @@ class AttentionTiles:
     # stream at priority -1 instead of 0 changed nothing (2.04 vs 2.02 ms at 64k).
     window_first: bool = False
     # long_block > 0 only (`default_tiles` sets it whenever long_block > 0 since s27; the environment
-    # switch FREESOLO_TRITON_SORTED_LONG=0 turns it off): the long kernel's tiles hold the queries
-    # of each (b, h) sorted by their selected cells within chunks of positions (`long_query_order`)
-    # instead of consecutive positions, so a tile's union holds few cells. The order changes no
-    # output bit (row independence, L12).
+    # switch FREESOLO_TRITON_SORTED_LONG=0 turns it off; applied from T = SORTED_LONG_MIN_T): the
+    # long kernel's tiles hold the queries of each (b, h) sorted by their selected cells within
+    # chunks of positions (`long_query_order`) instead of consecutive positions, so a tile's union
+    # holds few cells. The order changes no output bit (row independence, L12). H200 (s27 call4,
+    # bf16 H16 D64, FS-L through the API): union 23.3 -> 12.7 cells at 64k, long kernel 0.868 ->
+    # 0.532 ms, order + unions 0.064 -> 0.196, API 2.09 -> 1.97 ms (128k 4.32 -> 3.75). Sorted tiles
+    # of 32 / 16 queries hold fewer cells (9.4 / 7.1) but their long kernel is slower (0.98-1.12 /
+    # 0.77 ms at 64k, s27 call6): long_block stays 64.
     sorted_long: bool = False
     # (s26 also tried the long kernel over aligned pairs of cells, one softmax step per pair, which
     # keeps row independence: on iid keys a 64-query tile's pair union held 22.8 pairs against 23.3
