@@ -766,8 +766,8 @@ def long_query_order(idx: torch.Tensor, cell: int, use_kernel: bool | None = Non
     tile's union is small (H200, iid keys, FS-L, T 65536: ~13 cells per 64-query tile against ~23
     for consecutive positions). Within each chunk of `chunk` positions (default ORDER_CHUNK, at
     most the next power of two >= T), the queries are sorted by their cells ascending (absent
-    last), lexicographic over as many cells as `order_key_layout` packs (all 4 up to T = 2**19
-    with cell 32 and chunk 4096), ties in position order. A row's bits never depend on the tile it
+    last), lexicographic over as many cells as `order_key_layout` packs (with cell 32 and chunk
+    4096: all 4 up to T = 2**17, 3 up to 2**21), ties in position order. A row's bits never depend on the tile it
     lands in (spec L12, see the module docstring): the order changes which queries share a tile,
     no output bit.
 
@@ -817,7 +817,7 @@ def long_query_order(idx: torch.Tensor, cell: int, use_kernel: bool | None = Non
 
 def forward_unions(idx: torch.Tensor, cfg, tiles: "AttentionTiles") -> TileUnions:
     """The long tiles `launch_forward` expects for these tiles: tiles.union_rows queries per tile,
-    sorted by selection (`long_query_order`) when tiles.sorted_long."""
+    sorted by selection (`long_query_order`) when `sorts_long_tiles(tiles, T)`."""
     order = long_query_order(idx, cfg.cell) if sorts_long_tiles(tiles, idx.shape[1]) else None
     return tile_unions(idx, tiles.union_rows, order=order)
 
