@@ -273,6 +273,21 @@ def test_packed_equals_alone_triton_interpreted(variant):
 
 
 @pytest.mark.skipif(bool(TRITON_SKIP), reason=TRITON_SKIP or "ready")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA present: the CUDA tests cover the 16-bit split default")
+def test_packed_equals_alone_triton_interpreted_sorted_long_tiles(monkeypatch):
+    """The split long kernel with its tiles sorted by selection (the 16-bit GPU default from
+    SORTED_LONG_MIN_T, forced here on CPU float32 at any length): each sequence of the packed
+    batch still equals itself alone, bitwise."""
+    from freesolo.backends.triton import attention as att
+
+    monkeypatch.setenv(att.ENV_LONG_BLOCK, "16")
+    monkeypatch.setattr(att, "SORTED_LONG_MIN_T", 0)
+    assert att.default_tiles(4, torch.float32, torch.device("cpu")).sorted_long
+    cfg = FreeSoloConfig(variant="fsl", window=8, cell=2, block=4, top_k=2, pool=2, recent=1)
+    check_packed_equals_alone(((1, 11), cfg, 2, 1, 4, 11, 1), "triton", _cpu(torch.float32))
+
+
+@pytest.mark.skipif(bool(TRITON_SKIP), reason=TRITON_SKIP or "ready")
 @needs_cuda
 @pytest.mark.parametrize("variant", VARIANTS)
 @settings(max_examples=_examples(6))
