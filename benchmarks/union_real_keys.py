@@ -4,9 +4,11 @@ query is 32 x union tokens) on a trained model's keys, against iid Gaussian keys
 The FS-L checkpoint of the extrapolation study (`results/checkpoints/ckpt_fsl`, trained at 1k
 tokens, cell 16, pool 32 + 4 recent) reads an S-NIAH-1 sample; every layer's unrotated q / k are
 captured at the attention call and selected again (torch backend) with the model's config and with
-the library default (cell 32, pool 64 + 8 recent, block 64). CPU only, a minute or two:
+the library default (cell 32, pool 64 + 8 recent, block 64). Also the unions of tiles whose queries
+are sorted by selection (`attention.long_query_order`, the Triton forward's `sorted_long` tiles).
+Means over every tile of the sequence. CPU only, a few minutes at 64k:
 
-    python benchmarks/union_real_keys.py --length 16384 --out benchmarks/results/union_real_keys.json
+    python benchmarks/union_real_keys.py --length 65536 --out benchmarks/results/union_real_keys_64k.json
 """
 
 from __future__ import annotations
@@ -23,21 +25,24 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import freesolo  # noqa: E402
 import freesolo.nn as fnn  # noqa: E402
+from freesolo.backends.triton.attention import long_query_order  # noqa: E402
 from freesolo.retrieval import tasks  # noqa: E402
 from freesolo.retrieval.modelio import backend_scope, load_model  # noqa: E402
 
 __all__ = ["capture_qk", "main", "tile_union_sizes"]
 
 
-def tile_union_sizes(idx: torch.Tensor, rows: int) -> np.ndarray:
+def tile_union_sizes(idx: torch.Tensor, rows: int, order: torch.Tensor | None = None) -> np.ndarray:
     """idx int [B, T, H, K] (-1 padded) -> the number of distinct cells of every tile of `rows`
-    consecutive queries of one (b, h): int [B * H * ceil(T / rows)]."""
+    consecutive queries of one (b, h): int [B * H * ceil(T / rows)]. order int [B * H, T]
+    (`attention.long_query_order`): the tiles hold the positions in that order instead."""
     B, T, H, K = idx.shape
     sizes = []
     for b in range(B):
         for h in range(H):
+            rows_bh = idx[b, :, h] if order is None else idx[b, order[b * H + h].long(), h]
             for t0 in range(0, T, rows):
-                cells = idx[b, t0 : t0 + rows, h].reshape(-1)
+                cells = rows_bh[t0 : t0 + rows].reshape(-1)
                 sizes.append(int(torch.unique(cells[cells >= 0]).numel()))
     return np.asarray(sizes)
 
@@ -84,14 +89,18 @@ def main() -> None:
             iid_q = torch.randn(q.shape, generator=g)
             iid_k = torch.randn(k.shape, generator=g)
             for keys_name, (qq, kk) in (("model", (q, k)), ("iid", (iid_q, iid_k))):
-                idx = torch.as_tensor(freesolo.select_cells(qq, kk, cfg, backend="torch"))
-                sizes = tile_union_sizes(idx, args.rows)
-                full = sizes[len(sizes) // 4 :]  # tiles past the first quarter (the prefix is long enough)
-                records.append({"config": cfg_name, "layer": layer, "keys": keys_name, "T": int(q.shape[1]),
-                                "union_mean": float(full.mean()), "union_p90": float(np.percentile(full, 90)),
-                                "union_max": int(full.max()), "K": cfg.top_k, "rows": args.rows})
+                idx = torch.as_tensor(freesolo.select_cells(qq, kk, cfg, backend="torch")).contiguous()
+                order = long_query_order(idx, cfg.cell, use_kernel=False)
+                rec = {"config": cfg_name, "layer": layer, "keys": keys_name, "T": int(q.shape[1]), "K": cfg.top_k, "rows": args.rows}
+                for tag, sizes in (("", tile_union_sizes(idx, args.rows)), ("_sorted", tile_union_sizes(idx, args.rows, order))):
+                    # every tile of the sequence (a sorted tile holds positions of its 4096-position chunk)
+                    full = sizes
+                    rec.update({f"union{tag}_mean": float(full.mean()), f"union{tag}_p90": float(np.percentile(full, 90)),
+                                f"union{tag}_max": int(full.max())})  # fmt: skip
+                records.append(rec)
                 r = records[-1]
-                print(f"{cfg_name:42s} layer {layer} {keys_name:5s}: union mean {r['union_mean']:.1f} p90 {r['union_p90']:.0f} max {r['union_max']}", flush=True)
+                print(f"{cfg_name:42s} layer {layer} {keys_name:5s}: union mean {r['union_mean']:.1f} p90 {r['union_p90']:.0f} "
+                      f"max {r['union_max']}; sorted tiles mean {r['union_sorted_mean']:.1f} p90 {r['union_sorted_p90']:.0f}", flush=True)  # fmt: skip
     payload = {"ckpt": os.path.relpath(args.ckpt), "task": args.task, "length": args.length, "torch": torch.__version__,
                "records": records}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
