@@ -660,8 +660,13 @@ def tile_unions(idx: torch.Tensor, block_m: int, use_kernel: bool | None = None,
     """
     B, T, Hq, K = idx.shape
     NT = -(-T // block_m)
-    if order is not None and (tuple(order.shape) != (B * Hq, T) or order.dtype != torch.int32 or order.device != idx.device):
-        raise ValueError(f"order must be int32 [B * Hq={B * Hq}, T={T}] on {idx.device}, got {order.dtype} {tuple(order.shape)} on {order.device}")
+    if order is not None and (
+        tuple(order.shape) != (B * Hq, T) or order.dtype != torch.int32 or order.device != idx.device
+    ):
+        raise ValueError(
+            f"order must be int32 [B * Hq={B * Hq}, T={T}] on {idx.device}, "
+            f"got {order.dtype} {tuple(order.shape)} on {order.device}"
+        )
     if use_kernel is None:
         use_kernel = idx.is_cuda
     if use_kernel:
@@ -717,7 +722,8 @@ def _order_key_kernel(
                 mask=ok[:, None] & (kk < KSEL)[None, :], other=-1).to(tl.int32)  # fmt: skip
     x = tl.sort(tl.where(x < 0, (1 << BITS) - 1, x), 1)
     shift = tl.where(kk < SLOTS, (SLOTS - 1 - kk) * BITS + POS_BITS, 0).to(tl.int64)
-    key = tl.sum(tl.where((kk < SLOTS)[None, :], x.to(tl.int64) << shift[None, :], 0), 1) | (pos & ((1 << POS_BITS) - 1))
+    key = tl.sum(tl.where((kk < SLOTS)[None, :], x.to(tl.int64) << shift[None, :], 0), 1)
+    key = key | (pos & ((1 << POS_BITS) - 1))
     tl.store(KEY + pid_bh * T_PAD + pos, tl.where(ok, key, 9223372036854775807), mask=pos < T_PAD)
 
 
@@ -759,7 +765,9 @@ def order_key_layout(n_cells: int, top_k: int, chunk: int) -> tuple[int, int]:
     return bits, max(1, min(top_k, (62 - (chunk.bit_length() - 1)) // bits))
 
 
-def long_query_order(idx: torch.Tensor, cell: int, use_kernel: bool | None = None, chunk: int | None = None) -> torch.Tensor:
+def long_query_order(
+    idx: torch.Tensor, cell: int, use_kernel: bool | None = None, chunk: int | None = None
+) -> torch.Tensor:
     """The positions of each (b, h), sorted by their selections within chunks: int32 [B * Hq, T].
 
     The long kernel's tiles then hold queries that selected the same or nearly the same cells, so a
@@ -809,7 +817,9 @@ def long_query_order(idx: torch.Tensor, cell: int, use_kernel: bool | None = Non
     if use_kernel:
         order = torch.empty(rows, T, dtype=torch.int32, device=idx.device)
         block = 1024
-        _order_decode_kernel[(-(-T // block), rows)](key, order, T, n_chunks * chunk, CHUNK=chunk, BLOCK=block, num_warps=4)
+        _order_decode_kernel[(-(-T // block), rows)](
+            key, order, T, n_chunks * chunk, CHUNK=chunk, BLOCK=block, num_warps=4
+        )  # fmt: skip
         return order
     starts = torch.arange(T, device=idx.device) // chunk * chunk
     return (starts + (key[:, :T] & (chunk - 1))).to(torch.int32)
