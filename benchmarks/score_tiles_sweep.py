@@ -43,6 +43,9 @@ VARIANTS = {  # name -> ScoreTiles (block_m, block_n, num_warps, early_exit, cou
     "m64n16w4-noexit-s3": ScoreTiles(64, 16, 4, False, num_stages=3),
     "m64n16w4-count-s1": ScoreTiles(64, 16, 4, False, count_rounds=True, num_stages=1),
     "m64n32w4-noexit-s1": ScoreTiles(64, 32, 4, False, num_stages=1),  # the FS-L default since s25 call4
+    # s28: FS-L's last partial chunk (the 8 recent cells past 64 pool slots) in one 16-wide chunk
+    "m64n32w4-noexit-s1-tail": ScoreTiles(64, 32, 4, False, num_stages=1, fsl_tail=True),
+    "m64n64w4-noexit-s1-tail": ScoreTiles(64, 64, 4, False, num_stages=1, fsl_tail=True),
 }
 
 

@@ -256,6 +256,25 @@ def test_score_kernel_switches_give_equal_selections(variant):
         select_cells(qt, kt, cfg, out_dtype=torch.float32)
 
 
+def test_fsl_tail_chunk_gives_equal_selections():
+    """ScoreTiles.fsl_tail (the candidates past the last full chunk scored in one narrower chunk)
+    changes no selected cell: 40 candidates (pool 36 + recent 4) in chunks of 32 are one full chunk
+    and a 16-wide tail; 16 candidates (pool 12 + 4) in chunks of 32 are a tail alone."""
+    from freesolo.backends.triton.selection import ScoreTiles, fsl_tail_width
+
+    assert fsl_tail_width(40, 32, True) == 16 and fsl_tail_width(16, 32, True) == 16
+    assert fsl_tail_width(72, 32, True) == 16 and fsl_tail_width(72, 64, True) == 16
+    assert fsl_tail_width(24, 32, True) == 0 and fsl_tail_width(64, 32, True) == 0 and fsl_tail_width(40, 32, False) == 0
+    q, k, _ = random_qkv(31, 1, 420, 2, 1, 16)
+    qt, kt = (torch.as_tensor(x, dtype=torch.float32, device=DEVICE) for x in (q, k))
+    for pool, recent in ((36, 4), (12, 4)):
+        cfg = _cfg("fsl", pool=pool, recent=recent, top_k=3, block=16)
+        base = select_cells(qt, kt, cfg, tiles=ScoreTiles(16, 16, 1, early_exit=False))
+        tail = select_cells(qt, kt, cfg, tiles=ScoreTiles(16, 32, 1, early_exit=False, fsl_tail=True))
+        assert (base[0, 16:] >= 0).all()
+        assert torch.equal(tail, base), (pool, recent)
+
+
 @needs_cuda
 def test_cuda_erf_is_one_from_erf_one_on():
     """The premise of ScoreTiles.erf_skip on the device: the compiled tl.math.erf returns exactly

@@ -77,6 +77,43 @@ def _interpreter_numpy2_compat() -> None:
 _interpreter_numpy2_compat()
 
 
+def _interpreter_row_independent_dot() -> None:
+    """Make tl.dot under TRITON_INTERPRET=1 compute each output element by the same arithmetic
+    whatever the other rows of the operands hold (spec L12, as the GPU's MMA does).
+
+    triton 3.6's interpreter runs tl.dot as np.matmul, i.e. the CPU's BLAS sgemm, whose micro-kernels
+    may accumulate a row differently by its position in the tile (main block vs edge rows; seen on
+    OpenBLAS 0.3.31's Haswell kernels: a sorted long tile's rows differed from consecutive tiles' by
+    one ulp). This re-registers it as fp32 products summed over k in increasing order, one
+    elementwise add per k (`np.add.reduce` over the leading k axis), plus the accumulator: a function
+    of the output element's own row and column alone. Compiled (GPU) kernels are unaffected.
+    """
+    try:
+        import numpy as np
+        from triton.runtime import interpreter
+    except ImportError:  # pragma: no cover - layout of another triton version
+        return
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    original = getattr(builder, "create_dot", None)
+    if original is None or getattr(original, "_freesolo_rows", False):
+        return
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if not (a.dtype.is_floating() and b.dtype.is_floating()) or a.dtype.primitive_bitwidth == 8:
+            return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+        acc_dtype = d.data.dtype
+        lhs = np.moveaxis(a.data.astype(acc_dtype), -1, 0)[..., :, None]  # [K, ..., M, 1]
+        rhs = np.moveaxis(b.data.astype(acc_dtype), -2, 0)[..., None, :]  # [K, ..., 1, N]
+        out = np.add.reduce(lhs * rhs, axis=0) + d.data
+        return interpreter.TensorHandle(out.astype(acc_dtype, copy=False), d.dtype.scalar)
+
+    create_dot._freesolo_rows = True
+    builder.create_dot = create_dot
+
+
+_interpreter_row_independent_dot()
+
+
 def next_pow2(n: int) -> int:
     """Smallest power of two >= n (n >= 1; 0 for n = 0), as `triton.next_power_of_2`: host code
     uses this one because triton 3.6's is a constexpr function whose call from plain Python costs

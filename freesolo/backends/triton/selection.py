@@ -33,6 +33,7 @@ All pointer offsets are int64 (program ids and indices are cast before any multi
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Optional, Tuple, Union
 
@@ -48,6 +49,7 @@ __all__ = [
     "MAX_POOL",
     "ScoreTiles",
     "cell_stats",
+    "fsl_tail_width",
     "fsl_candidates",
     "head_params",
     "pool_chunk",
@@ -382,6 +384,8 @@ def _score_topk_kernel(
     K_PAD: tl.constexpr,
     FSL: tl.constexpr,
     N_CAND: tl.constexpr,
+    N_MAIN: tl.constexpr,  # FS-L: candidates scored in BLOCK_N-wide chunks (N_CAND unless a tail follows)
+    TAIL_N: tl.constexpr,  # FS-L: width of the tail chunk covering [N_MAIN, N_CAND) (`fsl_tail_width`; 0: none)
     SPLIT_DOT: tl.constexpr,
     EARLY_EXIT: tl.constexpr,
     COUNT_ROUNDS: tl.constexpr,
@@ -434,9 +438,19 @@ def _score_topk_kernel(
     d_off32 = d_off.to(tl.int32)
     if FSL:
         cand_row = CAND + ((b * HKV + g) * NBLOCKS + j) * N_CAND
-        for n0 in range(0, N_CAND, BLOCK_N):
+        # BLOCK_N candidates per chunk over [0, N_MAIN); with a tail, one TAIL_N-wide chunk the rest
+        for n0 in range(0, N_MAIN, BLOCK_N):
             pos = n0 + n_off
             cells = tl.load(cand_row + pos, mask=pos < N_CAND, other=-1)  # int32, -1: an empty slot
+            kb, a, c_ok = _gather_cells(kbar_rows, amax_row, cells, d_off32, d_ok, D)
+            c_max = tl.reduce(tl.where(c_ok, cells, 0), 0, _MAX)
+            top_s, top_c, kth_s, kth_c = _score_chunk(
+                top_s, top_c, kth_s, kth_c, q, kb, a, cells, c_ok, c_max, i_f, i_f0, coef, lam, scale,
+                CELL, TOP_K, SPLIT_DOT, EARLY_EXIT, COUNT_ROUNDS, ERF_SKIP, True,
+            )
+        if TAIL_N > 0:
+            pos = N_MAIN + tl.arange(0, TAIL_N)
+            cells = tl.load(cand_row + pos, mask=pos < N_CAND, other=-1)
             kb, a, c_ok = _gather_cells(kbar_rows, amax_row, cells, d_off32, d_ok, D)
             c_max = tl.reduce(tl.where(c_ok, cells, 0), 0, _MAX)
             top_s, top_c, kth_s, kth_c = _score_chunk(
@@ -636,6 +650,20 @@ class ScoreTiles:
     # software-pipelining depth of the cell loop (triton's num_stages). sm_90, FS bf16 D 64: 3 stages
     # need 157 registers per thread (3 programs of 4 warps per SM), 1 stage 117 (4 programs).
     num_stages: int = 1
+    # FS-L: the candidates past the last full chunk of block_n (P + W = 72 with block_n 32 or 64: the
+    # 8 recent cells) are scored in one chunk of the smallest power of two >= 16 that holds them
+    # (`fsl_tail_width`) instead of a full block_n chunk that is mostly masked. Same selections.
+    fsl_tail: bool = False
+
+
+def fsl_tail_width(n_cand: int, block_n: int, fsl_tail: bool) -> int:
+    """Width of the FS-L scoring kernel's tail chunk: 0 (no tail: every chunk is block_n wide, the
+    last one masked) unless fsl_tail and n_cand % block_n needs a chunk narrower than block_n."""
+    rest = n_cand % block_n
+    if not fsl_tail or rest == 0:
+        return 0
+    width = max(16, next_pow2(rest))
+    return width if width < block_n else 0
 
 
 def score_tiles(cfg: FreeSoloConfig, D: int, dtype: torch.dtype) -> ScoreTiles:
@@ -651,9 +679,17 @@ def score_tiles(cfg: FreeSoloConfig, D: int, dtype: torch.dtype) -> ScoreTiles:
     (results/session_2026-12-02_s24/call2, call3, call6; session_2026-12-02_s25/call2, call3, call4)."""
     block_m = min(64, max(16, next_pow2(cfg.block)))
     if cfg.variant == "fsl":
-        return ScoreTiles(block_m, 32, 4, early_exit=False, num_stages=1)
+        tail = os.environ.get(ENV_FSL_TAIL, "").strip()
+        if tail not in ("", "0", "1"):
+            raise ValueError(f"environment variable {ENV_FSL_TAIL}={tail!r} must be 0 or 1")
+        return ScoreTiles(block_m, 32, 4, early_exit=False, num_stages=1, fsl_tail=FSL_TAIL_DEFAULT if not tail else tail == "1")
     return ScoreTiles(block_m, 32, 4, early_exit=False, count_rounds=True, num_stages=1)
 
+
+# ScoreTiles.fsl_tail of the FS-L default tiles; the environment variable FREESOLO_TRITON_FSL_TAIL=0 / 1
+# overrides it (process-wide, read at each call; A/B switch).
+FSL_TAIL_DEFAULT = False
+ENV_FSL_TAIL = "FREESOLO_TRITON_FSL_TAIL"
 
 _HEAD_PARAMS: dict = {}
 
@@ -679,7 +715,8 @@ def select_cells(
     cfg: FreeSoloConfig,
     tiles: Optional[ScoreTiles] = None,
     out_dtype: torch.dtype = torch.int64,
-) -> torch.Tensor:
+    return_amax: bool = False,
+):
     """FS / FS-L selection (spec §3-§5, §7) by the Triton kernels.
 
     Args:
@@ -689,8 +726,10 @@ def select_cells(
         tiles: scoring tile sizes (default `score_tiles(cfg, D, q.dtype)`; benchmarks sweep them).
         out_dtype: torch.int64 (default) or torch.int32 (half the bytes: the triton forward keeps
             its selections in int32 for the backward).
+        return_amax: also return the cells' max key norms (the forward's long kernel reads them).
     Returns:
-        out_dtype [B, T, Hq, top_k]: cells by descending score (ties: larger c first), -1 padded.
+        out_dtype [B, T, Hq, top_k]: cells by descending score (ties: larger c first), -1 padded;
+        with return_amax, (that, amax fp32 [B, Hkv, T // cell]).
     """
     _check_inputs(q, k, cfg)
     if out_dtype not in (torch.int32, torch.int64):
@@ -702,7 +741,8 @@ def select_cells(
     nblocks = cdiv(T, cfg.block)
     C = T // cfg.cell
     if B * T * Hq == 0 or nblocks <= 1 or C == 0:
-        return torch.full((B, T, Hq, K), -1, dtype=out_dtype, device=q.device)
+        idx = torch.full((B, T, Hq, K), -1, dtype=out_dtype, device=q.device)
+        return (idx, torch.zeros((B, Hkv, C), dtype=torch.float32, device=q.device)) if return_amax else idx
     kbar, amax = cell_stats(k, cfg.cell)
     n_cand = cfg.pool + cfg.recent if fsl else 0
     cand = fsl_candidates(amax, T, cfg) if fsl else torch.empty(1, dtype=torch.int32, device=q.device)
@@ -712,6 +752,7 @@ def select_cells(
     BLOCK_M, BLOCK_N, BLOCK_D = tiles.block_m, tiles.block_n, max(16, next_pow2(D))
     tiles_per_block = cdiv(cfg.block, BLOCK_M)
     grid = (nblocks * tiles_per_block, B * Hq)
+    tail_n = fsl_tail_width(n_cand, BLOCK_N, tiles.fsl_tail) if fsl else 0
     _score_topk_kernel[grid](
         q,
         kbar,
@@ -735,6 +776,8 @@ def select_cells(
         K_PAD=max(2, next_pow2(K)),
         FSL=fsl,
         N_CAND=max(n_cand, 1),
+        N_MAIN=max(n_cand, 1) - (n_cand % BLOCK_N if tail_n else 0),
+        TAIL_N=tail_n,
         SPLIT_DOT=q.dtype in (torch.float16, torch.bfloat16),
         EARLY_EXIT=tiles.early_exit,
         COUNT_ROUNDS=tiles.count_rounds,
@@ -745,4 +788,4 @@ def select_cells(
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
-    return idx
+    return (idx, amax) if return_amax else idx
