@@ -12,8 +12,6 @@ Configurations (`CONFIGS`; 16-bit default tiles of `attention.default_tiles` cha
            leaves its in-block path past 4096); sorted_lb32 / sorted_lb32w2 / sorted_lb16w1: long
            tiles of 32 / 32 / 16 queries on 4 / 2 / 1 warps (sorted tiles of fewer queries share
            fewer cells).
-- sorted_online / sorted_bound: sorted with AttentionTiles.long_bound off / on (s28: the long
-           kernel's softmax over a fixed per-row bound instead of a running maximum).
 results/session_2026-12-02_s26/call2 ran an earlier version of this script (commit 570ce1a) that
 also had the side stream at priority -1 vs 0 (no difference) and the long kernel over aligned
 pairs of cells (`AttentionTiles.long_group`, 27 % slower at 64k; removed).
@@ -59,8 +57,6 @@ CONFIGS = {
     "sorted_lb32": dict(window_first=True, sorted_long=True, long_block=32),
     "sorted_lb32w2": dict(window_first=True, sorted_long=True, long_block=32, long_warps=2),
     "sorted_lb16w1": dict(window_first=True, sorted_long=True, long_block=16, long_warps=1),
-    "sorted_online": dict(window_first=True, sorted_long=True, long_bound=False),
-    "sorted_bound": dict(window_first=True, sorted_long=True, long_bound=True),
 }
 ORDER_CHUNKS = {"sorted2k": 2048, "sorted8k": 8192}  # attention.ORDER_CHUNK of these configurations
 H, D = 16, 64
@@ -123,7 +119,7 @@ def case(variant: str, T: int, rep: int, configs) -> dict:
 
     row = {"variant": variant, "T": T}
     ref = None
-    idx, amax = select_cells(q, k, cfg, return_amax=True)
+    idx = select_cells(q, k, cfg)
     for config in configs:
         _use(config)
         out = api()
@@ -134,7 +130,7 @@ def case(variant: str, T: int, rep: int, configs) -> dict:
         beta = torch.ones(H, device=q.device, dtype=torch.float32)
         outputs = att._outputs(q, tiles)
         row[config] = {
-            "long_kernel_ms": _bench(lambda: att._launch_long(q, k, v, idx, unions, beta, cfg, tiles, outputs, amax), rep),
+            "long_kernel_ms": _bench(lambda: att._launch_long(q, k, v, idx, unions, beta, cfg, tiles, outputs), rep),
             "unions_ms": _bench(lambda: att.forward_unions(idx, cfg, tiles), rep),
             "api_ms": _bench(api, rep),
             "graph_ms": _graph_ms(api, rep),

@@ -2,7 +2,7 @@
 # One H200 call that measures and checks what a session changed (run from the repository root with
 # $OUT set). Every step has its own timeout so that a slow step cannot starve the rest; everything
 # lands in $OUT/session.tar (the device returns at most 8 files) plus $OUT/summary.txt.
-# STEPS picks the steps (default: "lb27", s27's sixth call;
+# STEPS picks the steps (default: "fla_install final28", s28's second call;
 # pass timeout_s 600, read summary.txt):
 #   tests_split  CUDA tests of the Triton forward / backward / API / L11-L12 with the split long kernel
 #                (FREESOLO_TRITON_LONG_BLOCK=64 FREESOLO_TRITON_MAXNREG=128: the proposed 16-bit default)
@@ -138,6 +138,15 @@
 #                (forward_overlap_ab.py, 64k / 128k) and the API forward at 64k / 128k with
 #                FREESOLO_TRITON_LONG_BLOCK=64 / 32 (SDPA / Flex in each run); the CUDA tests of the forward / backend /
 #                L12 with long_block 32; memcheck of the forward / backward kernels (the order decode included)
+#   ab28_*       issue 10 (s28 call1, commit 272bdfb): the CUDA tests of the selection / attention / backend / L12 /
+#                packed sequences with FREESOLO_TRITON_LONG_BOUND=1 FREESOLO_TRITON_FSL_TAIL=1 (then opt-in); the scoring
+#                tiles with and without the FS-L tail chunk (score_tiles_sweep.py, 16k / 64k / 128k); the forward with
+#                the long kernel's fixed logit bound off / on (forward_overlap_ab.py sorted_online / sorted_bound in
+#                272bdfb; slower, removed after that call, so ab28_fwd no longer runs)
+#   final28      issue 10 / 11 (s28, the FS-L tail chunk as the default): the CUDA tests of the selection / L12 / backend /
+#                attention / backward / packed / models; same-run figures with fla NSA (fwd 4k ... 128k, fwd+bwd 4k / 16k /
+#                64k; needs fla_install), the forward with FREESOLO_TRITON_FSL_TAIL=0 (the s27 tiles) in the same call,
+#                the GPU time in a CUDA graph (forward_overlap_ab.py sorted); memcheck + racecheck of the forward / backward
 #   fsb_long2    issue 12: the Triton FS-B search alone at 256k and 1M (sorted beam selection), last in the s22 call
 set -u
 OUT=${OUT:-/tmp/session_out}
@@ -145,7 +154,7 @@ W=/tmp/session_work
 rm -rf "$W"  # a warm machine keeps /tmp: start empty
 mkdir -p "$OUT" "$W"
 export PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=ci PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-STEPS=${STEPS:-"lb27"}
+STEPS=${STEPS:-"fla_install final28"}
 SPLIT=(env FREESOLO_TRITON_LONG_BLOCK=64 FREESOLO_TRITON_MAXNREG=128)
 step() {  # step NAME SECONDS COMMAND...: run with a timeout, log to $W/NAME.log, one summary line
   local name=$1 secs=$2; shift 2
@@ -221,6 +230,9 @@ step sorted 500 bash -c "python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k
 step chunks27 420 bash -c "python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k 'cuda or gpu' proofs_tests/test_triton_attention.py; python3 benchmarks/forward_overlap_ab.py --lengths 16384 65536 131072 --configs wfirst sorted sorted2k sorted8k --out $W/forward_chunks_ab.json; python3 benchmarks/gpu_attention.py --providers triton_fsl sdpa_causal flex_swa512 fla_nsa --shapes H16-D64 --modes fwd --lengths 16384 32768 65536 --budget-s 80 --rep-ms 30 --out $W --tag _chunks27; python3 benchmarks/profile_triton.py --T 65536"
 step final27 560 bash -c "python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k 'cuda or gpu' proofs_tests/test_triton_selection.py proofs_tests/test_row_independence.py proofs_tests/test_triton_backend.py proofs_tests/test_triton_attention.py proofs_tests/test_triton_backward.py proofs_tests/test_packed.py proofs_tests/test_models.py; python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fs sdpa_causal flex_swa512 fla_nsa --shapes H16-D64 --modes fwd --lengths 4096 16384 65536 131072 --budget-s 140 --rep-ms 30 --out $W --tag _s27_final_fwd; python3 benchmarks/gpu_attention.py --providers triton_fsl sdpa_causal flex_swa512 fla_nsa --shapes H16-D64 --modes fwd+bwd --lengths 4096 16384 65536 --budget-s 100 --rep-ms 30 --out $W --tag _s27_final_bwd; compute-sanitizer --tool memcheck python3 benchmarks/sanitize_triton.py forward_backward && compute-sanitizer --tool racecheck python3 benchmarks/sanitize_triton.py forward_backward"
 step lb27 330 bash -c "python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k 'sorted or order' proofs_tests/test_triton_attention.py; FREESOLO_TRITON_LONG_BLOCK=32 python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k 'cuda or gpu' proofs_tests/test_triton_attention.py proofs_tests/test_triton_backend.py proofs_tests/test_row_independence.py; python3 benchmarks/forward_overlap_ab.py --lengths 65536 131072 --fs-lengths --configs sorted sorted_lb32 sorted_lb32w2 sorted_lb16w1 --out $W/forward_lb_ab.json; python3 benchmarks/gpu_attention.py --providers triton_fsl sdpa_causal flex_swa512 --shapes H16-D64 --modes fwd --lengths 65536 131072 --budget-s 40 --rep-ms 30 --out $W --tag _lb64; FREESOLO_TRITON_LONG_BLOCK=32 python3 benchmarks/gpu_attention.py --providers triton_fsl sdpa_causal flex_swa512 --shapes H16-D64 --modes fwd --lengths 65536 131072 --budget-s 40 --rep-ms 30 --out $W --tag _lb32; compute-sanitizer --tool memcheck python3 benchmarks/sanitize_triton.py forward_backward"
+step ab28_tests 230 env FREESOLO_TRITON_LONG_BOUND=1 FREESOLO_TRITON_FSL_TAIL=1 python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k "cuda or gpu or bound or tail" proofs_tests/test_triton_selection.py proofs_tests/test_triton_attention.py proofs_tests/test_triton_backend.py proofs_tests/test_row_independence.py proofs_tests/test_packed.py
+step ab28_score 80 python3 benchmarks/score_tiles_sweep.py --cases fsl:16384 fsl:65536 fsl:131072 --chunks --out "$W/score_tiles_s28.json"
+step final28 560 bash -c "python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k 'cuda or gpu or tail' proofs_tests/test_triton_selection.py proofs_tests/test_row_independence.py proofs_tests/test_triton_backend.py proofs_tests/test_triton_attention.py proofs_tests/test_triton_backward.py proofs_tests/test_packed.py proofs_tests/test_models.py; python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fs sdpa_causal flex_swa512 fla_nsa --shapes H16-D64 --modes fwd --lengths 4096 16384 65536 131072 --budget-s 140 --rep-ms 30 --out $W --tag _s28_final_fwd; FREESOLO_TRITON_FSL_TAIL=0 python3 benchmarks/gpu_attention.py --providers triton_fsl sdpa_causal flex_swa512 --shapes H16-D64 --modes fwd --lengths 16384 65536 131072 --budget-s 50 --rep-ms 30 --out $W --tag _s28_notail_fwd; python3 benchmarks/gpu_attention.py --providers triton_fsl sdpa_causal flex_swa512 fla_nsa --shapes H16-D64 --modes fwd+bwd --lengths 4096 16384 65536 --budget-s 100 --rep-ms 30 --out $W --tag _s28_final_bwd; python3 benchmarks/forward_overlap_ab.py --lengths 65536 131072 --fs-lengths --configs sorted --out $W/forward_s28.json; compute-sanitizer --tool memcheck python3 benchmarks/sanitize_triton.py forward_backward && compute-sanitizer --tool racecheck python3 benchmarks/sanitize_triton.py forward_backward"
 step devguard 130 python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k "cuda or gpu" proofs_tests/test_triton_backend.py proofs_tests/test_triton_decode.py
 step realkeys 150 python3 benchmarks/real_keys_bench.py --length 65536 --out "$W/real_keys.json"
 step graph4k 200 bash -c "python3 -m pytest -q -p no:benchmark -k 'graph' proofs_tests/test_triton_backend.py; python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fsl_graph sdpa_causal sdpa_causal_graph flex_swa512 --shapes H16-D64 --modes fwd fwd+bwd --lengths 4096 16384 --budget-s 120 --rep-ms 30 --out $W --tag _graph"

@@ -149,8 +149,6 @@ CASES = [
     # the long branch in its own kernel over 16-query tiles (smaller unions), with and without
     # prefetch, and over tiles larger than the window kernel's (long_block 64 > block_m 32)
     (2, 77, 3, 1, 16, dict(variant="fsl", top_k=3, tiles=AttentionTiles(32, 32, 1, 1, long_block=16))),
-    # the long kernel's fixed per-row offsets instead of a running maximum (long_bound), sorted tiles
-    (2, 77, 3, 1, 16, dict(variant="fsl", top_k=3, tiles=AttentionTiles(32, 32, 1, 1, long_block=16, long_bound=True))),
     (
         1,
         129,
@@ -284,8 +282,8 @@ def test_l12_prefix_equals_full_sequence():
 
 @pytest.mark.parametrize(
     "tiles",
-    [None, AttentionTiles(32, 32, 1, 1, long_block=16), AttentionTiles(32, 32, 1, 1, long_block=16, long_bound=True)],
-    ids=["fused", "long-block-16", "long-bound"],
+    [None, AttentionTiles(32, 32, 1, 1, long_block=16)],
+    ids=["fused", "long-block-16"],
 )
 def test_l12_other_queries_selections_change_nothing(tiles):
     """Queries 40 and 41 keep their cells; every other query of the sequence selects other cells
@@ -332,50 +330,6 @@ def test_long_block_equals_fused_path():
             assert_close(x[fin], y[fin], 1e-6, f"long_block={long_block} {name}")
 
 
-def test_long_bound_rows_far_below_the_bound_take_the_online_loop():
-    """AttentionTiles.long_bound: a row whose logits lie far below its bound scale * ||q|| * max a_c
-    (here a key of norm 1e4 orthogonal to the row's query: the bound is ~2500 nats above every logit,
-    so every exp2(s - m_b) underflows) is recomputed by the online loop: its outputs and statistics
-    have the bits of long_bound=False, and the tile's other rows keep their bits (L12: they equal
-    the same rows computed without that key's row in the batch). Every row matches the oracle."""
-    cfg = _cfg(variant="fs", top_k=2)
-    q, k, v = random_qkv(21, 1, 48, 2, 1, 16)
-    q[0, 40, 0, :] = 0.0
-    q[0, 40, 0, 0] = 1.0  # query 40, head 0: along dim 0 only
-    k[0, 5, 0, :] = 0.0
-    k[0, 5, 0, 1] = 1e4  # token 5 (cell 1): orthogonal to query 40's head-0 query, a_1 = 1e4
-    beta = np.array([1.0, 0.5])
-    idx = np.full((1, 48, 2, 2), -1, dtype=np.int64)
-    idx[0, 8:, :, 0] = 0
-    idx[0, 40, 0] = [1, 3]  # row (40, head 0) reads cell 1: its bound is ~1e4 / 4 nats above its logits
-    online = _run(q, k, v, idx, beta, cfg, tiles=AttentionTiles(32, 32, 1, 1, long_block=16))
-    bound = _run(q, k, v, idx, beta, cfg, tiles=AttentionTiles(32, 32, 1, 1, long_block=16, long_bound=True))
-    for name, got, ref in (("o", bound[0][:, 40, 0], online[0][:, 40, 0]), ("lse_long", bound[2][:, 0, 40], online[2][:, 0, 40]),
-                           ("rstd", bound[3][:, 0, 40], online[3][:, 0, 40])):  # fmt: skip
-        assert np.array_equal(got, ref), f"row (40, head 0) {name}: not the online loop's bits"
-    assert not np.array_equal(bound[0][:, 41, 0], online[0][:, 41, 0]), "row 41 keeps the bound's (other) rounding"
-    assert_close(bound[0], _oracle(q, k, v, idx, cfg, beta), 1e-5, "o with long_bound")
-    _check_stats(bound, q, k, v, idx, cfg, 1e-5)
-    # the other rows of that 16-query tile (rows 32..47, head 0) do not depend on row 40's redo
-    idx2 = idx.copy()
-    idx2[0, 40, 0] = [0, 3]  # row 40 no longer reads cell 1: no row of the tile needs the online loop
-    bound2 = _run(q, k, v, idx2, beta, cfg, tiles=AttentionTiles(32, 32, 1, 1, long_block=16, long_bound=True))
-    others = [i for i in range(32, 48) if i != 40]
-    assert np.array_equal(bound2[0][:, others, 0], bound[0][:, others, 0]), "the tile's other rows changed"
-
-
-def test_long_bound_refuses_float16():
-    """fp16 cannot hold exp2(s - m_b) down to 2^-107: long_bound with fp16 inputs is a ValueError."""
-    if not CUDA:
-        pytest.skip("fp16 kernels need a CUDA GPU (the interpreter runs float32 only)")
-    cfg = _cfg(variant="fs", top_k=2)
-    q, k, v = random_qkv(22, 1, 48, 2, 1, 16)
-    idx = _selection(q, k, cfg)
-    with pytest.raises(ValueError, match="long_bound needs bf16 or fp32"):
-        _run(q, k, v, idx, np.ones(2), cfg, dtype=torch.float16, device="cuda",
-             tiles=AttentionTiles(64, 64, 4, 2, long_block=64, long_bound=True))  # fmt: skip
-
-
 def test_long_into_out_equals_fp32_buffer():
     """AttentionTiles.long_into_out (the long kernel writes its term into o, the window kernel adds
     o_loc there) gives the same bits as the fp32 hand-over buffer for float32 inputs, every output
@@ -415,7 +369,7 @@ def test_window_first_equals_long_into_out():
 
         def select(q_, k_):
             calls.append(1)
-            return torch.as_tensor(idx, device=DEVICE), None
+            return torch.as_tensor(idx, device=DEVICE)
 
         got_idx, got = forward_with_selection(qt, kt, vt, select, torch.as_tensor(beta, dtype=torch.float32, device=DEVICE),
                                               cos, sin, cfg, first)  # fmt: skip

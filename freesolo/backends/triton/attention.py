@@ -62,8 +62,6 @@ __all__ = [
     "ENV_LONG_INTO_OUT",
     "ENV_WINDOW_FIRST",
     "ENV_SORTED_LONG",
-    "ENV_LONG_BOUND",
-    "LONG_BOUND_MIN_L",
     "ENV_MAXNREG",
     "AttentionTiles",
     "attention_forward",
@@ -84,10 +82,6 @@ __all__ = [
 ]
 
 LOG2E = 1.4426950408889634
-# AttentionTiles.long_bound: a row whose sum of exp2(s - m_b) is below this is recomputed by the
-# online loop (its largest term is then below 2^-107: the bound lies ~100 binades above its logits).
-# Above it every term that matters is a normal fp32 / bf16 number (their smallest normal is 2^-126).
-LONG_BOUND_MIN_L = 2.0**-100
 
 
 @triton.jit
@@ -227,57 +221,6 @@ def _long_steps(
 
 
 @triton.jit
-def _logit_bound(q, sel, amax_row, qk_scale):
-    """[M] fp32: qk_scale * ||q_i|| * max over the row's selected cells (sel [M, K_P], -1 padded) of
-    a_c (amax_row: the (b, kv head)'s fp32 max key norms): by Cauchy-Schwarz at least every logit
-    (exp2 domain) of the row's selected tokens; 0 for a row without cells."""
-    a = tl.load(amax_row + tl.where(sel >= 0, sel, 0), mask=sel >= 0, other=0.0)
-    qf = q.to(tl.float32)
-    return qk_scale * tl.sqrt_rn(tl.sum(qf * qf, 1)) * tl.max(a, 1)
-
-
-@triton.jit
-def _long_steps_bound(
-    q, sel, m_b, urow, NU_PTR, k_base, v_base, kv_stride, qk_scale,
-    D: tl.constexpr, D_P: tl.constexpr, CELL: tl.constexpr, CELL_P: tl.constexpr, BLOCK_M: tl.constexpr,
-):  # fmt: skip
-    """The long branch's softmax steps with the fixed per-row offset m_b [M] (`_logit_bound`, exp2
-    domain) instead of a running maximum: per cell of the tile's union, p = exp2(qk_scale * q . k - m_b)
-    on the rows that selected it (0 elsewhere: an exact no-op on acc and l), l += sum(p),
-    acc += p . v (accumulated by the dot). One cell per step, the row's cells in ascending order:
-    a row's bits depend on its own cells only (L12). Returns (acc [M, D_P], l [M]), fp32."""
-    dd = tl.arange(0, D_P)
-    n_u = tl.load(NU_PTR)
-    offs_c = tl.arange(0, CELL_P)
-    c_ok = offs_c < CELL
-    cell_offs = offs_c[:, None] * kv_stride + dd[None, :]
-    kv_mask = c_ok[:, None] & (dd < D)[None, :]
-    l_j = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, D_P], dtype=tl.float32)
-    # the same hand-made pipelining as `_long_steps`: ids two steps ahead, k / v one step ahead
-    cell = tl.load(urow, mask=n_u > 0, other=0)
-    cell_n = tl.load(urow + 1, mask=n_u > 1, other=0)
-    kc, vc = _cell_kv(k_base, v_base, cell, n_u > 0, cell_offs, kv_mask, kv_stride, CELL)
-    for u in range(0, n_u):
-        cell_nn = tl.load(urow + u + 2, mask=u + 2 < n_u, other=0)
-        kc_n, vc_n = _cell_kv(k_base, v_base, cell_n, u + 1 < n_u, cell_offs, kv_mask, kv_stride, CELL)
-        hit = tl.sum((sel == cell).to(tl.int32), 1) > 0  # [M]: rows that selected this cell
-        s = tl.dot(q, tl.trans(kc), input_precision="ieee")
-        if CELL == CELL_P:
-            take = hit[:, None]
-        else:
-            take = hit[:, None] & c_ok[None, :]
-        p = tl.where(take, tl.math.exp2(s * qk_scale - m_b[:, None]), 0.0)
-        l_j += tl.sum(p, 1)
-        acc = tl.dot(p.to(q.dtype), vc, acc=acc, input_precision="ieee")
-        cell = cell_n
-        cell_n = cell_nn
-        kc = kc_n
-        vc = vc_n
-    return acc, l_j
-
-
-@triton.jit
 def _long_finish(acc, l_j, m_j, beta_ptr, eps, D: tl.constexpr):
     """(beta_h * rmsnorm(o_long) [M, D_P] fp32, lse_long [M] natural log (-inf: no cell),
     rstd [M]) from the long loop's state; o_long = 0 where no cell was selected."""
@@ -302,12 +245,10 @@ def _long_fwd_kernel(
     LONG_TERM,  # fp32 [B, T, Hq, D] (out): beta_h * rmsnorm(o_long); or O itself (long_into_out)
     LSE_LONG,  # fp32 [B, Hq, T] (out)
     RSTD,  # fp32 [B, Hq, T] (out)
-    AMAX,  # fp32 [B, Hkv, C]: max key norm per cell (LONG_BOUND; else not read)
     T,
     Hq,
     Hkv,
     NT,
-    C,  # complete cells per (b, kv head) (AMAX's rows)
     qk_scale,  # scale * log2(e)
     eps,
     D: tl.constexpr,
@@ -321,8 +262,6 @@ def _long_fwd_kernel(
     PREFETCH: tl.constexpr,
     ADD_TO_OUT: tl.constexpr,  # AttentionTiles.window_first: LONG_TERM is O holding o_loc; add the long term to it
     HAS_ORDER: tl.constexpr,  # AttentionTiles.sorted_long: the tiles' positions come from ORDER (else consecutive)
-    LONG_BOUND: tl.constexpr,  # AttentionTiles.long_bound: fixed per-row offsets, the online loop for rows that need it
-    MIN_L: tl.constexpr,  # LONG_BOUND_MIN_L
 ):
     """The long branch alone (AttentionTiles.long_block > 0): one program per (tile of BLOCK_M
     queries, b * Hq + h), the same steps as the fused kernel's long loop over this smaller tile's
@@ -339,27 +278,10 @@ def _long_fwd_kernel(
     nu_ptr = NUNION + pid_bh * NT + pid_m
     offs_m = _tile_positions(ORDER, pid_bh, pid_m, T, BLOCK_M, HAS_ORDER)
     q, row_ok = _load_rows(Q, b, h, T, Hq, offs_m, D, D_P)
-    if LONG_BOUND:
-        sel = _load_sel(IDX, b, T, Hq, h, offs_m, row_ok, KSEL, K_P)
-        m_j = _logit_bound(q, sel, AMAX + (b * Hkv + g) * C, qk_scale)
-        acc, l_j = _long_steps_bound(q, sel, m_j, urow, nu_ptr, k_base, v_base, kv_stride, qk_scale,
-                                     D, D_P, CELL, CELL_P, BLOCK_M)  # fmt: skip
-        # rows whose bound lies too far above their logits (l underflows): the online loop, for
-        # those rows only (the tile runs it when any row needs it; other rows keep their bits)
-        redo = (tl.max(sel, 1) >= 0) & (l_j < MIN_L)
-        if tl.max(redo.to(tl.int32), 0) > 0:
-            acc_o, l_o, m_o = _long_steps(
-                q, IDX, urow, nu_ptr, k_base, v_base, b, h, T, Hq, offs_m, row_ok, kv_stride, qk_scale,
-                D, D_P, CELL, CELL_P, KSEL, K_P, BLOCK_M, PREFETCH,
-            )  # fmt: skip
-            acc = tl.where(redo[:, None], acc_o, acc)
-            l_j = tl.where(redo, l_o, l_j)
-            m_j = tl.where(redo, m_o, m_j)
-    else:
-        acc, l_j, m_j = _long_steps(
-            q, IDX, urow, nu_ptr, k_base, v_base, b, h, T, Hq, offs_m, row_ok, kv_stride, qk_scale,
-            D, D_P, CELL, CELL_P, KSEL, K_P, BLOCK_M, PREFETCH,
-        )  # fmt: skip
+    acc, l_j, m_j = _long_steps(
+        q, IDX, urow, nu_ptr, k_base, v_base, b, h, T, Hq, offs_m, row_ok, kv_stride, qk_scale,
+        D, D_P, CELL, CELL_P, KSEL, K_P, BLOCK_M, PREFETCH,
+    )  # fmt: skip
     _long_store(acc, l_j, m_j, offs_m, b, h, T, Hq, BETA, eps, LONG_TERM, LSE_LONG, RSTD, D, D_P, ADD_TO_OUT)
 
 
@@ -617,16 +539,6 @@ class AttentionTiles:
     # of 32 / 16 queries hold fewer cells (9.4 / 7.1) but their long kernel is slower (0.98-1.12 /
     # 0.77 ms at 64k, s27 call6): long_block stays 64.
     sorted_long: bool = False
-    # long_block > 0, bf16 only (`default_tiles` leaves it off until measured; the environment switch
-    # FREESOLO_TRITON_LONG_BOUND=1 / 0 turns it on / off): the long kernel's softmax subtracts a fixed
-    # per-row bound of the query's logits instead of a running maximum, m_b = scale * ||q_i|| *
-    # max over the query's selected cells of a_c (a_c = max key norm of cell c, spec §3; Cauchy-
-    # Schwarz), so a step neither reduces a row maximum nor rescales the accumulator
-    # (`_long_steps_bound`). A row whose sum of exp2(s - m_b) falls below LONG_BOUND_MIN_L (the
-    # bound more than ~100 binades above its logits) is recomputed by the online loop
-    # (`_long_steps`): a function of the row alone, so row independence (L12) holds. 16-bit p must
-    # hold values down to 2^-107 (bf16 and fp32 do, fp16 does not: ValueError).
-    long_bound: bool = False
     # (s26 also tried the long kernel over aligned pairs of cells, one softmax step per pair, which
     # keeps row independence: on iid keys a 64-query tile's pair union held 22.8 pairs against 23.3
     # cells (the pool's high-norm cells are rarely neighbours), so every step doubled for nothing:
@@ -646,8 +558,6 @@ class AttentionTiles:
             raise ValueError("window_first=True needs the long term written into o (long_into_out=True)")
         if self.sorted_long and not self.long_block:
             raise ValueError("sorted_long=True needs the separate long kernel (long_block > 0)")
-        if self.long_bound and not self.long_block:
-            raise ValueError("long_bound=True needs the separate long kernel (long_block > 0)")
 
     @property
     def union_rows(self) -> int:
@@ -662,7 +572,6 @@ ENV_MAXNREG = "FREESOLO_TRITON_MAXNREG"
 ENV_LONG_INTO_OUT = "FREESOLO_TRITON_LONG_INTO_OUT"  # 0: the fp32 hand-over buffer instead of o (split kernels only)
 ENV_WINDOW_FIRST = "FREESOLO_TRITON_WINDOW_FIRST"  # 0: window_first off (on by default with long_into_out)
 ENV_SORTED_LONG = "FREESOLO_TRITON_SORTED_LONG"  # 0: sorted_long off (on by default with long_block > 0)
-ENV_LONG_BOUND = "FREESOLO_TRITON_LONG_BOUND"  # 1 / 0: long_bound on / off (bf16 split tiles only)
 
 
 def _env_int(name: str) -> Optional[int]:
@@ -681,8 +590,8 @@ def default_tiles(D: int, dtype: torch.dtype, device: torch.device) -> Attention
     (window_first), the long tiles sorted by selection (sorted_long). The environment variables
     ENV_LONG_BLOCK / ENV_MAXNREG / ENV_LONG_INTO_OUT (0: the fp32 buffer) / ENV_WINDOW_FIRST (0:
     off; it needs long_into_out) / ENV_SORTED_LONG (0: off) override long_block / maxnreg /
-    long_into_out / window_first / sorted_long, and ENV_LONG_BOUND long_bound for bf16 (process-wide,
-    read at each call; they never depend on B or T). ENV_MAXNREG applies to 16-bit
+    long_into_out / window_first / sorted_long (process-wide, read at each call; they never depend
+    on B or T). ENV_MAXNREG applies to 16-bit
     dtypes only (fp32 D 128 at 128 registers spills ~1.2 kB per thread on sm_90)."""
     tiles = _base_tiles(D, dtype, device)
     long_block, maxnreg = _env_int(ENV_LONG_BLOCK), _env_int(ENV_MAXNREG)
@@ -699,14 +608,7 @@ def default_tiles(D: int, dtype: torch.dtype, device: torch.device) -> Attention
     sorted_long = _env_int(ENV_SORTED_LONG)
     if tiles.long_block:
         tiles = dataclasses.replace(tiles, sorted_long=True if sorted_long is None else bool(sorted_long))
-    long_bound = _env_int(ENV_LONG_BOUND)
-    if tiles.long_block and dtype == torch.bfloat16:
-        tiles = dataclasses.replace(tiles, long_bound=LONG_BOUND_DEFAULT if long_bound is None else bool(long_bound))
     return tiles
-
-
-# AttentionTiles.long_bound for bf16 split tiles when ENV_LONG_BOUND is not set.
-LONG_BOUND_DEFAULT = False
 
 
 def _base_tiles(D: int, dtype: torch.dtype, device: torch.device) -> AttentionTiles:
@@ -1055,34 +957,19 @@ def _common_constexprs(D: int, cfg, tiles: AttentionTiles) -> dict:
                 K_P=next_pow2(cfg.top_k), PREFETCH=tiles.prefetch)  # fmt: skip
 
 
-def _launch_long(q, k, v, idx, unions: TileUnions, beta, cfg, tiles: AttentionTiles, outputs, amax=None) -> None:
+def _launch_long(q, k, v, idx, unions: TileUnions, beta, cfg, tiles: AttentionTiles, outputs) -> None:
     """The split long kernel (tiles.long_block > 0): writes the long term into outputs' long_term
-    (adds it to o with window_first) and lse_long, rstd. amax: fp32 [B, Hkv, T // cell] max key
-    norms (`selection.cell_stats`), read with tiles.long_bound (made here when None)."""
+    (adds it to o with window_first) and lse_long, rstd."""
     B, T, Hq, D = q.shape
-    Hkv = k.shape[2]
-    C = T // cfg.cell
     o, _, lse_long, rstd, long_term = outputs
     rows = tiles.union_rows
     NU = -(-T // rows)
     union, count, order = unions
-    if tiles.long_bound:
-        if q.dtype == torch.float16:
-            raise ValueError("AttentionTiles.long_bound needs bf16 or fp32 (fp16 cannot hold exp2(s - m_b) down to 2^-107)")
-        if amax is None:
-            from .selection import cell_stats
-
-            amax = cell_stats(k, cfg.cell)[1]
-        if tuple(amax.shape) != (B, Hkv, C) or amax.dtype != torch.float32 or not amax.is_contiguous():
-            raise ValueError(f"amax must be contiguous float32 [B={B}, Hkv={Hkv}, C={C}], got {amax.dtype} {tuple(amax.shape)}")
-        _check_placed("amax", amax, q)
-    else:
-        amax = count  # not read
     _long_fwd_kernel[(NU, B * Hq)](
-        q, k, v, idx, union, count, order if order is not None else count, beta, long_term, lse_long, rstd, amax,
-        T, Hq, Hkv, NU, C, LOG2E / math.sqrt(D), cfg.eps,
+        q, k, v, idx, union, count, order if order is not None else count, beta, long_term, lse_long, rstd,
+        T, Hq, k.shape[2], NU, LOG2E / math.sqrt(D), cfg.eps,
         BLOCK_M=rows, U_MAX=rows * cfg.top_k, ADD_TO_OUT=tiles.window_first, HAS_ORDER=order is not None,
-        LONG_BOUND=tiles.long_bound, MIN_L=LONG_BOUND_MIN_L, num_warps=tiles.long_warps, num_stages=1,
+        num_warps=tiles.long_warps, num_stages=1,
         **_common_constexprs(D, cfg, tiles),
     )  # fmt: skip
 
@@ -1120,19 +1007,18 @@ def _launch_window(q, k, v, idx, union, count, beta, cos, sin, cfg, tiles: Atten
         )  # fmt: skip
 
 
-def launch_forward(q, k, v, idx, unions: TileUnions, beta, cos, sin, cfg, tiles: AttentionTiles, amax=None):
+def launch_forward(q, k, v, idx, unions: TileUnions, beta, cos, sin, cfg, tiles: AttentionTiles):
     """The kernel launches of `attention_forward` on validated inputs and
     `forward_unions(idx, cfg, tiles)` (exposed so that benchmarks can time the kernels apart
     from the union's sort): the fused kernel, or (tiles.long_block > 0) the long kernel and then
-    the window kernel (window_first: the window kernel, then the long kernel adding its term).
-    amax: the cells' max key norms for tiles.long_bound (`_launch_long`; None: made there)."""
+    the window kernel (window_first: the window kernel, then the long kernel adding its term)."""
     _check_union(unions, q, cfg, tiles)
     outputs = _outputs(q, tiles)
     if tiles.long_block and not tiles.window_first:
-        _launch_long(q, k, v, idx, unions, beta, cfg, tiles, outputs, amax)
+        _launch_long(q, k, v, idx, unions, beta, cfg, tiles, outputs)
     _launch_window(q, k, v, idx, unions.union, unions.count, beta, cos, sin, cfg, tiles, outputs)
     if tiles.window_first:
-        _launch_long(q, k, v, idx, unions, beta, cfg, tiles, outputs, amax)
+        _launch_long(q, k, v, idx, unions, beta, cfg, tiles, outputs)
     return outputs[:4]
 
 
@@ -1150,9 +1036,8 @@ def _side_stream(device: torch.device):
 def forward_with_selection(q, k, v, select, beta, cos, sin, cfg, tiles: AttentionTiles | None = None):
     """The selection and the forward: (idx, (o, lse_loc, lse_long, rstd)).
 
-    Args as `attention_forward`, except select: (q, k) -> (idx, amax), the selection (e.g.
-    `selection.select_cells(..., return_amax=True)`) and the fp32 [B, Hkv, T // cell] max key norms
-    of its cells or None (made when tiles.long_bound needs them), called once. With tiles.window_first on CUDA, the selection and the
+    Args as `attention_forward`, except select: (q, k) -> idx (the selection, e.g.
+    `selection.select_cells`), called once. With tiles.window_first on CUDA, the selection and the
     tile unions run on a side stream while the window kernel runs on the current stream (it does
     not read the selection), then the long kernel adds its term. Stream order: the side stream
     first waits for the current one (q, k ready; and every earlier use of memory the side stream
@@ -1162,10 +1047,8 @@ def forward_with_selection(q, k, v, select, beta, cos, sin, cfg, tiles: Attentio
     """
     tiles = tiles or default_tiles(q.shape[3], q.dtype, q.device)
     if not tiles.window_first:
-        idx, amax = select(q, k)
-        _check_inputs(q, k, v, idx, beta, cos, sin, cfg)
-        outputs = launch_forward(q, k, v, idx, forward_unions(idx, cfg, tiles), beta, cos, sin, cfg, tiles, amax)
-        return idx, outputs
+        idx = select(q, k)
+        return idx, attention_forward(q, k, v, idx, beta, cos, sin, cfg, tiles)
     _check_inputs(q, k, v, None, beta, cos, sin, cfg)
     outputs = _outputs(q, tiles)
     unused = torch.empty(1, dtype=torch.int32, device=q.device)  # the window kernel's idx / union / count (not read)
@@ -1174,11 +1057,11 @@ def forward_with_selection(q, k, v, select, beta, cos, sin, cfg, tiles: Attentio
     if side is not None:
         side.wait_stream(main)
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-        idx, amax = select(q, k)
+        idx = select(q, k)
         unions = forward_unions(idx, cfg, tiles)
     _launch_window(q, k, v, unused, unused, unused, beta, cos, sin, cfg, tiles, outputs)
     if side is not None:
         main.wait_stream(side)
     _check_idx(idx, q, cfg)
-    _launch_long(q, k, v, idx, unions, beta, cfg, tiles, outputs, amax)
+    _launch_long(q, k, v, idx, unions, beta, cfg, tiles, outputs)
     return idx, outputs[:4]

@@ -184,23 +184,17 @@ def fsb_search_mode(device: torch.device) -> str:
 
 def _select(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig, out_dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """out_dtype [B, T, Hq, K]: FS / FS-L by the Triton kernels, FS-B by the search `fsb_search_mode` names."""
-    return _select_with_amax(q, k, cfg, out_dtype)[0]
-
-
-def _select_with_amax(q, k, cfg: FreeSoloConfig, out_dtype: torch.dtype = torch.int64):
-    """(idx out_dtype [B, T, Hq, K], amax fp32 [B, Hkv, T // cell] or None): the selection and, for
-    FS / FS-L, the max key norms its kernels computed (the forward's long_bound reads them)."""
     if cfg.variant == "fsb":
         if fsb_search_mode(q.device) == "triton":
             from .fsb_search import fsb_select_cells
 
-            return fsb_select_cells(q, k, cfg).to(out_dtype), None
+            return fsb_select_cells(q, k, cfg).to(out_dtype)
         from ..torch.backend import select_cells as torch_select
 
-        return torch_select(q, k, cfg).to(out_dtype), None
+        return torch_select(q, k, cfg).to(out_dtype)
     from .selection import select_cells as triton_select
 
-    return triton_select(q, k, cfg, out_dtype=out_dtype, return_amax=True)
+    return triton_select(q, k, cfg, out_dtype=out_dtype)
 
 
 _ONES: dict = {}
@@ -237,7 +231,7 @@ def _forward_impl(q, k, v, beta, cfg_json):
         # the selection is saved for the backward in int32 (half the bytes of int64); with window-first
         # tiles it runs on a side stream beside the window kernel (`forward_with_selection`)
         idx, (o, lse_loc, lse_long, rstd) = forward_with_selection(
-            q, k, v, lambda q_, k_: _select_with_amax(q_, k_, cfg, torch.int32), beta.to(torch.float32), cos, sin, cfg
+            q, k, v, lambda q_, k_: _select(q_, k_, cfg, torch.int32), beta.to(torch.float32), cos, sin, cfg
         )
     return o, idx, lse_loc, lse_long, rstd
 

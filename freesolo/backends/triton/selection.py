@@ -670,25 +670,28 @@ def score_tiles(cfg: FreeSoloConfig, D: int, dtype: torch.dtype) -> ScoreTiles:
     """Default tiles: BLOCK_M = the query block (16..64), 4 warps, one pipeline stage (sm_90: 117
     registers per thread for FS bf16 D 64, 102 for FS-L; no spills, for D 64 / 128 and every dtype).
     FS: 32 cells per step, the top-K rounds counted per chunk (count_rounds);
-    FS-L (72 candidates): 32 per step, every round run. H200 (bf16 H16 D64, select_cells, same-run
+    FS-L (72 candidates): 64 per step and a narrower tail chunk (fsl_tail), every round run. H200 (bf16 H16 D64, select_cells, same-run
     sweeps, every variant's selection bitwise equal): FS at 64k 4.42 ms (s23 tiles) -> 3.71
     (erf_skip) -> 3.40 (the top-K on fp32 score + cell pairs instead of int64 keys) -> 3.31
     (count_rounds) -> 2.49 (s25: unmasked full chunks, int32 offsets, three stages; a gate that skipped
     the count where no row's chunk maximum reached its K-th, 2.66, was removed) -> 2.48 (one stage);
-    FS-L at 64k 0.783 -> 0.653 -> 0.612 ms (s25, one stage) -> 0.596 (32 per step)
-    (results/session_2026-12-02_s24/call2, call3, call6; session_2026-12-02_s25/call2, call3, call4)."""
+    FS-L at 64k 0.783 -> 0.653 -> 0.612 ms (s25, one stage) -> 0.596 (32 per step) -> 0.532 (s28: 64
+    per step, the 8 recent cells past the 64 pool slots in one 16-wide tail chunk, `fsl_tail`; 128k
+    1.172 -> 1.039, 16k 0.173 -> 0.156) (results/session_2026-12-02_s24/call2, call3, call6;
+    session_2026-12-02_s25/call2, call3, call4; session_2026-12-03_s28/call1)."""
     block_m = min(64, max(16, next_pow2(cfg.block)))
     if cfg.variant == "fsl":
         tail = os.environ.get(ENV_FSL_TAIL, "").strip()
         if tail not in ("", "0", "1"):
             raise ValueError(f"environment variable {ENV_FSL_TAIL}={tail!r} must be 0 or 1")
-        return ScoreTiles(block_m, 32, 4, early_exit=False, num_stages=1, fsl_tail=FSL_TAIL_DEFAULT if not tail else tail == "1")
+        if tail == "0":  # the s25 .. s27 FS-L tiles: chunks of 32, the last one mostly masked
+            return ScoreTiles(block_m, 32, 4, early_exit=False, num_stages=1)
+        return ScoreTiles(block_m, 64, 4, early_exit=False, num_stages=1, fsl_tail=True)
     return ScoreTiles(block_m, 32, 4, early_exit=False, count_rounds=True, num_stages=1)
 
 
-# ScoreTiles.fsl_tail of the FS-L default tiles; the environment variable FREESOLO_TRITON_FSL_TAIL=0 / 1
-# overrides it (process-wide, read at each call; A/B switch).
-FSL_TAIL_DEFAULT = False
+# FREESOLO_TRITON_FSL_TAIL=0 gives FS-L the tiles before s28 (32 candidates per chunk, no tail chunk);
+# unset or 1: the default (`score_tiles`). Process-wide, read at each call (an A/B switch).
 ENV_FSL_TAIL = "FREESOLO_TRITON_FSL_TAIL"
 
 _HEAD_PARAMS: dict = {}
@@ -715,8 +718,7 @@ def select_cells(
     cfg: FreeSoloConfig,
     tiles: Optional[ScoreTiles] = None,
     out_dtype: torch.dtype = torch.int64,
-    return_amax: bool = False,
-):
+) -> torch.Tensor:
     """FS / FS-L selection (spec §3-§5, §7) by the Triton kernels.
 
     Args:
@@ -726,10 +728,8 @@ def select_cells(
         tiles: scoring tile sizes (default `score_tiles(cfg, D, q.dtype)`; benchmarks sweep them).
         out_dtype: torch.int64 (default) or torch.int32 (half the bytes: the triton forward keeps
             its selections in int32 for the backward).
-        return_amax: also return the cells' max key norms (the forward's long kernel reads them).
     Returns:
-        out_dtype [B, T, Hq, top_k]: cells by descending score (ties: larger c first), -1 padded;
-        with return_amax, (that, amax fp32 [B, Hkv, T // cell]).
+        out_dtype [B, T, Hq, top_k]: cells by descending score (ties: larger c first), -1 padded.
     """
     _check_inputs(q, k, cfg)
     if out_dtype not in (torch.int32, torch.int64):
@@ -741,8 +741,7 @@ def select_cells(
     nblocks = cdiv(T, cfg.block)
     C = T // cfg.cell
     if B * T * Hq == 0 or nblocks <= 1 or C == 0:
-        idx = torch.full((B, T, Hq, K), -1, dtype=out_dtype, device=q.device)
-        return (idx, torch.zeros((B, Hkv, C), dtype=torch.float32, device=q.device)) if return_amax else idx
+        return torch.full((B, T, Hq, K), -1, dtype=out_dtype, device=q.device)
     kbar, amax = cell_stats(k, cfg.cell)
     n_cand = cfg.pool + cfg.recent if fsl else 0
     cand = fsl_candidates(amax, T, cfg) if fsl else torch.empty(1, dtype=torch.int32, device=q.device)
@@ -788,4 +787,4 @@ def select_cells(
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
-    return (idx, amax) if return_amax else idx
+    return idx
