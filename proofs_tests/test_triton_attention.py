@@ -494,6 +494,40 @@ def test_rotation_chunks_do_not_change_bits(monkeypatch, long_block):
     _bitwise_equal(got, ref, f"one tile per rotation chunk, long_block={long_block}")
 
 
+@pytest.mark.parametrize("long_block", [0, 16])
+def test_forward_without_saved_statistics(monkeypatch, long_block):
+    """save_stats=False (a forward without gradients): o has the bits of the forward that saves the
+    statistics, the statistics come back as None, and the rotated keys take their bytes (here: three
+    rotation chunks instead of five); through the API, a call where nothing requires grad gives the
+    bits of one whose inputs require grad."""
+    import freesolo
+    from freesolo.backends.triton import attention as att
+
+    cfg = _cfg(variant="fsl", window=40, top_k=3)
+    q, k, v = random_qkv(23, 2, 150, 4, 2, 16)
+    beta = np.array([1.0, -0.5, 0.25, 2.0])
+    idx = _selection(q, k, cfg)
+    tiles = AttentionTiles(32, 32, 1, 1, long_block=long_block)
+    monkeypatch.setattr(att, "ROTATION_CHUNK_BYTES", 2 * 150 * 2 * 16 * 4 // 5)  # B T Hkv D fp32: a fifth of k
+    monkeypatch.setattr(att, "ROTATION_CHUNK_MIN_POSITIONS", 32)
+    assert att.rotation_chunk_tiles(2, 2, 16, 4, 32) == 1
+    assert att.rotation_chunk_tiles(2, 2, 16, 4, 32, 12 * 2 * 4 * 150) == 2  # + the statistics' bytes: 3 launches, not 5
+    ref = _run(q, k, v, idx, beta, cfg, tiles=tiles)
+    T, D = q.shape[1], q.shape[3]
+    cos, sin = rope_tables(T, D, cfg.rope_theta, DEVICE, torch.float32)
+    qt, kt, vt, it = (torch.as_tensor(x).to(DEVICE) for x in (q.astype(np.float32), k.astype(np.float32), v.astype(np.float32), idx))
+    bt = torch.as_tensor(beta, dtype=torch.float32, device=DEVICE)
+    got = attention_forward(qt, kt, vt, it, bt, cos, sin, cfg, tiles, save_stats=False)
+    assert got[1] is None and got[2] is None and got[3] is None
+    assert np.array_equal(got[0].double().cpu().numpy(), ref[0]), "o without saved statistics"
+    with freesolo.use_backend("triton"):
+        plain = freesolo.freesolo_attention(qt, kt, vt, cfg)
+        qg = qt.clone().requires_grad_(True)
+        graded = freesolo.freesolo_attention(qg, kt, vt, cfg)
+    assert graded.requires_grad and not plain.requires_grad
+    assert torch.equal(plain, graded.detach()), "a forward without gradients must give the same bits"
+
+
 def test_forward_allocations_stay_below_a_rotated_copy_of_k(monkeypatch):
     """The forward's memory design, checked on its allocations: with the long term written into o
     (long_into_out) no [B, T, Hq, D] hand-over buffer exists, and the rotated keys live in one

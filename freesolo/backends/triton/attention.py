@@ -262,6 +262,7 @@ def _long_fwd_kernel(
     PREFETCH: tl.constexpr,
     ADD_TO_OUT: tl.constexpr,  # AttentionTiles.window_first: LONG_TERM is O holding o_loc; add the long term to it
     HAS_ORDER: tl.constexpr,  # AttentionTiles.sorted_long: the tiles' positions come from ORDER (else consecutive)
+    STORE_STATS: tl.constexpr,  # write LSE_LONG / RSTD (False: a forward without gradients, nothing to save)
 ):
     """The long branch alone (AttentionTiles.long_block > 0): one program per (tile of BLOCK_M
     queries, b * Hq + h), the same steps as the fused kernel's long loop over this smaller tile's
@@ -282,7 +283,7 @@ def _long_fwd_kernel(
         q, IDX, urow, nu_ptr, k_base, v_base, b, h, T, Hq, offs_m, row_ok, kv_stride, qk_scale,
         D, D_P, CELL, CELL_P, KSEL, K_P, BLOCK_M, PREFETCH,
     )  # fmt: skip
-    _long_store(acc, l_j, m_j, offs_m, b, h, T, Hq, BETA, eps, LONG_TERM, LSE_LONG, RSTD, D, D_P, ADD_TO_OUT)
+    _long_store(acc, l_j, m_j, offs_m, b, h, T, Hq, BETA, eps, LONG_TERM, LSE_LONG, RSTD, D, D_P, ADD_TO_OUT, STORE_STATS)
 
 
 @triton.jit
@@ -306,10 +307,10 @@ def _load_rows(Q, b, h, T, Hq, offs_m, D: tl.constexpr, D_P: tl.constexpr):
 
 @triton.jit
 def _long_store(acc, l_j, m_j, offs_m, b, h, T, Hq, BETA, eps, LONG_TERM, LSE_LONG, RSTD,
-                D: tl.constexpr, D_P: tl.constexpr, ADD_TO_OUT: tl.constexpr):  # fmt: skip
+                D: tl.constexpr, D_P: tl.constexpr, ADD_TO_OUT: tl.constexpr, STORE_STATS: tl.constexpr):  # fmt: skip
     """Writes beta_h * rmsnorm(o_long) of the rows offs_m [M] into LONG_TERM (cast to its dtype: q's
     with long_into_out; ADD_TO_OUT: LONG_TERM is o holding o_loc, and the fp32 sum o_loc + long term
-    is written back) and their lse_long, rstd."""
+    is written back) and, with STORE_STATS, their lse_long, rstd."""
     dd = tl.arange(0, D_P)
     row_ok = offs_m < T
     rows = ((b * T + offs_m) * Hq + h)[:, None] * D + dd[None, :]
@@ -318,9 +319,10 @@ def _long_store(acc, l_j, m_j, offs_m, b, h, T, Hq, BETA, eps, LONG_TERM, LSE_LO
     if ADD_TO_OUT:
         long_term = tl.load(LONG_TERM + rows, mask=row_mask, other=0.0).to(tl.float32) + long_term
     tl.store(LONG_TERM + rows, long_term, mask=row_mask)
-    stat = (b * Hq + h) * T + offs_m
-    tl.store(LSE_LONG + stat, lse_long, mask=row_ok)
-    tl.store(RSTD + stat, rstd, mask=row_ok)
+    if STORE_STATS:
+        stat = (b * Hq + h) * T + offs_m
+        tl.store(LSE_LONG + stat, lse_long, mask=row_ok)
+        tl.store(RSTD + stat, rstd, mask=row_ok)
 
 
 @triton.jit
@@ -364,6 +366,7 @@ def _attention_fwd_kernel(
     WINDOW_PHASES: tl.constexpr,
     HAS_LONG: tl.constexpr,  # the long loop here (else LONG_TERM is read, unless not READ_LONG)
     READ_LONG: tl.constexpr,  # without HAS_LONG: add LONG_TERM (False: AttentionTiles.window_first, o = o_loc)
+    STORE_STATS: tl.constexpr,  # write LSE_LOC (and LSE_LONG / RSTD with HAS_LONG); False: nothing to save
 ):
     pid_m = tl.program_id(0).to(tl.int64) + TILE0
     pid_bh = tl.program_id(1).to(tl.int64)
@@ -435,8 +438,9 @@ def _attention_fwd_kernel(
             D, D_P, CELL, CELL_P, KSEL, K_P, BLOCK_M, PREFETCH,
         )  # fmt: skip
         long_term, lse_long, rstd = _long_finish(acc, l_j, m_j, BETA + h, eps, D)
-        tl.store(LSE_LONG + stat, lse_long, mask=row_ok)
-        tl.store(RSTD + stat, rstd, mask=row_ok)
+        if STORE_STATS:
+            tl.store(LSE_LONG + stat, lse_long, mask=row_ok)
+            tl.store(RSTD + stat, rstd, mask=row_ok)
         out = o_loc + long_term
     elif READ_LONG:  # beta_h * rmsnorm(o_long), written by _long_fwd_kernel (fp32, or q's dtype in O)
         long_term = tl.load(LONG_TERM + o_offs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # + fp32 o_loc: fp32 sum
@@ -444,7 +448,8 @@ def _attention_fwd_kernel(
     else:  # window_first: the long kernel adds its term afterwards
         out = o_loc
     tl.store(O + o_offs, out.to(dtype), mask=row_ok[:, None] & d_ok[None, :])
-    tl.store(LSE_LOC + stat, lse_loc, mask=row_ok)
+    if STORE_STATS:
+        tl.store(LSE_LOC + stat, lse_loc, mask=row_ok)
 
 
 @triton.jit
@@ -845,11 +850,14 @@ ROTATION_CHUNK_BYTES = 16 << 20
 ROTATION_CHUNK_MIN_POSITIONS = 4096
 
 
-def rotation_chunk_tiles(B: int, Hkv: int, D: int, element_size: int, block_m: int) -> int:
+def rotation_chunk_tiles(B: int, Hkv: int, D: int, element_size: int, block_m: int, extra_bytes: int = 0) -> int:
     """Query tiles per window-kernel launch: as many as keep the chunk's rotated keys within
-    ROTATION_CHUNK_BYTES, at least ROTATION_CHUNK_MIN_POSITIONS positions' worth (few launches at
-    any shape). Depends on the shape only; a query's bits do not depend on it (see `launch_forward`)."""
-    positions = max(ROTATION_CHUNK_MIN_POSITIONS, ROTATION_CHUNK_BYTES // max(1, B * Hkv * D * element_size))
+    ROTATION_CHUNK_BYTES + extra_bytes (the forward passes the bytes of the statistics it does not
+    save, in a forward without gradients), at least ROTATION_CHUNK_MIN_POSITIONS positions' worth
+    (few launches at any shape). Depends on the shape only; a query's bits do not depend on it (see
+    `launch_forward`)."""
+    budget = ROTATION_CHUNK_BYTES + extra_bytes
+    positions = max(ROTATION_CHUNK_MIN_POSITIONS, budget // max(1, B * Hkv * D * element_size))
     return max(1, positions // block_m)
 
 
@@ -897,7 +905,7 @@ def _check_idx(idx: torch.Tensor, q: torch.Tensor, cfg) -> None:
         raise TypeError(f"idx dtype {idx.dtype} must be int32 or int64")
 
 
-def attention_forward(q, k, v, idx, beta, cos, sin, cfg, tiles: AttentionTiles | None = None):
+def attention_forward(q, k, v, idx, beta, cos, sin, cfg, tiles: AttentionTiles | None = None, save_stats: bool = True):
     """Fused FreeSolo forward (spec §2, §7) on given selections.
 
     Args:
@@ -908,6 +916,8 @@ def attention_forward(q, k, v, idx, beta, cos, sin, cfg, tiles: AttentionTiles |
         beta: fp32 [Hq]. cos, sin: fp32 [T, D/2] (`freesolo.backends.torch._ops.rope_tables`).
         cfg: FreeSoloConfig (window, cell, top_k, eps are read).
         tiles: tile sizes (default `default_tiles(D, dtype, device)`).
+        save_stats: False: a forward without gradients; the statistics are neither stored nor
+            returned (None), and the rotated keys may take their bytes (`rotation_chunk_tiles`).
     Returns:
         o [B, T, Hq, D] in q's dtype: o_loc + beta_h * rmsnorm(o_long);
         lse_loc fp32 [B, Hq, T]: natural-log logsumexp over the window of scale * rope(q_i) . rope(k_t);
@@ -916,7 +926,7 @@ def attention_forward(q, k, v, idx, beta, cos, sin, cfg, tiles: AttentionTiles |
     """
     _check_inputs(q, k, v, idx, beta, cos, sin, cfg)
     tiles = tiles or default_tiles(q.shape[3], q.dtype, q.device)
-    return launch_forward(q, k, v, idx, forward_unions(idx, cfg, tiles), beta, cos, sin, cfg, tiles)
+    return launch_forward(q, k, v, idx, forward_unions(idx, cfg, tiles), beta, cos, sin, cfg, tiles, save_stats)
 
 
 def _check_union(unions: TileUnions, q, cfg, tiles: AttentionTiles) -> None:
@@ -940,12 +950,16 @@ def _check_union(unions: TileUnions, q, cfg, tiles: AttentionTiles) -> None:
         _check_placed(name, x, q)
 
 
-def _outputs(q: torch.Tensor, tiles: AttentionTiles) -> tuple:
+def _outputs(q: torch.Tensor, tiles: AttentionTiles, save_stats: bool = True) -> tuple:
     """(o, lse_loc, lse_long, rstd, long_term) of the forward, uninitialized; long_term is o itself
-    unless the split long kernel hands its term over in an fp32 buffer (not long_into_out)."""
+    unless the split long kernel hands its term over in an fp32 buffer (not long_into_out). Without
+    save_stats the three statistics are None (the kernels then store none: nothing to save)."""
     B, T, Hq, D = q.shape
     o = torch.empty_like(q)
-    stats = [torch.empty(B, Hq, T, dtype=torch.float32, device=q.device) for _ in range(3)]
+    if save_stats:
+        stats = [torch.empty(B, Hq, T, dtype=torch.float32, device=q.device) for _ in range(3)]
+    else:
+        stats = [None, None, None]
     split_buffer = tiles.long_block > 0 and not tiles.long_into_out
     long_term = torch.empty(B, T, Hq, D, dtype=torch.float32, device=q.device) if split_buffer else o
     return (o, *stats, long_term)
@@ -965,11 +979,12 @@ def _launch_long(q, k, v, idx, unions: TileUnions, beta, cfg, tiles: AttentionTi
     rows = tiles.union_rows
     NU = -(-T // rows)
     union, count, order = unions
+    store_stats = lse_long is not None
     _long_fwd_kernel[(NU, B * Hq)](
-        q, k, v, idx, union, count, order if order is not None else count, beta, long_term, lse_long, rstd,
-        T, Hq, k.shape[2], NU, LOG2E / math.sqrt(D), cfg.eps,
+        q, k, v, idx, union, count, order if order is not None else count, beta, long_term,
+        lse_long if store_stats else o, rstd if store_stats else o, T, Hq, k.shape[2], NU, LOG2E / math.sqrt(D), cfg.eps,
         BLOCK_M=rows, U_MAX=rows * cfg.top_k, ADD_TO_OUT=tiles.window_first, HAS_ORDER=order is not None,
-        num_warps=tiles.long_warps, num_stages=1,
+        STORE_STATS=store_stats, num_warps=tiles.long_warps, num_stages=1,
         **_common_constexprs(D, cfg, tiles),
     )  # fmt: skip
 
@@ -981,6 +996,9 @@ def _launch_window(q, k, v, idx, union, count, beta, cos, sin, cfg, tiles: Atten
     B, T, Hq, D = q.shape
     Hkv = k.shape[2]
     o, lse_loc, lse_long, rstd, long_term = outputs
+    store_stats = lse_loc is not None
+    if not store_stats:  # the kernel stores no statistic: any pointer will do
+        lse_loc = lse_long = rstd = o
     split = tiles.long_block > 0
     NT = -(-T // tiles.block_m)
     extra = {} if tiles.maxnreg is None else {"maxnreg": tiles.maxnreg}
@@ -988,7 +1006,8 @@ def _launch_window(q, k, v, idx, union, count, beta, cos, sin, cfg, tiles: Atten
     # (the chunk's keys plus the window before it), so that the forward never holds a rotated copy
     # of all of k (0.25 GiB at 128k, H 16, D 64, bf16). The values are the same whatever the
     # chunking (rotation is per row), and so are a query's bits (spec L12).
-    tiles_per_chunk = rotation_chunk_tiles(B, Hkv, D, q.element_size(), tiles.block_m)
+    # without saved statistics (12 bytes per query position and head) the rotated keys may use their bytes
+    tiles_per_chunk = rotation_chunk_tiles(B, Hkv, D, q.element_size(), tiles.block_m, 0 if store_stats else 12 * B * Hq * T)
     span = tiles_per_chunk * tiles.block_m + cfg.window + 2 * tiles.block_n  # positions a chunk's window reads
     kr_buf = torch.empty(B * min(T, span) * Hkv * D, dtype=k.dtype, device=k.device)
     for tile0 in range(0, NT, tiles_per_chunk):
@@ -1003,17 +1022,18 @@ def _launch_window(q, k, v, idx, union, count, beta, cos, sin, cfg, tiles: Atten
             T, Hq, Hkv, NT, tile0, stop - start, start, cfg.window, LOG2E / math.sqrt(D), cfg.eps,
             HALF=D // 2, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, U_MAX=tiles.union_rows * cfg.top_k,
             WINDOW_PHASES=tiles.window_phases, HAS_LONG=not split, READ_LONG=split and not tiles.window_first,
+            STORE_STATS=store_stats,
             num_warps=tiles.num_warps, num_stages=tiles.num_stages, **_common_constexprs(D, cfg, tiles), **extra,
         )  # fmt: skip
 
 
-def launch_forward(q, k, v, idx, unions: TileUnions, beta, cos, sin, cfg, tiles: AttentionTiles):
+def launch_forward(q, k, v, idx, unions: TileUnions, beta, cos, sin, cfg, tiles: AttentionTiles, save_stats: bool = True):
     """The kernel launches of `attention_forward` on validated inputs and
     `forward_unions(idx, cfg, tiles)` (exposed so that benchmarks can time the kernels apart
     from the union's sort): the fused kernel, or (tiles.long_block > 0) the long kernel and then
     the window kernel (window_first: the window kernel, then the long kernel adding its term)."""
     _check_union(unions, q, cfg, tiles)
-    outputs = _outputs(q, tiles)
+    outputs = _outputs(q, tiles, save_stats)
     if tiles.long_block and not tiles.window_first:
         _launch_long(q, k, v, idx, unions, beta, cfg, tiles, outputs)
     _launch_window(q, k, v, idx, unions.union, unions.count, beta, cos, sin, cfg, tiles, outputs)
@@ -1033,7 +1053,9 @@ def _side_stream(device: torch.device):
     return _SIDE_STREAMS[key]
 
 
-def forward_with_selection(q, k, v, select, beta, cos, sin, cfg, tiles: AttentionTiles | None = None):
+def forward_with_selection(
+    q, k, v, select, beta, cos, sin, cfg, tiles: AttentionTiles | None = None, save_stats: bool = True
+):
     """The selection and the forward: (idx, (o, lse_loc, lse_long, rstd)).
 
     Args as `attention_forward`, except select: (q, k) -> idx (the selection, e.g.
@@ -1048,9 +1070,9 @@ def forward_with_selection(q, k, v, select, beta, cos, sin, cfg, tiles: Attentio
     tiles = tiles or default_tiles(q.shape[3], q.dtype, q.device)
     if not tiles.window_first:
         idx = select(q, k)
-        return idx, attention_forward(q, k, v, idx, beta, cos, sin, cfg, tiles)
+        return idx, attention_forward(q, k, v, idx, beta, cos, sin, cfg, tiles, save_stats)
     _check_inputs(q, k, v, None, beta, cos, sin, cfg)
-    outputs = _outputs(q, tiles)
+    outputs = _outputs(q, tiles, save_stats)
     unused = torch.empty(1, dtype=torch.int32, device=q.device)  # the window kernel's idx / union / count (not read)
     main = torch.cuda.current_stream(q.device) if q.is_cuda else None
     side = _side_stream(q.device) if q.is_cuda else None

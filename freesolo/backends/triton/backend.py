@@ -219,9 +219,10 @@ def _beta32(beta: Optional[torch.Tensor], Hq: int, device) -> torch.Tensor:
 # ---- operators -----------------------------------------------------------------------------------
 
 
-def _forward_impl(q, k, v, beta, cfg_json):
+def _forward_impl(q, k, v, beta, cfg_json, save_stats: bool = True):
     """The body of ``freesolo::triton_forward`` (a plain function, so that probes can time it
-    without the custom-op dispatch)."""
+    without the custom-op dispatch). save_stats=False: a forward without gradients (`triton_attention`
+    when nothing requires grad): the backward's statistics come back as None."""
     from .attention import forward_with_selection
 
     cfg = config_from_json(cfg_json)
@@ -231,7 +232,8 @@ def _forward_impl(q, k, v, beta, cfg_json):
         # the selection is saved for the backward in int32 (half the bytes of int64); with window-first
         # tiles it runs on a side stream beside the window kernel (`forward_with_selection`)
         idx, (o, lse_loc, lse_long, rstd) = forward_with_selection(
-            q, k, v, lambda q_, k_: _select(q_, k_, cfg, torch.int32), beta.to(torch.float32), cos, sin, cfg
+            q, k, v, lambda q_, k_: _select(q_, k_, cfg, torch.int32), beta.to(torch.float32), cos, sin, cfg,
+            save_stats=save_stats,
         )
     return o, idx, lse_loc, lse_long, rstd
 
@@ -348,6 +350,10 @@ def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: Fre
     if torch.compiler.is_compiling():
         o, _idx, _lse_loc, _lse_long, _rstd = torch.ops.freesolo.triton_forward(q, k, v, b, config_to_json(cfg))
         return o
+    if not (torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, b))):
+        # nothing to differentiate: no autograd node, and the backward's statistics are not stored
+        # (12 bytes per position and query head; the rotated keys take their room: fewer launches)
+        return _forward_impl(q, k, v, b, config_to_json(cfg), save_stats=False)[0]
     return _EagerAttention.apply(q, k, v, b, config_to_json(cfg))
 
 
