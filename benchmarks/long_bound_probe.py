@@ -84,7 +84,7 @@ def _probe_bound_kernel(
         cell_n = cell_nn
         kc = kc_n
         vc = vc_n
-    att._long_store(acc, l_j, m_b, offs_m, b, h, T, Hq, BETA, eps, O, LSE_LONG, RSTD, D, D_P, True)
+    att._long_store(acc, l_j, m_b, offs_m, b, h, T, Hq, BETA, eps, O, LSE_LONG, RSTD, 1, D=D, D_P=D_P, ADD_TO_OUT=True)
 
 
 def _registers(kernel) -> list:

@@ -232,7 +232,7 @@ def _long_finish(acc, l_j, m_j, beta_ptr, eps, D: tl.constexpr):
     return beta * (o_long * rstd[:, None]), lse_long, rstd
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stats_on"])
 def _long_fwd_kernel(
     Q,  # [B, T, Hq, D]
     K,  # [B, T, Hkv, D] unrotated keys
@@ -251,6 +251,7 @@ def _long_fwd_kernel(
     NT,
     qk_scale,  # scale * log2(e)
     eps,
+    stats_on,  # 0: store no LSE_LONG / RSTD (nothing to save); a runtime value, so both modes run one compiled kernel
     D: tl.constexpr,
     D_P: tl.constexpr,
     CELL: tl.constexpr,
@@ -262,7 +263,6 @@ def _long_fwd_kernel(
     PREFETCH: tl.constexpr,
     ADD_TO_OUT: tl.constexpr,  # AttentionTiles.window_first: LONG_TERM is O holding o_loc; add the long term to it
     HAS_ORDER: tl.constexpr,  # AttentionTiles.sorted_long: the tiles' positions come from ORDER (else consecutive)
-    STORE_STATS: tl.constexpr,  # write LSE_LONG / RSTD (False: a forward without gradients, nothing to save)
 ):
     """The long branch alone (AttentionTiles.long_block > 0): one program per (tile of BLOCK_M
     queries, b * Hq + h), the same steps as the fused kernel's long loop over this smaller tile's
@@ -283,7 +283,7 @@ def _long_fwd_kernel(
         q, IDX, urow, nu_ptr, k_base, v_base, b, h, T, Hq, offs_m, row_ok, kv_stride, qk_scale,
         D, D_P, CELL, CELL_P, KSEL, K_P, BLOCK_M, PREFETCH,
     )  # fmt: skip
-    _long_store(acc, l_j, m_j, offs_m, b, h, T, Hq, BETA, eps, LONG_TERM, LSE_LONG, RSTD, D, D_P, ADD_TO_OUT, STORE_STATS)
+    _long_store(acc, l_j, m_j, offs_m, b, h, T, Hq, BETA, eps, LONG_TERM, LSE_LONG, RSTD, stats_on, D, D_P, ADD_TO_OUT)
 
 
 @triton.jit
@@ -306,11 +306,12 @@ def _load_rows(Q, b, h, T, Hq, offs_m, D: tl.constexpr, D_P: tl.constexpr):
 
 
 @triton.jit
-def _long_store(acc, l_j, m_j, offs_m, b, h, T, Hq, BETA, eps, LONG_TERM, LSE_LONG, RSTD,
-                D: tl.constexpr, D_P: tl.constexpr, ADD_TO_OUT: tl.constexpr, STORE_STATS: tl.constexpr):  # fmt: skip
+def _long_store(acc, l_j, m_j, offs_m, b, h, T, Hq, BETA, eps, LONG_TERM, LSE_LONG, RSTD, stats_on,
+                D: tl.constexpr, D_P: tl.constexpr, ADD_TO_OUT: tl.constexpr):  # fmt: skip
     """Writes beta_h * rmsnorm(o_long) of the rows offs_m [M] into LONG_TERM (cast to its dtype: q's
     with long_into_out; ADD_TO_OUT: LONG_TERM is o holding o_loc, and the fp32 sum o_loc + long term
-    is written back) and, with STORE_STATS, their lse_long, rstd."""
+    is written back) and, unless stats_on == 0, their lse_long, rstd (masked stores: the same
+    arithmetic either way)."""
     dd = tl.arange(0, D_P)
     row_ok = offs_m < T
     rows = ((b * T + offs_m) * Hq + h)[:, None] * D + dd[None, :]
@@ -319,13 +320,12 @@ def _long_store(acc, l_j, m_j, offs_m, b, h, T, Hq, BETA, eps, LONG_TERM, LSE_LO
     if ADD_TO_OUT:
         long_term = tl.load(LONG_TERM + rows, mask=row_mask, other=0.0).to(tl.float32) + long_term
     tl.store(LONG_TERM + rows, long_term, mask=row_mask)
-    if STORE_STATS:
-        stat = (b * Hq + h) * T + offs_m
-        tl.store(LSE_LONG + stat, lse_long, mask=row_ok)
-        tl.store(RSTD + stat, rstd, mask=row_ok)
+    stat = (b * Hq + h) * T + offs_m
+    tl.store(LSE_LONG + stat, lse_long, mask=row_ok & (stats_on != 0))
+    tl.store(RSTD + stat, rstd, mask=row_ok & (stats_on != 0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stats_on"])
 def _attention_fwd_kernel(
     Q,  # [B, T, Hq, D]
     K,  # [B, T, Hkv, D] unrotated keys (long branch)
@@ -352,6 +352,7 @@ def _attention_fwd_kernel(
     W,
     qk_scale,  # scale * log2(e)
     eps,
+    stats_on,  # 0: store no LSE_LOC (nor LSE_LONG / RSTD with HAS_LONG); a runtime value: one compiled kernel
     D: tl.constexpr,
     HALF: tl.constexpr,
     D_P: tl.constexpr,
@@ -366,7 +367,6 @@ def _attention_fwd_kernel(
     WINDOW_PHASES: tl.constexpr,
     HAS_LONG: tl.constexpr,  # the long loop here (else LONG_TERM is read, unless not READ_LONG)
     READ_LONG: tl.constexpr,  # without HAS_LONG: add LONG_TERM (False: AttentionTiles.window_first, o = o_loc)
-    STORE_STATS: tl.constexpr,  # write LSE_LOC (and LSE_LONG / RSTD with HAS_LONG); False: nothing to save
 ):
     pid_m = tl.program_id(0).to(tl.int64) + TILE0
     pid_bh = tl.program_id(1).to(tl.int64)
@@ -438,9 +438,8 @@ def _attention_fwd_kernel(
             D, D_P, CELL, CELL_P, KSEL, K_P, BLOCK_M, PREFETCH,
         )  # fmt: skip
         long_term, lse_long, rstd = _long_finish(acc, l_j, m_j, BETA + h, eps, D)
-        if STORE_STATS:
-            tl.store(LSE_LONG + stat, lse_long, mask=row_ok)
-            tl.store(RSTD + stat, rstd, mask=row_ok)
+        tl.store(LSE_LONG + stat, lse_long, mask=row_ok & (stats_on != 0))
+        tl.store(RSTD + stat, rstd, mask=row_ok & (stats_on != 0))
         out = o_loc + long_term
     elif READ_LONG:  # beta_h * rmsnorm(o_long), written by _long_fwd_kernel (fp32, or q's dtype in O)
         long_term = tl.load(LONG_TERM + o_offs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # + fp32 o_loc: fp32 sum
@@ -448,8 +447,7 @@ def _attention_fwd_kernel(
     else:  # window_first: the long kernel adds its term afterwards
         out = o_loc
     tl.store(O + o_offs, out.to(dtype), mask=row_ok[:, None] & d_ok[None, :])
-    if STORE_STATS:
-        tl.store(LSE_LOC + stat, lse_loc, mask=row_ok)
+    tl.store(LSE_LOC + stat, lse_loc, mask=row_ok & (stats_on != 0))
 
 
 @triton.jit
@@ -983,8 +981,8 @@ def _launch_long(q, k, v, idx, unions: TileUnions, beta, cfg, tiles: AttentionTi
     _long_fwd_kernel[(NU, B * Hq)](
         q, k, v, idx, union, count, order if order is not None else count, beta, long_term,
         lse_long if store_stats else o, rstd if store_stats else o, T, Hq, k.shape[2], NU, LOG2E / math.sqrt(D), cfg.eps,
-        BLOCK_M=rows, U_MAX=rows * cfg.top_k, ADD_TO_OUT=tiles.window_first, HAS_ORDER=order is not None,
-        STORE_STATS=store_stats, num_warps=tiles.long_warps, num_stages=1,
+        int(store_stats), BLOCK_M=rows, U_MAX=rows * cfg.top_k, ADD_TO_OUT=tiles.window_first, HAS_ORDER=order is not None,
+        num_warps=tiles.long_warps, num_stages=1,
         **_common_constexprs(D, cfg, tiles),
     )  # fmt: skip
 
@@ -1019,10 +1017,9 @@ def _launch_window(q, k, v, idx, union, count, beta, cos, sin, cfg, tiles: Atten
         rope_rotate(k[:, start:stop], cos[start:stop], sin[start:stop], out=kr)
         _attention_fwd_kernel[(n_tiles, B * Hq)](
             q, k, kr, v, idx, union, count, beta, long_term, cos, sin, o, lse_loc, lse_long, rstd,
-            T, Hq, Hkv, NT, tile0, stop - start, start, cfg.window, LOG2E / math.sqrt(D), cfg.eps,
+            T, Hq, Hkv, NT, tile0, stop - start, start, cfg.window, LOG2E / math.sqrt(D), cfg.eps, int(store_stats),
             HALF=D // 2, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, U_MAX=tiles.union_rows * cfg.top_k,
             WINDOW_PHASES=tiles.window_phases, HAS_LONG=not split, READ_LONG=split and not tiles.window_first,
-            STORE_STATS=store_stats,
             num_warps=tiles.num_warps, num_stages=tiles.num_stages, **_common_constexprs(D, cfg, tiles), **extra,
         )  # fmt: skip
 
