@@ -963,6 +963,22 @@ def _outputs(q: torch.Tensor, tiles: AttentionTiles, save_stats: bool = True) ->
     return (o, *stats, long_term)
 
 
+_STATS_PLACEHOLDERS: dict = {}
+
+
+def _stats_placeholder(device: torch.device) -> torch.Tensor:
+    """A cached fp32 tensor passed as the statistics' pointers of a forward that saves none: the
+    kernels' stores into it are all masked off (stats_on = 0). fp32 like the real buffers, so both
+    modes launch the same compiled kernel (a pointer's dtype is part of its specialization)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.empty(16, dtype=torch.float32, device=device)  # inside a capture: the graph's own memory
+    key = str(device)
+    hit = _STATS_PLACEHOLDERS.get(key)
+    if hit is None:
+        hit = _STATS_PLACEHOLDERS[key] = torch.zeros(16, dtype=torch.float32, device=device)
+    return hit
+
+
 def _common_constexprs(D: int, cfg, tiles: AttentionTiles) -> dict:
     d_p, _ = padded_dims(D)
     return dict(D=D, D_P=d_p, CELL=cfg.cell, CELL_P=max(16, next_pow2(cfg.cell)), KSEL=cfg.top_k,
@@ -978,9 +994,11 @@ def _launch_long(q, k, v, idx, unions: TileUnions, beta, cfg, tiles: AttentionTi
     NU = -(-T // rows)
     union, count, order = unions
     store_stats = lse_long is not None
+    if not store_stats:  # the kernel stores no statistic (masked stores into an fp32 placeholder)
+        lse_long = rstd = _stats_placeholder(q.device)
     _long_fwd_kernel[(NU, B * Hq)](
         q, k, v, idx, union, count, order if order is not None else count, beta, long_term,
-        lse_long if store_stats else o, rstd if store_stats else o, T, Hq, k.shape[2], NU, LOG2E / math.sqrt(D), cfg.eps,
+        lse_long, rstd, T, Hq, k.shape[2], NU, LOG2E / math.sqrt(D), cfg.eps,
         int(store_stats), BLOCK_M=rows, U_MAX=rows * cfg.top_k, ADD_TO_OUT=tiles.window_first, HAS_ORDER=order is not None,
         num_warps=tiles.long_warps, num_stages=1,
         **_common_constexprs(D, cfg, tiles),
@@ -995,8 +1013,8 @@ def _launch_window(q, k, v, idx, union, count, beta, cos, sin, cfg, tiles: Atten
     Hkv = k.shape[2]
     o, lse_loc, lse_long, rstd, long_term = outputs
     store_stats = lse_loc is not None
-    if not store_stats:  # the kernel stores no statistic: any pointer will do
-        lse_loc = lse_long = rstd = o
+    if not store_stats:  # the kernel stores no statistic (masked stores into an fp32 placeholder)
+        lse_loc = lse_long = rstd = _stats_placeholder(q.device)
     split = tiles.long_block > 0
     NT = -(-T // tiles.block_m)
     extra = {} if tiles.maxnreg is None else {"maxnreg": tiles.maxnreg}
