@@ -50,7 +50,6 @@ small random case and exits. CPU only:
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -66,7 +65,7 @@ import freesolo  # noqa: E402
 from freesolo.backends.torch._ops import rope, rope_tables  # noqa: E402
 from freesolo.retrieval import tasks  # noqa: E402
 from freesolo.retrieval.modelio import backend_scope, load_model  # noqa: E402
-from union_real_keys import capture_qk  # noqa: E402
+from union_real_keys import capture_qk, save_payload  # noqa: E402
 
 __all__ = ["bound_gaps", "gap_stats", "local_bound_gaps", "local_bound_gaps_loop", "main"]
 
@@ -271,10 +270,8 @@ def main() -> None:
     payload = {"ckpt": os.path.relpath(args.ckpt), "task": args.task, "length": args.length, "branches": list(branches),
                "torch": torch.__version__, "safe_nats": SAFE_NATS, "warn_nats": WARN_NATS, "seconds": elapsed,
                "seconds_by_stage": seconds, "records": records}  # fmt: skip
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(payload, f, indent=1)
-    print(f"wrote {args.out} ({elapsed:.0f} s)")
+    save_payload(args.out, payload)
+    print(f"({elapsed:.0f} s)")
 
 
 if __name__ == "__main__":

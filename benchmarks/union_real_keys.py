@@ -29,7 +29,7 @@ from freesolo.backends.triton.attention import long_query_order  # noqa: E402
 from freesolo.retrieval import tasks  # noqa: E402
 from freesolo.retrieval.modelio import backend_scope, load_model  # noqa: E402
 
-__all__ = ["capture_qk", "main", "tile_union_sizes"]
+__all__ = ["capture_qk", "main", "save_payload", "tile_union_sizes"]
 
 
 def tile_union_sizes(idx: torch.Tensor, rows: int, order: torch.Tensor | None = None) -> np.ndarray:
@@ -103,10 +103,15 @@ def main() -> None:
                       f"max {r['union_max']}; sorted tiles mean {r['union_sorted_mean']:.1f} p90 {r['union_sorted_p90']:.0f}", flush=True)  # fmt: skip
     payload = {"ckpt": os.path.relpath(args.ckpt), "task": args.task, "length": args.length, "torch": torch.__version__,
                "records": records}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
+    save_payload(args.out, payload)
+
+
+def save_payload(path: str, payload: dict) -> None:
+    """Write a results payload as JSON to `path` (its folder created) and say so."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
         json.dump(payload, f, indent=1)
-    print(f"wrote {args.out}")
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

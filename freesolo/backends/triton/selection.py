@@ -358,6 +358,23 @@ def _score_chunk(
 
 
 @triton.jit
+def _score_cand_chunk(
+    top_s, top_c, kth_s, kth_c, q, cand_row, pos, kbar_rows, amax_row, d_off32, d_ok, i_f, i_f0, coef, lam, scale,
+    D: tl.constexpr, N_CAND: tl.constexpr, CELL: tl.constexpr, TOP_K: tl.constexpr, SPLIT_DOT: tl.constexpr,
+    EARLY_EXIT: tl.constexpr, COUNT_ROUNDS: tl.constexpr, ERF_SKIP: tl.constexpr,
+):  # fmt: skip
+    """FS-L: the candidate slots pos [N] of one query block's list (cand_row; -1 or pos >= N_CAND: no
+    cell) gathered, scored and merged into the running top-K (`_score_chunk`, masked)."""
+    cells = tl.load(cand_row + pos, mask=pos < N_CAND, other=-1)  # int32, -1: an empty slot
+    kb, a, c_ok = _gather_cells(kbar_rows, amax_row, cells, d_off32, d_ok, D)
+    c_max = tl.reduce(tl.where(c_ok, cells, 0), 0, _MAX)
+    return _score_chunk(
+        top_s, top_c, kth_s, kth_c, q, kb, a, cells, c_ok, c_max, i_f, i_f0, coef, lam, scale,
+        CELL, TOP_K, SPLIT_DOT, EARLY_EXIT, COUNT_ROUNDS, ERF_SKIP, True,
+    )
+
+
+@triton.jit
 def _score_topk_kernel(
     Q,  # [B, T, Hq, D] any strides
     KBAR,  # fp32 [B, Hkv, C, D]
@@ -440,23 +457,15 @@ def _score_topk_kernel(
         cand_row = CAND + ((b * HKV + g) * NBLOCKS + j) * N_CAND
         # BLOCK_N candidates per chunk over [0, N_MAIN); with a tail, one TAIL_N-wide chunk the rest
         for n0 in range(0, N_MAIN, BLOCK_N):
-            pos = n0 + n_off
-            cells = tl.load(cand_row + pos, mask=pos < N_CAND, other=-1)  # int32, -1: an empty slot
-            kb, a, c_ok = _gather_cells(kbar_rows, amax_row, cells, d_off32, d_ok, D)
-            c_max = tl.reduce(tl.where(c_ok, cells, 0), 0, _MAX)
-            top_s, top_c, kth_s, kth_c = _score_chunk(
-                top_s, top_c, kth_s, kth_c, q, kb, a, cells, c_ok, c_max, i_f, i_f0, coef, lam, scale,
-                CELL, TOP_K, SPLIT_DOT, EARLY_EXIT, COUNT_ROUNDS, ERF_SKIP, True,
-            )
+            top_s, top_c, kth_s, kth_c = _score_cand_chunk(
+                top_s, top_c, kth_s, kth_c, q, cand_row, n0 + n_off, kbar_rows, amax_row, d_off32, d_ok,
+                i_f, i_f0, coef, lam, scale, D, N_CAND, CELL, TOP_K, SPLIT_DOT, EARLY_EXIT, COUNT_ROUNDS, ERF_SKIP,
+            )  # fmt: skip
         if TAIL_N > 0:
-            pos = N_MAIN + tl.arange(0, TAIL_N)
-            cells = tl.load(cand_row + pos, mask=pos < N_CAND, other=-1)
-            kb, a, c_ok = _gather_cells(kbar_rows, amax_row, cells, d_off32, d_ok, D)
-            c_max = tl.reduce(tl.where(c_ok, cells, 0), 0, _MAX)
-            top_s, top_c, kth_s, kth_c = _score_chunk(
-                top_s, top_c, kth_s, kth_c, q, kb, a, cells, c_ok, c_max, i_f, i_f0, coef, lam, scale,
-                CELL, TOP_K, SPLIT_DOT, EARLY_EXIT, COUNT_ROUNDS, ERF_SKIP, True,
-            )
+            top_s, top_c, kth_s, kth_c = _score_cand_chunk(
+                top_s, top_c, kth_s, kth_c, q, cand_row, N_MAIN + tl.arange(0, TAIL_N), kbar_rows, amax_row, d_off32,
+                d_ok, i_f, i_f0, coef, lam, scale, D, N_CAND, CELL, TOP_K, SPLIT_DOT, EARLY_EXIT, COUNT_ROUNDS, ERF_SKIP,
+            )  # fmt: skip
     else:
         # every available cell [0, n_j), most recent first, BLOCK_N per chunk: a chunk is the contiguous
         # rows [c0, c0 + BLOCK_N) of KBAR (c0 = n_j - n0 - BLOCK_N) read backwards, so its offsets are a
