@@ -63,9 +63,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import freesolo  # noqa: E402
 from freesolo.backends.torch._ops import rope, rope_tables  # noqa: E402
-from freesolo.retrieval import tasks  # noqa: E402
-from freesolo.retrieval.modelio import backend_scope, load_model  # noqa: E402
-from union_real_keys import capture_qk, save_payload  # noqa: E402
+from union_real_keys import checkpoint_layers, save_payload  # noqa: E402
 
 __all__ = ["bound_gaps", "gap_stats", "local_bound_gaps", "local_bound_gaps_loop", "main"]
 
@@ -225,12 +223,7 @@ def main() -> None:
         ap.error("--out is required (unless --check)")
     branches = ("long", "local") if args.branch == "both" else (args.branch,)
     start = time.perf_counter()
-    torch.manual_seed(0)
-    model = load_model(args.ckpt).eval()
-    sample = tasks.generate(args.task, args.length, 0.5, tasks.sample_seed(0, args.task, args.length, 0))
-    tokens = torch.as_tensor(np.asarray(sample.tokens)[None, :], dtype=torch.int64)
-    with backend_scope("torch"):
-        layers = capture_qk(model, tokens, with_v=False)
+    model, layers = checkpoint_layers(args.ckpt, args.task, args.length)
     model_cfg = model.config.freesolo
     default_cfg = freesolo.FreeSoloConfig(variant="fsl")
     configs = {f"model config (cell {model_cfg.cell}, pool {model_cfg.pool} + {model_cfg.recent})": model_cfg,

@@ -29,7 +29,7 @@ from freesolo.backends.triton.attention import long_query_order  # noqa: E402
 from freesolo.retrieval import tasks  # noqa: E402
 from freesolo.retrieval.modelio import backend_scope, load_model  # noqa: E402
 
-__all__ = ["capture_qk", "main", "save_payload", "tile_union_sizes"]
+__all__ = ["capture_qk", "checkpoint_layers", "main", "save_payload", "tile_union_sizes"]
 
 
 def tile_union_sizes(idx: torch.Tensor, rows: int, order: torch.Tensor | None = None) -> np.ndarray:
@@ -66,6 +66,17 @@ def capture_qk(model, tokens: torch.Tensor, with_v: bool = False) -> list:
     return seen
 
 
+def checkpoint_layers(ckpt: str, task: str, length: int, with_v: bool = False) -> tuple:
+    """(model, every attention call's (q, k[, v])) of the checkpoint reading one sample of `task`
+    (depth 0.5, seed 0) of `length` tokens on the torch backend (torch seed 0)."""
+    torch.manual_seed(0)
+    model = load_model(ckpt).eval()
+    sample = tasks.generate(task, length, 0.5, tasks.sample_seed(0, task, length, 0))
+    tokens = torch.as_tensor(np.asarray(sample.tokens)[None, :], dtype=torch.int64)
+    with backend_scope("torch"):
+        return model, capture_qk(model, tokens, with_v=with_v)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ckpt", default=os.path.join(os.path.dirname(__file__), "results", "checkpoints", "ckpt_fsl"))
@@ -74,12 +85,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=64, help="queries per tile (the long kernel's union rows)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    torch.manual_seed(0)
-    model = load_model(args.ckpt).eval()
-    sample = tasks.generate(args.task, args.length, 0.5, tasks.sample_seed(0, args.task, args.length, 0))
-    tokens = torch.as_tensor(np.asarray(sample.tokens)[None, :], dtype=torch.int64)
-    with backend_scope("torch"):
-        layers = capture_qk(model, tokens)
+    model, layers = checkpoint_layers(args.ckpt, args.task, args.length)
     model_cfg = model.config.freesolo
     configs = {"model config (cell 16, pool 32 + 4)": model_cfg, "library default (cell 32, pool 64 + 8)": freesolo.FreeSoloConfig(variant="fsl")}
     records = []
