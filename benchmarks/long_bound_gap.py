@@ -63,7 +63,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import freesolo  # noqa: E402
 from freesolo.backends.torch._ops import rope, rope_tables  # noqa: E402
-from union_real_keys import checkpoint_layers, save_payload  # noqa: E402
+from union_real_keys import checkpoint_layers, key_kinds, save_payload  # noqa: E402
 
 __all__ = ["bound_gaps", "gap_stats", "local_bound_gaps", "local_bound_gaps_loop", "main"]
 
@@ -234,10 +234,7 @@ def main() -> None:
         t_branch = time.perf_counter()
         for cfg_name, cfg in configs.items():
             for layer, (q, k) in enumerate(layers):
-                g = torch.Generator().manual_seed(layer)
-                iid_q = torch.randn(q.shape, generator=g)
-                iid_k = torch.randn(k.shape, generator=g)
-                for keys_name, (qq, kk) in (("model", (q, k)), ("iid", (iid_q, iid_k))):
+                for keys_name, (qq, kk) in key_kinds(layer, q, k):
                     rec = {"branch": branch, "config": cfg_name, "layer": layer, "keys": keys_name, "T": int(q.shape[1])}
                     if branch == "long":
                         idx = torch.as_tensor(freesolo.select_cells(qq, kk, cfg, backend="torch")).contiguous()

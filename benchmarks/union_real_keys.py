@@ -29,7 +29,7 @@ from freesolo.backends.triton.attention import long_query_order  # noqa: E402
 from freesolo.retrieval import tasks  # noqa: E402
 from freesolo.retrieval.modelio import backend_scope, load_model  # noqa: E402
 
-__all__ = ["capture_qk", "checkpoint_layers", "main", "save_payload", "tile_union_sizes"]
+__all__ = ["capture_qk", "checkpoint_layers", "key_kinds", "main", "save_payload", "tile_union_sizes"]
 
 
 def tile_union_sizes(idx: torch.Tensor, rows: int, order: torch.Tensor | None = None) -> np.ndarray:
@@ -66,6 +66,13 @@ def capture_qk(model, tokens: torch.Tensor, with_v: bool = False) -> list:
     return seen
 
 
+def key_kinds(layer: int, q: torch.Tensor, k: torch.Tensor) -> tuple:
+    """(("model", (q, k)), ("iid", (q', k'))): the captured q / k and iid Gaussian ones of the same
+    shapes (torch.randn, seeded by the layer index)."""
+    g = torch.Generator().manual_seed(layer)
+    return ("model", (q, k)), ("iid", (torch.randn(q.shape, generator=g), torch.randn(k.shape, generator=g)))
+
+
 def checkpoint_layers(ckpt: str, task: str, length: int, with_v: bool = False) -> tuple:
     """(model, every attention call's (q, k[, v])) of the checkpoint reading one sample of `task`
     (depth 0.5, seed 0) of `length` tokens on the torch backend (torch seed 0)."""
@@ -91,10 +98,7 @@ def main() -> None:
     records = []
     for cfg_name, cfg in configs.items():
         for layer, (q, k) in enumerate(layers):
-            g = torch.Generator().manual_seed(layer)
-            iid_q = torch.randn(q.shape, generator=g)
-            iid_k = torch.randn(k.shape, generator=g)
-            for keys_name, (qq, kk) in (("model", (q, k)), ("iid", (iid_q, iid_k))):
+            for keys_name, (qq, kk) in key_kinds(layer, q, k):
                 idx = torch.as_tensor(freesolo.select_cells(qq, kk, cfg, backend="torch")).contiguous()
                 order = long_query_order(idx, cfg.cell, use_kernel=False)
                 rec = {"config": cfg_name, "layer": layer, "keys": keys_name, "T": int(q.shape[1]), "K": cfg.top_k, "rows": args.rows}
