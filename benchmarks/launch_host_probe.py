@@ -12,7 +12,11 @@ At 4k / 16k the triton FS-L forward and forward+backward are host bound on the H
    `bound`  - Triton's own binder (the specialization, C++) + the compiled kernel's cache lookup,
               then the compiled kernel's launcher directly (what a leaner launch path would do);
    `direct` - the compiled kernel's launcher with the bound arguments cached (the floor);
-4. cProfile of each path sorted by cumulative time (freesolo's functions).
+4. cProfile of each path sorted by cumulative time (freesolo's functions);
+5. `--ab`: each path's host time with `_common.launch`'s fast path off and on
+   (FREESOLO_TRITON_FAST_LAUNCH=0 / 1), alternating, three rounds each, same process;
+6. `--torch-profile`: torch.profiler (CPU + CUDA activity) of 20 calls of each path: the aten ops'
+   and CUDA runtime / driver calls' host time (self CPU), to find the host work outside the launches.
 
     python benchmarks/launch_host_probe.py --T 4096 16384 --out $OUT/launch_host.json   # H200, ~30 s
 """
@@ -143,11 +147,47 @@ def profile_text(fn, calls: int) -> str:
     return text.getvalue()
 
 
+def ab_rounds(fn, calls: int) -> dict:
+    """Host us per call with FREESOLO_TRITON_FAST_LAUNCH=0 and =1, alternating, three rounds each."""
+    from freesolo.backends.triton import _common
+
+    out = {"off": [], "on": []}
+    previous = os.environ.get(_common.FAST_LAUNCH_ENV)
+    try:
+        for _ in range(3):
+            for mode, value in (("off", "0"), ("on", "1")):
+                os.environ[_common.FAST_LAUNCH_ENV] = value
+                out[mode].append(round(host_us(fn, calls), 1))
+    finally:
+        if previous is None:
+            os.environ.pop(_common.FAST_LAUNCH_ENV, None)
+        else:
+            os.environ[_common.FAST_LAUNCH_ENV] = previous
+    return out
+
+
+def torch_profile_table(fn, calls: int = 20) -> str:
+    """torch.profiler key averages (self CPU time) over `calls` calls of fn."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=45)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--T", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--calls", type=int, default=100)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--ab", action="store_true", help="fast launch off / on, alternating (module docstring)")
+    parser.add_argument("--torch-profile", action="store_true", help="torch.profiler tables of each path")
+    parser.add_argument("--no-replay", action="store_true", help="skip the launch recording, replay and cProfile")
     args = parser.parse_args()
     dev = torch.device("cuda")
     cfg = FreeSoloConfig(variant="fsl")
@@ -169,6 +209,17 @@ def main() -> None:
             o.backward(do)
 
         for name, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
+            if args.ab:
+                ab = ab_rounds(fn, args.calls)
+                results.append(dict(T=T, path=name, ab=ab))
+                print(f"T={T} {name}: fast launch off {ab['off']} / on {ab['on']} us/call", flush=True)
+            if args.torch_profile:
+                recorder.uninstall()
+                print(f"T={T} {name}: torch.profiler, 20 calls", flush=True)
+                print(torch_profile_table(fn), flush=True)
+                recorder.install()
+            if args.no_replay:
+                continue
             fn()
             torch.cuda.synchronize()
             recorder.launches, recorder.recording = [], True

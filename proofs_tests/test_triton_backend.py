@@ -301,6 +301,58 @@ def test_cuda_window_first_matches_default(variant, monkeypatch):
         assert torch.equal(x, y), "window_first: two calls differ"
 
 
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU: the fast launch path exists only for compiled kernels")
+@pytest.mark.parametrize("variant", ["fsl", "fs"])
+def test_cuda_fast_launch_equals_triton_launch(variant, monkeypatch):
+    """`_common.launch` (Triton's binder + a cache of the compiled kernel + its launcher) gives the
+    forward's outputs and the gradients of FREESOLO_TRITON_FAST_LAUNCH=0 (every launch through
+    JITFunction.run) bit for bit, launches from its cache on the second call, and keys a
+    misaligned view's specialization apart (no stale compiled kernel for another alignment)."""
+    from freesolo.backends.triton import _common
+
+    cfg = FreeSoloConfig(variant=variant)
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    B, T, Hq, Hkv, D = 1, 4096 + 33, 4, 2, 64
+    q, k, v = (torch.randn(B, T, h, D, device="cuda", dtype=torch.bfloat16, generator=gen) for h in (Hq, Hkv, Hkv))
+    do = torch.randn_like(q)
+
+    def run():
+        qs, ks, vs = (x.clone().requires_grad_(True) for x in (q, k, v))
+        o = freesolo.freesolo_attention(qs, ks, vs, cfg, backend="triton", check_finite=False)
+        o.backward(do)
+        torch.cuda.synchronize()
+        return o.detach(), qs.grad, ks.grad, vs.grad
+
+    monkeypatch.setenv(_common.FAST_LAUNCH_ENV, "0")
+    ref = run()
+    monkeypatch.setenv(_common.FAST_LAUNCH_ENV, "1")
+    first = run()
+    cached = len(_common._COMPILED)
+    assert cached > 0, "the fast path cached no compiled kernel"
+    hits = []
+    original = _common.JITFunction.run
+
+    def counting_run(self, *args, **kwargs):
+        hits.append(self.__name__)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(_common.JITFunction, "run", counting_run)
+    second = run()
+    assert hits == [], f"the second call went through JITFunction.run for {sorted(set(hits))}"
+    for name, x, y, z in zip(("o", "dq", "dk", "dv"), ref, first, second):
+        assert torch.equal(x, y) and torch.equal(x, z), f"fast launch: {name} differs from JITFunction.run's"
+    # a view 2 bytes off 16-byte alignment: Triton specializes pointers on alignment, so must the cache
+    buf = torch.empty(q.numel() + 1, device="cuda", dtype=q.dtype)
+    q_odd = buf[1:].view_as(q)
+    q_odd.copy_(q)
+    monkeypatch.setattr(_common.JITFunction, "run", original)
+    got = freesolo.freesolo_attention(q_odd, k, v, cfg, backend="triton", check_finite=False)
+    monkeypatch.setenv(_common.FAST_LAUNCH_ENV, "0")
+    want = freesolo.freesolo_attention(q_odd, k, v, cfg, backend="triton", check_finite=False)
+    assert torch.equal(got, want), "fast launch on a misaligned view differs from JITFunction.run's"
+    assert len(_common._COMPILED) > cached, "the misaligned view reused the aligned inputs' compiled kernels"
+
+
 def test_on_device_of_is_a_no_op_off_other_cuda_devices():
     """`on_device_of` switches the current CUDA device only for tensors on another CUDA device."""
     import contextlib

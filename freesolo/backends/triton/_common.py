@@ -12,14 +12,19 @@ with cos / sin the fp32 tables of `freesolo.backends.torch._ops.rope_tables` ([T
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
+from triton.runtime.jit import JITFunction
 
 __all__ = [
     "MAX_HEAD_DIM",
     "NEG_BIG",
+    "FAST_LAUNCH_ENV",
     "cdiv",
     "check_head_dim",
+    "launch",
     "load_halves",
     "load_rope",
     "next_pow2",
@@ -126,6 +131,61 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+
+# ---- kernel launches -----------------------------------------------------------------------------
+
+FAST_LAUNCH_ENV = "FREESOLO_TRITON_FAST_LAUNCH"  # 0: every launch through JITFunction.run (A/B of `launch`)
+_COMPILED: dict = {}  # (kernel, device, specialization, options) -> the CompiledKernel JITFunction.run picked
+
+
+def launch(kernel, grid: tuple, *args, **kwargs) -> None:
+    """`kernel[grid](*args, **kwargs)` with less host work per launch on CUDA.
+
+    triton 3.6's `JITFunction.run` costs 20-50 us of host time per launch on the H200's host
+    (s29 `benchmarks/launch_host_probe.py`, against ~12 us for the compiled kernel's launcher
+    alone), and a short forward + backward is host bound. This keeps its exact choice of compiled
+    kernel: Triton's own binder computes the arguments' specialization (dtypes, 16-byte alignment,
+    integer divisibility), which with the options (num_warps, ... and the debug / instrumentation
+    knobs, as `run` adds them) keys a cache of the CompiledKernel that `run` returned the first
+    time; a hit calls that kernel's launcher on the current stream, the same launch `run` makes.
+    A miss (first launch of a specialization: compilation) goes through `run`, and so does every
+    launch under the interpreter (TRITON_INTERPRET=1), with a callable grid, pre-run hooks or
+    launch hooks set (e.g. a profiler's), or with FREESOLO_TRITON_FAST_LAUNCH=0.
+    grid: a tuple of 1 to 3 ints.
+    """
+    if (
+        not isinstance(kernel, JITFunction)
+        or kernel.pre_run_hooks
+        or callable(grid)
+        or triton.knobs.runtime.launch_enter_hook is not None
+        or triton.knobs.runtime.launch_exit_hook is not None
+        or os.environ.get(FAST_LAUNCH_ENV, "1") == "0"
+    ):
+        kernel[grid](*args, **kwargs)
+        return
+    import torch
+
+    kwargs["debug"] = kwargs.get("debug", kernel.debug) or triton.knobs.runtime.debug
+    kwargs["instrumentation_mode"] = triton.knobs.compilation.instrumentation_mode
+    device = torch.cuda.current_device()
+    binder = kernel.device_caches[device][4]
+    bound_args, specialization, options = binder(*args, **kwargs)
+    try:
+        key = (kernel, device, tuple(specialization), tuple(options.items()))
+        compiled = _COMPILED.get(key)
+    except TypeError:  # an unhashable specialization value: Triton's own path
+        key = compiled = None
+    if compiled is None:
+        compiled = kernel.run(*args, grid=grid, warmup=False, **kwargs)
+        if key is not None and compiled is not None and not hasattr(compiled, "result"):
+            _COMPILED[key] = compiled
+        return
+    n = len(grid)
+    compiled.run(
+        grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, torch._C._cuda_getCurrentRawStream(device),
+        compiled.function, compiled.packed_metadata, None, None, None, *bound_args.values(),
+    )  # fmt: skip
+
 def check_head_dim(D: int) -> None:
     """ValueError unless D is even and 2 <= D <= MAX_HEAD_DIM (RoPE needs two halves)."""
     if D % 2 != 0 or D < 2 or D > MAX_HEAD_DIM:
@@ -221,7 +281,7 @@ def rope_rotate(x, cos, sin, out=None):
         return out
     half_p = padded_dims(D)[1]
     block_r = max(8, 2048 // half_p)  # rows per program: 4 fp32 tiles [block_r, HALF_P] in registers
-    _rope_rows_kernel[(cdiv(R, block_r),)](
+    launch(_rope_rows_kernel, (cdiv(R, block_r),),
         x, out, cos, sin, R, T, H, x.stride(0) if B > 1 else T * H * D, HALF=D // 2, HALF_P=half_p, BLOCK_R=block_r
     )
     return out

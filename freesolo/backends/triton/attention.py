@@ -55,7 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import NEG_BIG, next_pow2, padded_dims, rope_rotate
+from ._common import NEG_BIG, launch, next_pow2, padded_dims, rope_rotate
 
 __all__ = [
     "ENV_LONG_BLOCK",
@@ -587,7 +587,24 @@ def _env_int(name: str) -> Optional[int]:
         raise ValueError(f"environment variable {name}={text!r} must be an integer") from None
 
 
+_DEFAULT_TILES: dict = {}
+
+
 def default_tiles(D: int, dtype: torch.dtype, device: torch.device) -> AttentionTiles:
+    """`_default_tiles`, cached per (D, dtype, device type, the five variables' values): the
+    variables are still read at every call (an A/B switch takes effect at the next call)."""
+    names = (ENV_LONG_BLOCK, ENV_MAXNREG, ENV_LONG_INTO_OUT, ENV_WINDOW_FIRST, ENV_SORTED_LONG)
+    env = tuple(os.environ.get(name) for name in names)
+    key = (D, dtype, device.type, env)
+    hit = _DEFAULT_TILES.get(key)
+    if hit is None:
+        if len(_DEFAULT_TILES) >= 64:
+            _DEFAULT_TILES.clear()
+        hit = _DEFAULT_TILES[key] = _default_tiles(D, dtype, device)
+    return hit
+
+
+def _default_tiles(D: int, dtype: torch.dtype, device: torch.device) -> AttentionTiles:
     """Tile sizes by head dim and dtype (see AttentionTiles). On the CPU (interpreter) small tiles.
     With long_block > 0 the long term goes into o (long_into_out), the window kernel first
     (window_first), the long tiles sorted by selection (sorted_long). The environment variables
@@ -677,7 +694,7 @@ def tile_unions(idx: torch.Tensor, block_m: int, use_kernel: bool | None = None,
         count = torch.empty(B * Hq, NT, dtype=torch.int32, device=idx.device)
         if union.numel():
             u_p = next_pow2(block_m * K)
-            _tile_union_kernel[(NT, B * Hq)](
+            launch(_tile_union_kernel, (NT, B * Hq),
                 idx, order if order is not None else count, union, count, T, Hq, NT, KSEL=K, BLOCK_M=block_m,
                 U_MAX=block_m * K, U_P=u_p, HAS_ORDER=order is not None, num_warps=4 if u_p >= 256 else 1,
             )  # fmt: skip
@@ -805,7 +822,7 @@ def long_query_order(
     if use_kernel:
         key = torch.empty(rows, n_chunks * chunk, dtype=torch.int64, device=idx.device)
         block = 256
-        _order_key_kernel[(-(-n_chunks * chunk // block), rows)](
+        launch(_order_key_kernel, (-(-n_chunks * chunk // block), rows),
             idx, key, T, n_chunks * chunk, Hq, bits, slots, KSEL=K, K_P=next_pow2(K), POS_BITS=pos_bits, BLOCK=block,
             num_warps=4,
         )  # fmt: skip
@@ -820,7 +837,7 @@ def long_query_order(
     if use_kernel:
         order = torch.empty(rows, T, dtype=torch.int32, device=idx.device)
         block = 1024
-        _order_decode_kernel[(-(-T // block), rows)](
+        launch(_order_decode_kernel, (-(-T // block), rows),
             key, order, T, n_chunks * chunk, CHUNK=chunk, BLOCK=block, num_warps=4
         )  # fmt: skip
         return order
@@ -963,19 +980,21 @@ def _outputs(q: torch.Tensor, tiles: AttentionTiles, save_stats: bool = True) ->
     return (o, *stats, long_term)
 
 
-_STATS_PLACEHOLDERS: dict = {}
+_PLACEHOLDERS: dict = {}
 
 
-def _stats_placeholder(device: torch.device) -> torch.Tensor:
-    """A cached fp32 tensor passed as the statistics' pointers of a forward that saves none: the
-    kernels' stores into it are all masked off (stats_on = 0). fp32 like the real buffers, so both
-    modes launch the same compiled kernel (a pointer's dtype is part of its specialization)."""
+def _placeholder(device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A cached 16-element tensor passed where a kernel takes a pointer it never dereferences: the
+    statistics of a forward that saves none (fp32 like the real buffers, so both modes launch the
+    same compiled kernel: a pointer's dtype is part of its specialization; the stores into it are
+    all masked off, stats_on = 0), or the window kernel's idx / union / count with the split long
+    kernel (int32, never read). Inside a CUDA-graph capture a fresh one (the graph's own memory)."""
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return torch.empty(16, dtype=torch.float32, device=device)  # inside a capture: the graph's own memory
-    key = str(device)
-    hit = _STATS_PLACEHOLDERS.get(key)
+        return torch.empty(16, dtype=dtype, device=device)
+    key = (str(device), dtype)
+    hit = _PLACEHOLDERS.get(key)
     if hit is None:
-        hit = _STATS_PLACEHOLDERS[key] = torch.zeros(16, dtype=torch.float32, device=device)
+        hit = _PLACEHOLDERS[key] = torch.zeros(16, dtype=dtype, device=device)
     return hit
 
 
@@ -995,8 +1014,8 @@ def _launch_long(q, k, v, idx, unions: TileUnions, beta, cfg, tiles: AttentionTi
     union, count, order = unions
     store_stats = lse_long is not None
     if not store_stats:  # the kernel stores no statistic (masked stores into an fp32 placeholder)
-        lse_long = rstd = _stats_placeholder(q.device)
-    _long_fwd_kernel[(NU, B * Hq)](
+        lse_long = rstd = _placeholder(q.device)
+    launch(_long_fwd_kernel, (NU, B * Hq),
         q, k, v, idx, union, count, order if order is not None else count, beta, long_term,
         lse_long, rstd, T, Hq, k.shape[2], NU, LOG2E / math.sqrt(D), cfg.eps,
         int(store_stats), BLOCK_M=rows, U_MAX=rows * cfg.top_k, ADD_TO_OUT=tiles.window_first, HAS_ORDER=order is not None,
@@ -1014,7 +1033,7 @@ def _launch_window(q, k, v, idx, union, count, beta, cos, sin, cfg, tiles: Atten
     o, lse_loc, lse_long, rstd, long_term = outputs
     store_stats = lse_loc is not None
     if not store_stats:  # the kernel stores no statistic (masked stores into an fp32 placeholder)
-        lse_loc = lse_long = rstd = _stats_placeholder(q.device)
+        lse_loc = lse_long = rstd = _placeholder(q.device)
     split = tiles.long_block > 0
     NT = -(-T // tiles.block_m)
     extra = {} if tiles.maxnreg is None else {"maxnreg": tiles.maxnreg}
@@ -1033,7 +1052,7 @@ def _launch_window(q, k, v, idx, union, count, beta, cos, sin, cfg, tiles: Atten
         stop = min(T, first + n_tiles * tiles.block_m + tiles.block_n)  # > the last key any of its tiles loads
         kr = kr_buf[: B * (stop - start) * Hkv * D].view(B, stop - start, Hkv, D)  # contiguous [B, stop - start, Hkv, D]
         rope_rotate(k[:, start:stop], cos[start:stop], sin[start:stop], out=kr)
-        _attention_fwd_kernel[(n_tiles, B * Hq)](
+        launch(_attention_fwd_kernel, (n_tiles, B * Hq),
             q, k, kr, v, idx, union, count, beta, long_term, cos, sin, o, lse_loc, lse_long, rstd,
             T, Hq, Hkv, NT, tile0, stop - start, start, cfg.window, LOG2E / math.sqrt(D), cfg.eps, int(store_stats),
             HALF=D // 2, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, U_MAX=tiles.union_rows * cfg.top_k,
@@ -1088,7 +1107,7 @@ def forward_with_selection(
         return idx, attention_forward(q, k, v, idx, beta, cos, sin, cfg, tiles, save_stats)
     _check_inputs(q, k, v, None, beta, cos, sin, cfg)
     outputs = _outputs(q, tiles, save_stats)
-    unused = torch.empty(1, dtype=torch.int32, device=q.device)  # the window kernel's idx / union / count (not read)
+    unused = _placeholder(q.device, torch.int32)  # the window kernel's idx / union / count (not read)
     main = torch.cuda.current_stream(q.device) if q.is_cuda else None
     side = _side_stream(q.device) if q.is_cuda else None
     if side is not None:

@@ -69,7 +69,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, next_pow2, rope_rotate
+from ._common import cdiv, launch, next_pow2, rope_rotate
 
 __all__ = [
     "LONG_MODES",
@@ -1217,11 +1217,11 @@ def _long_branch_cells(
             first = t0 == 0 and deterministic  # writes every cell (zeros where unread); later chunks add
             work_cell, work_seg, nseg, part_base, num_slots = segment_plan(offsets, nr * K, tiles.seg, int(first))
             grid = (work_cell.numel(),)
-            _bwd_cell_olong_kernel[grid](
+            launch(_bwd_cell_olong_kernel, grid,
                 q, k, v, lse_long, slots, offsets, work_cell, work_seg, parts, T, t0, tc, C, ncells, scale,
                 num_warps=tiles.num_warps_long, **common,
             )  # fmt: skip
-        _bwd_long_rows_kernel[(cdiv(nr, tiles.block_rows),)](
+        launch(_bwd_long_rows_kernel, (cdiv(nr, tiles.block_rows),),
             do, o, idx, parts, beta, rstd, d_olong, delta_loc, delta_long, dbeta_part, T, t0, tc, nr, **rows
         )  # fmt: skip
         if ncells:
@@ -1229,18 +1229,18 @@ def _long_branch_cells(
                 part_dk = torch.empty(num_slots, s, D, **f32)  # num_slots: largest for the first (longest) chunk
                 part_dv = torch.empty(num_slots, s, D, **f32)
             accum = int(not first)
-            _bwd_cell_grad_kernel[grid](
+            launch(_bwd_cell_grad_kernel, grid,
                 q, k, v, d_olong, lse_long, delta_long, slots, offsets, work_cell, work_seg, nseg, part_base, parts,
                 dk_long, dv_long, part_dk if deterministic else parts, part_dv if deterministic else parts,
                 T, t0, tc, C, ncells, accum, scale, ATOMIC=not deterministic, num_warps=tiles.num_warps_long, **common,
             )  # fmt: skip
             if deterministic:
-                _bwd_long_reduce_kernel[(ncells,)](
+                launch(_bwd_long_reduce_kernel, (ncells,),
                     nseg, part_base, part_dk, part_dv, dk_long, dv_long, T, C, accum,
                     HKV=Hkv, D=D, CELL=s, num_warps=4, **blocks,
                 )  # fmt: skip
         if not one_chunk:
-            _bwd_sum_parts_kernel[(cdiv(nr, tiles.block_rows),)](idx, parts, dq_long, T, t0, tc, nr, **rows)
+            launch(_bwd_sum_parts_kernel, (cdiv(nr, tiles.block_rows),), idx, parts, dq_long, T, t0, tc, nr, **rows)
     return (parts, K) if one_chunk else (dq_long, 0)
 
 
@@ -1341,7 +1341,7 @@ def attention_backward(
         dq_long = torch.empty(B, T, Hq, D, **f32)
     if tiles.long_mode == "gather" and B * T * Hq > 0:
         bq = tiles.block_q
-        _bwd_long_query_kernel[(cdiv(B * T, bq), Hq)](
+        launch(_bwd_long_query_kernel, (cdiv(B * T, bq), Hq),
             do,
             q,
             k,
@@ -1378,7 +1378,7 @@ def attention_backward(
         bu = tiles.block_u
         union, count, _ = tile_unions(idx, bu)
         nt = union.shape[1]
-        _bwd_long_tile_kernel[(nt, B * Hq)](
+        launch(_bwd_long_tile_kernel, (nt, B * Hq),
             do,
             q,
             k,
@@ -1420,7 +1420,7 @@ def attention_backward(
         part_dk = torch.empty(num_slots, s, D, **f32)
         part_dv = torch.empty(num_slots, s, D, **f32)
         blocks = dict(BLOCK_D=_pow2(D, 16), BLOCK_C=_pow2(s, 16))
-        _bwd_long_cell_kernel[(work_cell.numel(),)](
+        launch(_bwd_long_cell_kernel, (work_cell.numel(),),
             q,
             k,
             v,
@@ -1451,7 +1451,7 @@ def attention_backward(
             num_warps=tiles.num_warps_long,
             **blocks,
         )
-        _bwd_long_reduce_kernel[(ncells,)](
+        launch(_bwd_long_reduce_kernel, (ncells,),
             nseg, part_base, part_dk, part_dv, dk_long, dv_long, T, C, 0, HKV=Hkv, D=D, CELL=s, num_warps=4, **blocks
         )
     half = D // 2
@@ -1472,14 +1472,14 @@ def attention_backward(
         qr, kr = rope_rotate(q, cos, sin), rope_rotate(k, cos, sin)
     else:
         qr, kr = q, k
-    _bwd_local_dkdv_kernel[(cdiv(T, bn), B * Hkv)](
+    launch(_bwd_local_dkdv_kernel, (cdiv(T, bn), B * Hkv),
         do, qr, kr, v, cos, sin, lse_loc, delta_loc, dk_long, dv_long, dk, dv, T, w, scale,
         BLOCK_M=bm, BLOCK_N=bn, HAS_LONG=has_long, NUM_M=num_m, PREROT=tiles.prerotate, **common,
     )
     bm, bn = tiles.q_block_m, tiles.q_block_n
     # key tiles seen by a query tile [m0, m0+bm): t in [m0-w+1, m0+bm-1], tiles ending at floor((m0+bm-1)/bn)*bn
     num_n = (bn - 1 + bm - 1 + w - 1) // bn + 1
-    _bwd_local_dq_kernel[(cdiv(T, bm), B * Hq)](
+    launch(_bwd_local_dq_kernel, (cdiv(T, bm), B * Hq),
         do, qr, kr, v, cos, sin, lse_loc, delta_loc, dq_long, idx, dq, T, w, scale,
         BLOCK_M=bm, BLOCK_N=bn, NUM_N=num_n, PREROT=tiles.prerotate, LONG_PARTS=long_parts, **common,
     )

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from ...config import FreeSoloConfig
-from ._common import cdiv, next_pow2  # (importing _common also patches the interpreter's dynamic loop bounds for NumPy >= 2.4)
+from ._common import cdiv, launch, next_pow2  # (importing _common also patches the interpreter's dynamic loop bounds for NumPy >= 2.4)
 
 __all__ = [
     "ERF_ONE",
@@ -559,7 +559,7 @@ def cell_stats(k: torch.Tensor, cell: Union[int, FreeSoloConfig]) -> Tuple[torch
     BLOCK_T = min(next_pow2(cell), max(1, 4096 // BLOCK_D))
     cells_per_prog = max(1, min(64, 8192 // (BLOCK_T * BLOCK_D)))
     grid = (cdiv(C, cells_per_prog), B * Hkv)
-    _cell_stats_kernel[grid](
+    launch(_cell_stats_kernel, grid,
         k,
         kbar,
         amax,
@@ -623,8 +623,8 @@ def fsl_candidates(amax: torch.Tensor, T: int, cfg: FreeSoloConfig, chunk: Optio
     base = torch.empty((B, Hkv, nchunks + 1, P), dtype=torch.int32, device=amax.device)
     P_PAD = next_pow2(P)
     warps = max(1, min(8, P_PAD * chunk // 512))  # P 64, chunk 64: 8 warps, 194 registers on sm_90
-    _fsl_pool_scan_kernel[(B * Hkv,)](amax, base, C, m_last, nchunks, POOL=P, P_PAD=P_PAD, CHUNK=chunk, num_warps=warps)
-    _fsl_cand_kernel[(nchunks + 1, B * Hkv)](
+    launch(_fsl_pool_scan_kernel, (B * Hkv,), amax, base, C, m_last, nchunks, POOL=P, P_PAD=P_PAD, CHUNK=chunk, num_warps=warps)
+    launch(_fsl_cand_kernel, (nchunks + 1, B * Hkv),
         amax,
         base,
         cand,
@@ -761,7 +761,7 @@ def select_cells(
     tiles_per_block = cdiv(cfg.block, BLOCK_M)
     grid = (nblocks * tiles_per_block, B * Hq)
     tail_n = fsl_tail_width(n_cand, BLOCK_N, tiles.fsl_tail) if fsl else 0
-    _score_topk_kernel[grid](
+    launch(_score_topk_kernel, grid,
         q,
         kbar,
         amax,
