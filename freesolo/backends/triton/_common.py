@@ -138,6 +138,13 @@ FAST_LAUNCH_ENV = "FREESOLO_TRITON_FAST_LAUNCH"  # 0: every launch through JITFu
 _COMPILED: dict = {}  # (kernel, device, specialization, options) -> the CompiledKernel JITFunction.run picked
 
 
+def _hooks_set(hook) -> bool:
+    """Whether a launch hook knob holds a hook: triton 3.6's are HookChain objects (never None),
+    set when their `calls` list is not empty; older versions hold None or a callable."""
+    calls = getattr(hook, "calls", None)
+    return bool(calls) if calls is not None else hook is not None
+
+
 def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     """`kernel[grid](*args, **kwargs)` with less host work per launch on CUDA.
 
@@ -147,7 +154,8 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     kernel: Triton's own binder computes the arguments' specialization (dtypes, 16-byte alignment,
     integer divisibility), which with the options (num_warps, ... and the debug / instrumentation
     knobs, as `run` adds them) keys a cache of the CompiledKernel that `run` returned the first
-    time; a hit calls that kernel's launcher on the current stream, the same launch `run` makes.
+    time; a hit calls that kernel's launcher on the current stream, the same launch `run` makes
+    (without its empty enter / exit hook chains and their launch metadata).
     A miss (first launch of a specialization: compilation) goes through `run`, and so does every
     launch under the interpreter (TRITON_INTERPRET=1), with a callable grid, pre-run hooks or
     launch hooks set (e.g. a profiler's), or with FREESOLO_TRITON_FAST_LAUNCH=0.
@@ -157,8 +165,8 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
         not isinstance(kernel, JITFunction)
         or kernel.pre_run_hooks
         or callable(grid)
-        or triton.knobs.runtime.launch_enter_hook is not None
-        or triton.knobs.runtime.launch_exit_hook is not None
+        or _hooks_set(triton.knobs.runtime.launch_enter_hook)
+        or _hooks_set(triton.knobs.runtime.launch_exit_hook)
         or os.environ.get(FAST_LAUNCH_ENV, "1") == "0"
     ):
         kernel[grid](*args, **kwargs)
@@ -185,6 +193,7 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
         grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, torch._C._cuda_getCurrentRawStream(device),
         compiled.function, compiled.packed_metadata, None, None, None, *bound_args.values(),
     )  # fmt: skip
+
 
 def check_head_dim(D: int) -> None:
     """ValueError unless D is even and 2 <= D <= MAX_HEAD_DIM (RoPE needs two halves)."""
