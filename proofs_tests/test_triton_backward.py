@@ -34,6 +34,7 @@ from freesolo.backends.triton.attention_bwd import (  # noqa: E402
     default_bwd_tiles,
     default_long_mode,
     inverted_selection,
+    cell_plan,
     inverted_slots,
     segment_plan,
     tiles_prerotate_default,
@@ -342,6 +343,33 @@ def test_hot_cells_split_into_segments(nan_poison):
         assert torch.equal(x, y), f"{name}: split segments differ between two runs"
     _check(a, run_backward(q, k, v, beta, do, idx, cfg, True, saved, one), 1e-6, "seg 16 vs one segment")
     _check(a, torch_grads(q, k, v, beta, idx, cfg, do), 1e-5, "seg 16 vs torch float64")
+
+
+@pytest.mark.parametrize(
+    "B,T,Hq,Hkv,K,C,t0,tc,seg,min_seg,dtype",
+    [
+        (2, 29, 6, 2, 3, 7, 3, 24, 4, 1, torch.int32),  # a chunk of positions (t0 > 0), GQA, split cells
+        (1, 40, 4, 4, 4, 9, 0, 40, 8, 0, torch.int64),  # unread cells get no work item (min_seg 0)
+        (3, 17, 2, 1, 2, 1, 0, 17, 16, 1, torch.int32),  # one cell per kv head
+        (1, 300, 8, 2, 4, 70, 0, 300, 32, 1, torch.int32),  # more than one block of 1024 entries / cells
+    ],
+)
+def test_cell_plan_equals_the_torch_references(B, T, Hq, Hkv, K, C, t0, tc, seg, min_seg, dtype):
+    """`cell_plan` (Triton kernels around one sort) gives the tensors of `inverted_slots` +
+    `segment_plan` element for element, -1 entries, empty and many-reader cells included."""
+    g = torch.Generator().manual_seed(29 + T)
+    idx = torch.randint(-1, C, (B, T, Hq, K), generator=g, dtype=torch.int64)
+    idx[:, : T // 3, :, 0] = C - 1  # a popular cell: several segments
+    idx = idx.to(dtype).to(DEV)
+    slots, offsets = inverted_slots(idx[:, t0 : t0 + tc], Hkv, C)
+    want = (slots, offsets) + segment_plan(offsets, B * tc * Hq * K, seg, min_seg)
+    got = cell_plan(idx, t0, tc, Hkv, C, seg, min_seg)
+    names = ("slots", "offsets", "work_cell", "work_seg", "nseg", "part_base")
+    for name, x, y in zip(names, got, want):
+        assert x.dtype == y.dtype and x.shape == y.shape, f"{name}: {x.dtype} {tuple(x.shape)} vs {y.dtype} {tuple(y.shape)}"
+        assert torch.equal(x, y), f"{name} differs from the torch reference"
+    assert got[-1] == want[-1], "num_slots"
+    assert int(got[4].max()) > 1, "the case must split a cell into several segments"
 
 
 def test_segment_plan_covers_every_reader_once():
