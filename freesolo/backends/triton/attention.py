@@ -1050,8 +1050,12 @@ def _launch_window(q, k, v, idx, union, count, beta, cos, sin, cfg, tiles: Atten
         first = tile0 * tiles.block_m
         start = max(0, first - cfg.window - tiles.block_n)  # <= the first key tile any query of the chunk reads
         stop = min(T, first + n_tiles * tiles.block_m + tiles.block_n)  # > the last key any of its tiles loads
-        kr = kr_buf[: B * (stop - start) * Hkv * D].view(B, stop - start, Hkv, D)  # contiguous [B, stop - start, Hkv, D]
-        rope_rotate(k[:, start:stop], cos[start:stop], sin[start:stop], out=kr)
+        if start == 0 and stop == T:  # one chunk holds the sequence (T <= ~16k at H 16, D 64): no slices
+            kr = kr_buf.view(B, T, Hkv, D)
+            rope_rotate(k, cos, sin, out=kr)
+        else:
+            kr = kr_buf[: B * (stop - start) * Hkv * D].view(B, stop - start, Hkv, D)  # contiguous [B, stop - start, Hkv, D]
+            rope_rotate(k[:, start:stop], cos[start:stop], sin[start:stop], out=kr)
         launch(_attention_fwd_kernel, (n_tiles, B * Hq),
             q, k, kr, v, idx, union, count, beta, long_term, cos, sin, o, lse_loc, lse_long, rstd,
             T, Hq, Hkv, NT, tile0, stop - start, start, cfg.window, LOG2E / math.sqrt(D), cfg.eps, int(store_stats),

@@ -149,6 +149,7 @@ def config_from_json(text: str) -> FreeSoloConfig:
 
 
 _ROPE_CACHE: dict = {}
+_ROPE_SLICES: dict = {}  # (key, T) -> the [:T] views of _ROPE_CACHE[key] (two slices fewer per call)
 
 
 def rope_cos_sin(T: int, D: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,11 +158,19 @@ def rope_cos_sin(T: int, D: int, theta: float, device: torch.device) -> tuple[to
     from ..torch._ops import rope_tables
 
     key = (D, float(theta), device.type, device.index)
+    hit = _ROPE_SLICES.get((key, T))
+    if hit is not None:
+        return hit
     cached = _ROPE_CACHE.get(key)
     if cached is None or cached[0].shape[0] < T:
         cached = rope_tables(max(T, 1), D, theta, device, torch.float32)
         _ROPE_CACHE[key] = cached
-    return cached[0][:T], cached[1][:T]
+        _ROPE_SLICES.clear()  # views of the replaced tables
+    hit = cached[0][:T], cached[1][:T]
+    if len(_ROPE_SLICES) >= 256:
+        _ROPE_SLICES.clear()
+    _ROPE_SLICES[(key, T)] = hit
+    return hit
 
 
 FSB_SEARCH_ENV = "FREESOLO_TRITON_FSB_SEARCH"
