@@ -301,6 +301,25 @@ def test_cuda_window_first_matches_default(variant, monkeypatch):
         assert torch.equal(x, y), "window_first: two calls differ"
 
 
+def test_launch_hook_knobs_are_read_as_set_only_when_they_hold_a_hook():
+    """`_common._hooks_set`: triton 3.6's launch hooks are HookChain objects that are never None (s29
+    call2: reading them as "set" sent every launch back through JITFunction.run); empty chains are
+    unset, a chain with a hook is set, and older triton's None / callable knobs read as before."""
+    import triton
+
+    from freesolo.backends.triton import _common
+
+    assert not _common._hooks_set(None)
+    assert _common._hooks_set(print)
+    chain_type = type(triton.knobs.runtime.launch_enter_hook)
+    if hasattr(triton.knobs.runtime.launch_enter_hook, "calls"):
+        chain = chain_type()
+        assert not _common._hooks_set(chain)
+        chain.add(print)
+        assert _common._hooks_set(chain)
+    assert not _common._hooks_set(triton.knobs.runtime.launch_enter_hook), "a launch hook is set in this process"
+
+
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU: the fast launch path exists only for compiled kernels")
 @pytest.mark.parametrize("variant", ["fsl", "fs"])
 def test_cuda_fast_launch_equals_triton_launch(variant, monkeypatch):
