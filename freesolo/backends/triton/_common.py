@@ -136,6 +136,9 @@ def cdiv(a: int, b: int) -> int:
 
 FAST_LAUNCH_ENV = "FREESOLO_TRITON_FAST_LAUNCH"  # 0: every launch through JITFunction.run (A/B of `launch`)
 _COMPILED: dict = {}  # (kernel, device, specialization, options) -> the CompiledKernel JITFunction.run picked
+# The fast path reads triton 3.6's JITFunction internals (device_caches' binder, CompiledKernel.run's
+# arguments); other versions launch through JITFunction.run (the project pins triton==3.6.0).
+FAST_LAUNCH_TRITON = tuple(triton.__version__.split(".")[:2]) == ("3", "6")
 
 
 def _hooks_set(hook) -> bool:
@@ -158,11 +161,13 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     (without its empty enter / exit hook chains and their launch metadata).
     A miss (first launch of a specialization: compilation) goes through `run`, and so does every
     launch under the interpreter (TRITON_INTERPRET=1), with a callable grid, pre-run hooks or
-    launch hooks set (e.g. a profiler's), or with FREESOLO_TRITON_FAST_LAUNCH=0.
+    launch hooks set (e.g. a profiler's), with a triton other than 3.6 (`FAST_LAUNCH_TRITON`), or
+    with FREESOLO_TRITON_FAST_LAUNCH=0.
     grid: a tuple of 1 to 3 ints.
     """
     if (
-        not isinstance(kernel, JITFunction)
+        not FAST_LAUNCH_TRITON
+        or not isinstance(kernel, JITFunction)
         or kernel.pre_run_hooks
         or callable(grid)
         or _hooks_set(triton.knobs.runtime.launch_enter_hook)
