@@ -38,6 +38,7 @@ from triton.runtime import jit as triton_jit
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from gpu_attention import _versions, write_json  # noqa: E402 (benchmarks/ is this script's folder)
+from host_overhead_probe import host_us  # noqa: E402
 
 import freesolo  # noqa: E402
 from freesolo import FreeSoloConfig  # noqa: E402
@@ -45,19 +46,6 @@ from freesolo import FreeSoloConfig  # noqa: E402
 __all__ = ["main"]
 
 _ORIGINAL_RUN = triton_jit.JITFunction.run
-
-
-def host_us(fn, calls: int) -> float:
-    """Mean wall microseconds per call over `calls` calls issued back to back (one sync at the end)."""
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return 1e6 * elapsed / calls
 
 
 class LaunchRecorder:
