@@ -1209,6 +1209,26 @@ def _plan_key_kernel(
 
 
 @triton.jit
+def _search_sorted(SORTED, n, target, STEPS: tl.constexpr, BLOCK: tl.constexpr, RIGHT: tl.constexpr):
+    """int64 [BLOCK]: for each target, the number of SORTED[0 .. n) (ascending) below it (RIGHT
+    False: torch.searchsorted left) or at most it (RIGHT True: right); a binary search of STEPS
+    steps (2**STEPS > n). target: int64 [BLOCK]."""
+    lo = tl.zeros([BLOCK], dtype=tl.int64)
+    hi = tl.zeros([BLOCK], dtype=tl.int64) + n
+    for _ in range(STEPS):
+        searching = lo < hi
+        mid = (lo + hi) // 2
+        value = tl.load(SORTED + mid, mask=searching, other=0).to(tl.int64)
+        if RIGHT:
+            go_right = value <= target
+        else:
+            go_right = value < target
+        lo = tl.where(searching & go_right, mid + 1, lo)
+        hi = tl.where(searching & ~go_right, mid, hi)
+    return lo
+
+
+@triton.jit
 def _plan_offsets_kernel(
     SORTED_KEY,  # int32 / int64 [N] the keys, ascending
     OFFSETS,  # int64 [NCELLS + 1] (out): OFFSETS[c] = the first p with SORTED_KEY[p] >= c
@@ -1219,15 +1239,7 @@ def _plan_offsets_kernel(
 ):
     """One program per BLOCK cell keys c in [0, NCELLS]: a binary search (torch.searchsorted, left)."""
     c = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    lo = tl.zeros([BLOCK], dtype=tl.int64)
-    hi = tl.zeros([BLOCK], dtype=tl.int64) + N
-    for _ in range(STEPS):
-        searching = lo < hi
-        mid = (lo + hi) // 2
-        below = tl.load(SORTED_KEY + mid, mask=searching, other=0).to(tl.int64) < c
-        lo = tl.where(searching & below, mid + 1, lo)
-        hi = tl.where(searching & ~below, mid, hi)
-    tl.store(OFFSETS + c, lo, mask=c <= NCELLS)
+    tl.store(OFFSETS + c, _search_sorted(SORTED_KEY, N, c, STEPS, BLOCK, RIGHT=False), mask=c <= NCELLS)
 
 
 @triton.jit
@@ -1272,14 +1284,7 @@ def _plan_work_kernel(
     """One program per BLOCK work items w: the first cell whose inclusive end exceeds w
     (torch.searchsorted(INCL, w, right=True)), its segment w - (INCL[cell] - NSEG[cell])."""
     w = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    lo = tl.zeros([BLOCK], dtype=tl.int64)
-    hi = tl.zeros([BLOCK], dtype=tl.int64) + NCELLS
-    for _ in range(STEPS):
-        searching = lo < hi
-        mid = (lo + hi) // 2
-        not_past = tl.load(INCL + mid, mask=searching, other=0) <= w
-        lo = tl.where(searching & not_past, mid + 1, lo)
-        hi = tl.where(searching & ~not_past, mid, hi)
+    lo = _search_sorted(INCL, NCELLS, w, STEPS, BLOCK, RIGHT=True)
     safe = tl.minimum(lo, NCELLS - 1)
     ok = w < W
     seg = w - (tl.load(INCL + safe, mask=ok, other=0) - tl.load(NSEG + safe, mask=ok, other=0))
