@@ -12,7 +12,8 @@ At 4k / 16k the triton FS-L forward and forward+backward are host bound on the H
    `bound`  - Triton's own binder (the specialization, C++) + the compiled kernel's cache lookup,
               then the compiled kernel's launcher directly (what a leaner launch path would do);
    `direct` - the compiled kernel's launcher with the bound arguments cached (the floor);
-4. cProfile of each path sorted by cumulative time (freesolo's functions);
+4. cProfile of each path sorted by cumulative time (freesolo's functions), then by own time
+   (every function, torch's and Triton's builtins included);
 5. `--ab`: each path's host time with `_common.launch`'s fast path off and on
    (FREESOLO_TRITON_FAST_LAUNCH=0 / 1), alternating, three rounds each, same process;
 6. `--torch-profile`: torch.profiler (CPU + CUDA activity) of 20 calls of each path: the aten ops'
@@ -132,6 +133,7 @@ def profile_text(fn, calls: int) -> str:
     torch.cuda.synchronize()
     text = io.StringIO()
     pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats("freesolo", 45)
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(40)  # every function, builtins included
     return text.getvalue()
 
 

@@ -699,3 +699,49 @@ def test_cuda_ragged_decode_graph():
     assert graphed.lengths == eager.lengths == pos
 
 
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "variant, tiles",
+    [("fsl", DecodeTiles(boundary="triton")), ("fsl", DecodeTiles(impl="single")), ("fs", DecodeTiles()), ("fsb", None)],
+    ids=["fsl-split-triton-boundary", "fsl-single", "fs-split", "fsb"],
+)
+def test_cuda_decode_fast_launch_equals_triton_launch(variant, tiles, monkeypatch):
+    """The decode kernels (window / long partials, finish, FS archive scoring, the FS-L boundary
+    kernel, the single-kernel step; FS-B: the tree builder, the search and the rerank) launched
+    through `_common.launch`'s fast path give the outputs of FREESOLO_TRITON_FAST_LAUNCH=0 (every
+    launch through JITFunction.run) bit for bit, block boundaries included, and the second run
+    launches from the fast path's cache, never through JITFunction.run."""
+    from freesolo.backends.triton import _common
+
+    extra = dict(beam=3, tau=8.5) if variant == "fsb" else dict(pool=6, recent=2)
+    cfg = FreeSoloConfig(variant=variant, window=32, cell=4, block=16, top_k=3, **extra)
+    B, T, Hq, Hkv, D = 2, 3 * 16 + 32 + 7, 4, 2, 64
+    q, k, v, beta = cuda_tensors(18, B, T, Hq, Hkv, D, torch.float32)
+
+    def run():
+        kw = {} if tiles is None else dict(decode_tiles=tiles)
+        cache = FreeSoloCache(cfg, B, Hq, Hkv, D, backend="torch", dtype=torch.float32, device="cuda",
+                              decode_kernel="triton", **kw)  # fmt: skip
+        outs = [cache.extend(q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], beta=beta, check_finite=False) for t in range(T)]
+        torch.cuda.synchronize()
+        assert cache.state._fused
+        return torch.cat(outs, 1)
+
+    monkeypatch.setenv(_common.FAST_LAUNCH_ENV, "0")
+    ref = run()
+    monkeypatch.setenv(_common.FAST_LAUNCH_ENV, "1")
+    first = run()
+    hits = []
+    original = _common.JITFunction.run
+
+    def counting_run(self, *args, **kwargs):
+        hits.append(self.__name__)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(_common.JITFunction, "run", counting_run)
+    second = run()
+    assert hits == [], f"the second run went through JITFunction.run for {sorted(set(hits))}"
+    assert torch.equal(ref, first) and torch.equal(ref, second), "fast launch: decode outputs differ from JITFunction.run's"

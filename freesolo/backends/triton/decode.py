@@ -53,6 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._common import launch
 from .backend import on_device_of
 
 __all__ = ["decode_step", "decode_supported_reasons", "fsl_boundary"]
@@ -885,7 +886,7 @@ def fsl_boundary(state, pos=None, active=None) -> None:
     m = cfg.block // cfg.cell
     pos_t, pos_stride = (state.pos, 0) if pos is None else (pos, 1)
     with on_device_of(state.pos):  # the cache's device current while the kernel launches
-        _fsl_boundary_kernel[(B * Hkv,)](
+        launch(_fsl_boundary_kernel, (B * Hkv,),
             pos_t,
             pos_t if active is None else active,
             pos_stride,
@@ -966,7 +967,7 @@ def _split_step(state, q, k, v, beta, out, tiles, pos=None, active=None) -> None
         BLOCK_CELL=_pow2(cfg.cell),
         num_warps=tiles.num_warps,
     )
-    _split_partials_kernel[(B * Hkv, nw + n_long)](
+    launch(_split_partials_kernel, (B * Hkv, nw + n_long),
         q,
         k,
         v,
@@ -1008,7 +1009,7 @@ def _split_step(state, q, k, v, beta, out, tiles, pos=None, active=None) -> None
         BLOCK_S=16 if fs else _pow2(slots),  # FS-L only
         **common,
     )
-    _split_finish_kernel[(B * Hq,)](
+    launch(_split_finish_kernel, (B * Hq,),
         q,
         beta,
         out,
@@ -1059,7 +1060,7 @@ def _single_step(state, q, k, v, beta, out, tiles) -> None:
         nchunk = -(-slots // chunk)
         n_part = nchunk * cfg.top_k
         part_score, part_id = _scratch(state, n_part)
-        _fs_score_kernel[(B * Hkv, nchunk)](
+        launch(_fs_score_kernel, (B * Hkv, nchunk),
             q,
             state.pos,
             state.cell_kbar,
@@ -1088,7 +1089,7 @@ def _single_step(state, q, k, v, beta, out, tiles) -> None:
         n_part = 1
         part_score, part_id = sigma, state.cell_ids  # unused placeholders
         block_s = _pow2(slots)
-    _decode_kernel[(B * Hkv,)](
+    launch(_decode_kernel, (B * Hkv,),
         q,
         k,
         v,

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import MAX_HEAD_DIM, next_pow2, same_device  # (importing _common also patches the interpreter for NumPy >= 2.4)
+from ._common import MAX_HEAD_DIM, launch, next_pow2, same_device  # (importing _common also patches the interpreter for NumPy >= 2.4)
 
 __all__ = ["build_tree_slot", "warm_up_builds"]
 
@@ -343,7 +343,7 @@ def _build_tree_slot(
         perm = first  # never read
     out_scale = 8 * torch.finfo(dtype).eps  # 2^-20 / 2^-49: exact in float32
     grid = ((2 << (h - c)) - 1, R)
-    _build_tree_kernel[grid](
+    launch(_build_tree_kernel, grid,
         fields["mu"],
         fields["rad"],
         fields["A"],

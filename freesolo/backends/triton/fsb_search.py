@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from ...config import FreeSoloConfig
-from ._common import next_pow2, same_device  # (importing _common also patches the interpreter's loop bounds for NumPy >= 2.4)
+from ._common import launch, next_pow2, same_device  # (importing _common also patches the interpreter's loop bounds for NumPy >= 2.4)
 
 __all__ = ["MAX_BEAM", "MAX_FOREST_CELLS", "TRACE_LEVELS", "decode_select_cells", "fsb_select_cells", "trace_search"]
 
@@ -419,7 +419,7 @@ def _run(q, k, cfg: FreeSoloConfig, return_found: bool, num_warps: int, trace):
     for b in rows:  # one row at a time: its tables are built from its own keys (L12)
         tables, high_prefix = build_row_forests(k4[b : b + 1], cfg, outward=True)
         N = tables.mu.shape[2]
-        _fsb_search_kernel[(T, Hq)](
+        launch(_fsb_search_kernel, (T, Hq),
             q4[b], k4[b], tables.mu[0].contiguous(), tables.rad[0].contiguous(), tables.A[0].contiguous(),
             tables.e[0].contiguous(), tables.cell[0].contiguous(), tables.base.contiguous(), high_prefix[0].contiguous(),
             sigma, lam, out[b], found[b], trace_idx, trace_key,
@@ -467,7 +467,7 @@ def decode_select_cells(state, qg: torch.Tensor, out=None, num_warps: int = 1) -
         q_rows = q_rows.contiguous()
     WP = next_pow2(cfg.beam)
     found = torch.empty(B * Hkv * G, 2, WP, dtype=torch.int64, device=state.device)
-    _fsb_decode_search_kernel[(B * Hkv * G, 2)](
+    launch(_fsb_decode_search_kernel, (B * Hkv * G, 2),
         q_rows, state.pos,
         fa.mu, fa.rad, fa.A, fa.e, fa.cell, base_a, fh.mu, fh.rad, fh.A, fh.e, fh.cell, base_h,
         state.n_high, state.sigma.reshape(-1), state.lam.reshape(-1), found,
@@ -475,7 +475,7 @@ def decode_select_cells(state, qg: torch.Tensor, out=None, num_warps: int = 1) -
         float(D**-0.5), float(cfg.radius_weight), float(2 * cfg.cell), D,
         BLOCK_D=next_pow2(D), CELL=cfg.cell, QBLOCK=cfg.block, W=cfg.beam, WP=WP, num_warps=num_warps,
     )  # fmt: skip
-    _fsb_decode_rerank_kernel[(B * Hkv * G,)](
+    launch(_fsb_decode_rerank_kernel, (B * Hkv * G,),
         q_rows, state.cell_k, found, out, q_rows.stride(0), q_rows.stride(1), state.cell_k.shape[2], Hkv, G,
         float(D**-0.5), D, BLOCK_D=next_pow2(D), CELL=cfg.cell, WP=WP, K=K,
         KP=next_pow2(K), num_warps=num_warps,
