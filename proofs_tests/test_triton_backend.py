@@ -271,6 +271,49 @@ def test_cuda_training_step_has_no_host_sync_and_captures_in_a_cuda_graph(varian
         assert torch.equal(x.grad, ref), f"CUDA-graph replay: d{name} differs from the eager call"
 
 
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU: CUDA-graph capture exists only there")
+def test_cuda_graph_replay_after_a_longer_call_still_reads_its_rope_tables():
+    """A CUDA graph of a triton forward captured at T1 reads the cached RoPE tables by address. A
+    later call at a longer T2 replaces them (`backend.rope_cos_sin`); the replaced tables must stay
+    alive, or their freed memory is reused and the replay reads garbage. After the longer call and
+    NaN-filled allocations of the old tables' size, the replay gives the eager output bit for bit
+    (and tables no capture read are freed when replaced)."""
+    from freesolo.backends.triton import backend as tb
+
+    cfg = FreeSoloConfig(variant="fsl", rope_theta=12345.0)  # a theta no other test uses: tables made here
+    key = (64, 12345.0, "cuda", torch.cuda.current_device())
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    T1, T2, Hq, Hkv, D = 2048 + 37, 4 * 2048, 4, 2, 64
+    q, k, v = (torch.randn(1, T1, h, D, device="cuda", dtype=torch.bfloat16, generator=gen) for h in (Hq, Hkv, Hkv))
+    with torch.no_grad():
+        want = freesolo.freesolo_attention(q, k, v, cfg, backend="triton", check_finite=False)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            freesolo.freesolo_attention(q, k, v, cfg, backend="triton", check_finite=False)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = freesolo.freesolo_attention(q, k, v, cfg, backend="triton", check_finite=False)
+        captured = tb._ROPE_CACHE[key]
+        assert key in tb._ROPE_CAPTURED, "the capture did not mark the tables it read"
+        long = [torch.randn(1, T2, h, D, device="cuda", dtype=torch.bfloat16, generator=gen) for h in (Hq, Hkv, Hkv)]
+        freesolo.freesolo_attention(*long, cfg, backend="triton", check_finite=False)
+        assert tb._ROPE_CACHE[key][0].shape[0] == T2 and any(kept is captured for kept in tb._ROPE_KEPT)
+        junk = [torch.full_like(captured[0], float("nan")) for _ in range(16)]  # reuse any freed block of that size
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        del junk
+    assert torch.equal(out, want), "CUDA-graph replay after a longer call differs from the eager output"
+    # a further replacement of tables that no capture read frees them (nothing else is kept)
+    kept = len(tb._ROPE_KEPT)
+    longer = [torch.randn(1, 2 * T2, h, D, device="cuda", dtype=torch.bfloat16, generator=gen) for h in (Hq, Hkv, Hkv)]
+    with torch.no_grad():
+        freesolo.freesolo_attention(*longer, cfg, backend="triton", check_finite=False)
+    assert len(tb._ROPE_KEPT) == kept, "tables that no capture read were kept"
+
+
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (16-bit split kernels, streams)")
 @pytest.mark.parametrize("variant", ["fsl", "fs"])
 def test_cuda_window_first_matches_default(variant, monkeypatch):

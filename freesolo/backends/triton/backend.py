@@ -150,19 +150,30 @@ def config_from_json(text: str) -> FreeSoloConfig:
 
 _ROPE_CACHE: dict = {}
 _ROPE_SLICES: dict = {}  # (key, T) -> the [:T] views of _ROPE_CACHE[key] (two slices fewer per call)
+_ROPE_CAPTURED: set = set()  # keys of _ROPE_CACHE whose current tables a CUDA-graph capture has read
+_ROPE_KEPT: list = []  # replaced tables that a captured CUDA graph may still read: never freed
 
 
 def rope_cos_sin(T: int, D: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin fp32 [T, D/2] of half-split RoPE (angles in float64, as the torch backend), cached
-    per (D, theta, device) at the largest T seen and sliced."""
+    per (D, theta, device) at the largest T seen and sliced.
+
+    CUDA graphs: a graph captured while these tables were current replays their addresses, so
+    tables that a capture read are kept alive when a longer T replaces them (`_ROPE_KEPT`); freed,
+    their memory would be reused and the graph would read garbage. Tables no capture read are freed."""
     from ..torch._ops import rope_tables
 
     key = (D, float(theta), device.type, device.index)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        _ROPE_CAPTURED.add(key)
     hit = _ROPE_SLICES.get((key, T))
     if hit is not None:
         return hit
     cached = _ROPE_CACHE.get(key)
     if cached is None or cached[0].shape[0] < T:
+        if cached is not None and key in _ROPE_CAPTURED:
+            _ROPE_KEPT.append(cached)
+            _ROPE_CAPTURED.discard(key)
         cached = rope_tables(max(T, 1), D, theta, device, torch.float32)
         _ROPE_CACHE[key] = cached
         _ROPE_SLICES.clear()  # views of the replaced tables
@@ -211,15 +222,14 @@ _ONES: dict = {}
 
 def _beta32(beta: Optional[torch.Tensor], Hq: int, device) -> torch.Tensor:
     """beta as fp32 [Hq]; None: a cached ones vector per (Hq, device) (no allocation + fill per call;
-    the operators never write into beta)."""
+    the operators never write into beta). Never evicted: a CUDA graph may have captured its address
+    (one small vector per head count and device)."""
     if beta is None:
         if torch.compiler.is_compiling():  # traced: a graph constant, no side effect on the cache
             return torch.ones(Hq, dtype=torch.float32, device=device)
         key = (Hq, str(device))
         ones = _ONES.get(key)
         if ones is None:
-            if len(_ONES) >= 64:
-                _ONES.clear()
             ones = _ONES[key] = torch.ones(Hq, dtype=torch.float32, device=device)
         return ones
     return beta.to(torch.float32)

@@ -708,12 +708,11 @@ _HEAD_PARAMS: dict = {}
 
 def head_params(cfg: FreeSoloConfig, Hq: int, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
     """sigma, lam as fp32 [Hq] tensors on `device`, cached per (sigma, lam, Hq, device): a call
-    does not copy host values to the GPU (two synchronous H2D copies per forward before)."""
+    does not copy host values to the GPU (two synchronous H2D copies per forward before). Never
+    evicted: a CUDA graph may have captured their addresses (two small vectors per config)."""
     key = (cfg.sigma, cfg.lam, Hq, str(device))
     hit = _HEAD_PARAMS.get(key)
     if hit is None:
-        if len(_HEAD_PARAMS) >= 64:
-            _HEAD_PARAMS.clear()
         hit = tuple(
             torch.as_tensor(cfg.per_head(name, Hq), dtype=torch.float32, device=device) for name in ("sigma", "lam")
         )
