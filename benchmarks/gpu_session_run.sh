@@ -2,7 +2,7 @@
 # One H200 call that measures and checks what a session changed (run from the repository root with
 # $OUT set). Every step has its own timeout so that a slow step cannot starve the rest; everything
 # lands in $OUT/session.tar (the device returns at most 8 files) plus $OUT/summary.txt.
-# STEPS picks the steps (default: "s30b_tests s30b_compiled s30b_memcheck", s30's second call;
+# STEPS picks the steps (default: "s30b_tests s30b_host s30b_compiled s30b_memcheck", s30's second call;
 # pass timeout_s 600, read summary.txt):
 #   tests_split  CUDA tests of the Triton forward / backward / API / L11-L12 with the split long kernel
 #                (FREESOLO_TRITON_LONG_BLOCK=64 FREESOLO_TRITON_MAXNREG=128: the proposed 16-bit default)
@@ -179,6 +179,8 @@
 #                JITFunction.run, bitwise) / FS-B search and tree builder / caches / models
 #   s30b_tests   s30's second call: the CUDA tests of the backend (a CUDA graph replayed after a longer call
 #                replaced the cached RoPE tables: the captured tables are kept alive)
+#   s30b_host    issues 10 / 11: host time of a 4k FS-L call, fast launch off / on (launch_host_probe.py --ab; the
+#                launch cache keyed by the kernel's id, the launcher's C function called directly)
 #   s30b_compiled issues 10 / 11: triton FS-L eager / CUDA graph / torch.compile(mode="reduce-overhead") against SDPA
 #                eager / reduce-overhead and Flex SWA-512, fwd and fwd+bwd at 4k / 16k / 64k (gpu_attention.py)
 #   s30b_memcheck compute-sanitizer memcheck of the forward / backward kernels (the cell plan's shared binary search)
@@ -188,7 +190,7 @@ W=/tmp/session_work
 rm -rf "$W"  # a warm machine keeps /tmp: start empty
 mkdir -p "$OUT" "$W"
 export PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=ci PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-STEPS=${STEPS:-"s30b_tests s30b_compiled s30b_memcheck"}
+STEPS=${STEPS:-"s30b_tests s30b_host s30b_compiled s30b_memcheck"}
 SPLIT=(env FREESOLO_TRITON_LONG_BLOCK=64 FREESOLO_TRITON_MAXNREG=128)
 step() {  # step NAME SECONDS COMMAND...: run with a timeout, log to $W/NAME.log, one summary line
   local name=$1 secs=$2; shift 2
@@ -268,7 +270,8 @@ step ab28_tests 230 env FREESOLO_TRITON_LONG_BOUND=1 FREESOLO_TRITON_FSL_TAIL=1 
 step ab28_score 80 python3 benchmarks/score_tiles_sweep.py --cases fsl:16384 fsl:65536 fsl:131072 --chunks --out "$W/score_tiles_s28.json"
 step final28 560 bash -c "python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k 'cuda or gpu or tail' proofs_tests/test_triton_selection.py proofs_tests/test_row_independence.py proofs_tests/test_triton_backend.py proofs_tests/test_triton_attention.py proofs_tests/test_triton_backward.py proofs_tests/test_packed.py proofs_tests/test_models.py; python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fs sdpa_causal flex_swa512 fla_nsa --shapes H16-D64 --modes fwd --lengths 4096 16384 65536 131072 --budget-s 140 --rep-ms 30 --out $W --tag _s28_final_fwd; FREESOLO_TRITON_FSL_TAIL=0 python3 benchmarks/gpu_attention.py --providers triton_fsl sdpa_causal flex_swa512 --shapes H16-D64 --modes fwd --lengths 16384 65536 131072 --budget-s 50 --rep-ms 30 --out $W --tag _s28_notail_fwd; python3 benchmarks/gpu_attention.py --providers triton_fsl sdpa_causal flex_swa512 fla_nsa --shapes H16-D64 --modes fwd+bwd --lengths 4096 16384 65536 --budget-s 100 --rep-ms 30 --out $W --tag _s28_final_bwd; python3 benchmarks/forward_overlap_ab.py --lengths 65536 131072 --fs-lengths --configs sorted --out $W/forward_s28.json; compute-sanitizer --tool memcheck python3 benchmarks/sanitize_triton.py forward_backward && compute-sanitizer --tool racecheck python3 benchmarks/sanitize_triton.py forward_backward"
 step s30b_tests 90 python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k "cuda or gpu" proofs_tests/test_triton_backend.py
-step s30b_compiled 330 python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fsl_graph triton_fsl_compiled sdpa_causal sdpa_causal_compiled flex_swa512 --shapes H16-D64 --modes fwd fwd+bwd --lengths 4096 16384 65536 --budget-s 300 --rep-ms 30 --out $W --tag _s30b
+step s30b_host 60 python3 benchmarks/launch_host_probe.py --T 4096 16384 --calls 100 --ab --no-replay --out $W/launch_host_s30b.json
+step s30b_compiled 300 python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fsl_graph triton_fsl_compiled sdpa_causal sdpa_causal_compiled flex_swa512 --shapes H16-D64 --modes fwd fwd+bwd --lengths 4096 16384 65536 --budget-s 270 --rep-ms 30 --out $W --tag _s30b
 step s30b_memcheck 150 compute-sanitizer --tool memcheck python3 benchmarks/sanitize_triton.py forward_backward
 step s30a_prof 200 bash -c "python3 benchmarks/profile_triton.py --T 4096 16384 65536 --out $W/profile_s30a.json; python3 benchmarks/launch_host_probe.py --T 4096 --calls 100 --out $W/launch_host_s30a.json"
 step s30a_tests 380 python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k "cuda or gpu or cell_plan" proofs_tests/test_triton_backward.py proofs_tests/test_triton_backend.py proofs_tests/test_triton_attention.py proofs_tests/test_triton_decode.py proofs_tests/test_triton_fsb_search.py proofs_tests/test_triton_fsb_build.py proofs_tests/test_cache_gpu.py proofs_tests/test_cache_ragged.py proofs_tests/test_models.py

@@ -135,7 +135,7 @@ def cdiv(a: int, b: int) -> int:
 # ---- kernel launches -----------------------------------------------------------------------------
 
 FAST_LAUNCH_ENV = "FREESOLO_TRITON_FAST_LAUNCH"  # 0: every launch through JITFunction.run (A/B of `launch`)
-_COMPILED: dict = {}  # (kernel, device, specialization, options) -> the CompiledKernel JITFunction.run picked
+_COMPILED: dict = {}  # (id(kernel), device, specialization, options) -> (kernel, the CompiledKernel JITFunction.run picked, `_direct_launcher`)
 # The fast path reads triton 3.6's JITFunction internals (device_caches' binder, CompiledKernel.run's
 # arguments); other versions launch through JITFunction.run (the project pins triton==3.6.0).
 FAST_LAUNCH_TRITON = tuple(triton.__version__.split(".")[:2]) == ("3", "6")
@@ -148,6 +148,17 @@ def _hooks_set(hook) -> bool:
     return bool(calls) if calls is not None else hook is not None
 
 
+def _direct_launcher(compiled):
+    """The C launch function of a compiled kernel when its Python wrapper (triton 3.6
+    `CudaLauncher.__call__`) would add nothing: no global or profile scratch buffer to allocate
+    per launch. None otherwise (launch through the wrapper)."""
+    run = compiled.run
+    sizes = (getattr(run, "global_scratch_size", None), getattr(run, "profile_scratch_size", None))
+    if sizes != (0, 0) or not hasattr(run, "launch") or not hasattr(run, "launch_pdl"):
+        return None
+    return run.launch, run.launch_cooperative_grid, run.launch_pdl
+
+
 def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     """`kernel[grid](*args, **kwargs)` with less host work per launch on CUDA.
 
@@ -158,7 +169,10 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     integer divisibility), which with the options (num_warps, ... and the debug / instrumentation
     knobs, as `run` adds them) keys a cache of the CompiledKernel that `run` returned the first
     time; a hit calls that kernel's launcher on the current stream, the same launch `run` makes
-    (without its empty enter / exit hook chains and their launch metadata).
+    (without its empty enter / exit hook chains and their launch metadata), and, when the kernel
+    needs no scratch buffer, the launcher's C function directly (`_direct_launcher`: the arguments
+    the Python wrapper would pass). The cache is keyed by the kernel's id (JITFunction hashes in
+    Python) and checks the entry's kernel is that object.
     A miss (first launch of a specialization: compilation) goes through `run`, and so does every
     launch under the interpreter (TRITON_INTERPRET=1), with a callable grid, pre-run hooks or
     launch hooks set (e.g. a profiler's), with a triton other than 3.6 (`FAST_LAUNCH_TRITON`), or
@@ -176,28 +190,44 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     ):
         kernel[grid](*args, **kwargs)
         return
-    import torch
-
+    torch_c = _torch_c()
     kwargs["debug"] = kwargs.get("debug", kernel.debug) or triton.knobs.runtime.debug
     kwargs["instrumentation_mode"] = triton.knobs.compilation.instrumentation_mode
-    device = torch.cuda.current_device()
+    device = torch_c._cuda_getDevice()  # torch.cuda.current_device() without its lazy-init check (CUDA tensors: initialized)
     binder = kernel.device_caches[device][4]
     bound_args, specialization, options = binder(*args, **kwargs)
     try:
-        key = (kernel, device, tuple(specialization), tuple(options.items()))
-        compiled = _COMPILED.get(key)
+        key = (id(kernel), device, tuple(specialization), tuple(options.items()))
+        entry = _COMPILED.get(key)
     except TypeError:  # an unhashable specialization value: Triton's own path
-        key = compiled = None
-    if compiled is None:
+        key = entry = None
+    if entry is None or entry[0] is not kernel:
         compiled = kernel.run(*args, grid=grid, warmup=False, **kwargs)
         if key is not None and compiled is not None and not hasattr(compiled, "result"):
-            _COMPILED[key] = compiled
+            _COMPILED[key] = (kernel, compiled, _direct_launcher(compiled))
         return
+    _, compiled, direct = entry
     n = len(grid)
-    compiled.run(
-        grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, torch._C._cuda_getCurrentRawStream(device),
-        compiled.function, compiled.packed_metadata, None, None, None, *bound_args.values(),
-    )  # fmt: skip
+    g0, g1, g2 = grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1
+    stream = torch_c._cuda_getCurrentRawStream(device)
+    if direct is not None:
+        c_launch, cooperative, pdl = direct
+        c_launch(g0, g1, g2, stream, compiled.function, cooperative, pdl, None, None,
+                 compiled.packed_metadata, None, None, None, *bound_args.values())  # fmt: skip
+        return
+    compiled.run(g0, g1, g2, stream, compiled.function, compiled.packed_metadata, None, None, None, *bound_args.values())
+
+
+_TORCH_C = []
+
+
+def _torch_c():
+    """torch._C (imported on first use: this module imports no torch at import time)."""
+    if not _TORCH_C:
+        import torch
+
+        _TORCH_C.append(torch._C)
+    return _TORCH_C[0]
 
 
 def check_head_dim(D: int) -> None:
