@@ -2,7 +2,7 @@
 # One H200 call that measures and checks what a session changed (run from the repository root with
 # $OUT set). Every step has its own timeout so that a slow step cannot starve the rest; everything
 # lands in $OUT/session.tar (the device returns at most 8 files) plus $OUT/summary.txt.
-# STEPS picks the steps (default: "s30b_tests s30b_host s30b_compiled s30b_memcheck", s30's second call;
+# STEPS picks the steps (default: "s30c_tests s30c_train", s30's third call;
 # pass timeout_s 600, read summary.txt):
 #   tests_split  CUDA tests of the Triton forward / backward / API / L11-L12 with the split long kernel
 #                (FREESOLO_TRITON_LONG_BLOCK=64 FREESOLO_TRITON_MAXNREG=128: the proposed 16-bit default)
@@ -184,13 +184,17 @@
 #   s30b_compiled issues 10 / 11: triton FS-L eager / CUDA graph / torch.compile(mode="reduce-overhead") against SDPA
 #                eager / reduce-overhead and Flex SWA-512, fwd and fwd+bwd at 4k / 16k / 64k (gpu_attention.py)
 #   s30b_memcheck compute-sanitizer memcheck of the forward / backward kernels (the cell plan's shared binary search)
+#   s30c_tests   s30's third call: the CUDA test of torch.compile(mode="reduce-overhead") over the triton backend
+#                (CUDA-graph trees, no cudagraph skip, outputs and gradients equal to eager bit for bit)
+#   s30c_train   issue 11: one training step at 4k / 16k, eager and under torch.compile(mode="reduce-overhead"), FS-L
+#                (Triton) vs SDPA vs Flex SWA-512 (train_step.py, the *_compiled providers)
 set -u
 OUT=${OUT:-/tmp/session_out}
 W=/tmp/session_work
 rm -rf "$W"  # a warm machine keeps /tmp: start empty
 mkdir -p "$OUT" "$W"
 export PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=ci PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-STEPS=${STEPS:-"s30b_tests s30b_host s30b_compiled s30b_memcheck"}
+STEPS=${STEPS:-"s30c_tests s30c_train"}
 SPLIT=(env FREESOLO_TRITON_LONG_BLOCK=64 FREESOLO_TRITON_MAXNREG=128)
 step() {  # step NAME SECONDS COMMAND...: run with a timeout, log to $W/NAME.log, one summary line
   local name=$1 secs=$2; shift 2
@@ -269,6 +273,8 @@ step lb27 330 bash -c "python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k '
 step ab28_tests 230 env FREESOLO_TRITON_LONG_BOUND=1 FREESOLO_TRITON_FSL_TAIL=1 python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k "cuda or gpu or bound or tail" proofs_tests/test_triton_selection.py proofs_tests/test_triton_attention.py proofs_tests/test_triton_backend.py proofs_tests/test_row_independence.py proofs_tests/test_packed.py
 step ab28_score 80 python3 benchmarks/score_tiles_sweep.py --cases fsl:16384 fsl:65536 fsl:131072 --chunks --out "$W/score_tiles_s28.json"
 step final28 560 bash -c "python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k 'cuda or gpu or tail' proofs_tests/test_triton_selection.py proofs_tests/test_row_independence.py proofs_tests/test_triton_backend.py proofs_tests/test_triton_attention.py proofs_tests/test_triton_backward.py proofs_tests/test_packed.py proofs_tests/test_models.py; python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fs sdpa_causal flex_swa512 fla_nsa --shapes H16-D64 --modes fwd --lengths 4096 16384 65536 131072 --budget-s 140 --rep-ms 30 --out $W --tag _s28_final_fwd; FREESOLO_TRITON_FSL_TAIL=0 python3 benchmarks/gpu_attention.py --providers triton_fsl sdpa_causal flex_swa512 --shapes H16-D64 --modes fwd --lengths 16384 65536 131072 --budget-s 50 --rep-ms 30 --out $W --tag _s28_notail_fwd; python3 benchmarks/gpu_attention.py --providers triton_fsl sdpa_causal flex_swa512 fla_nsa --shapes H16-D64 --modes fwd+bwd --lengths 4096 16384 65536 --budget-s 100 --rep-ms 30 --out $W --tag _s28_final_bwd; python3 benchmarks/forward_overlap_ab.py --lengths 65536 131072 --fs-lengths --configs sorted --out $W/forward_s28.json; compute-sanitizer --tool memcheck python3 benchmarks/sanitize_triton.py forward_backward && compute-sanitizer --tool racecheck python3 benchmarks/sanitize_triton.py forward_backward"
+step s30c_tests 150 python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k "reduce_overhead or graph_replay or fast_launch" proofs_tests/test_triton_backend.py
+step s30c_train 420 python3 benchmarks/train_step.py --lengths 4096 16384 --out $W
 step s30b_tests 90 python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k "cuda or gpu" proofs_tests/test_triton_backend.py proofs_tests/test_triton_decode.py
 step s30b_host 60 python3 benchmarks/launch_host_probe.py --T 4096 16384 --calls 100 --ab --no-replay --out $W/launch_host_s30b.json
 step s30b_compiled 300 python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fsl_graph triton_fsl_compiled sdpa_causal sdpa_causal_compiled flex_swa512 --shapes H16-D64 --modes fwd fwd+bwd --lengths 4096 16384 65536 --budget-s 270 --rep-ms 30 --out $W --tag _s30b

@@ -7,6 +7,9 @@ AdamW. A step = forward + next-token loss + backward + optimizer step on B = 1 s
 Timed with triton.testing.do_bench (median); peak memory = torch.cuda.max_memory_allocated during
 one step. Providers: `freesolo_fsl_triton`, `sdpa_causal` (attention="dense"), `flex_swa512`
 (attention="window" with its SDPA call replaced by compiled FlexAttention over the SWA-512 BlockMask).
+`<provider>_compiled`: the same model with its loss (forward; the backward through AOTAutograd) under
+`torch.compile(mode="reduce-overhead")`: Inductor fuses the elementwise ops and replays the step's forward and
+backward graphs as CUDA graphs (what removes the per-launch host time of short sequences); the AdamW step stays eager.
 
 Usage (GPU): python benchmarks/train_step.py [--lengths 4096 16384 65536] [--out DIR]
 Writes train_step.json and train_step.png (default benchmarks/results/).
@@ -30,11 +33,20 @@ import freesolo  # noqa: E402
 from freesolo.models import FreeSoloLM, LMConfig  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-PROVIDERS = ["freesolo_fsl_triton", "sdpa_causal", "flex_swa512"]
+PROVIDERS = [
+    "freesolo_fsl_triton",
+    "sdpa_causal",
+    "flex_swa512",
+    "freesolo_fsl_triton_compiled",
+    "sdpa_causal_compiled",
+    "flex_swa512_compiled",
+]
+COMPILED_SUFFIX = "_compiled"
 MODEL = dict(vocab_size=8192, d_model=1024, n_layers=4, n_heads=16, n_kv_heads=4)
 
 
 def build(provider: str, T: int, device) -> FreeSoloLM:
+    provider = provider.removesuffix(COMPILED_SUFFIX)
     if provider == "freesolo_fsl_triton":
         cfg = LMConfig(**MODEL, attention="fsl", backend="triton")
     elif provider == "sdpa_causal":
@@ -68,13 +80,22 @@ def run(provider: str, T: int, device) -> dict:
     model = build(provider, T, device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     ids = torch.randint(0, MODEL["vocab_size"], (1, T), device=device)
+    compiled = provider.endswith(COMPILED_SUFFIX)
+    if compiled:
+        for name in ("recompile_limit", "cache_size_limit"):  # one compile per model instance and length
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, 64)
+    loss_fn = torch.compile(model.loss, mode="reduce-overhead") if compiled else model.loss
 
     def step():
+        if compiled:
+            torch.compiler.cudagraph_mark_step_begin()  # a new iteration: the previous step's graph outputs are dead
         opt.zero_grad(set_to_none=True)
-        model.loss(ids).backward()
+        loss_fn(ids).backward()
         opt.step()
 
-    step()
+    for _ in range(3 if compiled else 1):  # compiled: warm-up, CUDA-graph recording, first replay
+        step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     step()

@@ -271,6 +271,40 @@ def test_cuda_training_step_has_no_host_sync_and_captures_in_a_cuda_graph(varian
         assert torch.equal(x.grad, ref), f"CUDA-graph replay: d{name} differs from the eager call"
 
 
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU: Inductor's CUDA-graph trees exist only there")
+def test_cuda_reduce_overhead_compile_runs_cuda_graphs_and_equals_eager():
+    """torch.compile(mode="reduce-overhead", fullgraph=True) of a function that calls the triton
+    backend (the short-T fast path the README gives) runs under Inductor's CUDA-graph trees (no
+    cudagraph skip: the operators allocate, sync and stream as a capture allows) and its replays
+    give the eager output and gradients bit for bit (the same kernels; deterministic backward)."""
+    from torch._dynamo.utils import counters
+
+    cfg = FreeSoloConfig(variant="fsl")
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    B, T, Hq, Hkv, D = 1, 4096 + 17, 4, 2, 64
+    q, k, v = (torch.randn(B, T, h, D, device="cuda", dtype=torch.bfloat16, generator=gen) for h in (Hq, Hkv, Hkv))
+    do = torch.randn_like(q)
+
+    def body(q_, k_, v_):
+        return freesolo.freesolo_attention(q_, k_, v_, cfg, backend="triton", check_finite=False)
+
+    def step(fn):
+        qs, ks, vs = (x.clone().requires_grad_(True) for x in (q, k, v))
+        o = fn(qs, ks, vs)
+        o.backward(do)
+        return o.detach().clone(), qs.grad.clone(), ks.grad.clone(), vs.grad.clone()
+
+    want = step(body)
+    skips = counters["inductor"].get("cudagraph_skips", 0)
+    compiled = torch.compile(body, mode="reduce-overhead", fullgraph=True, dynamic=False)
+    for call in range(3):  # warm-up, recording, replay
+        got = step(compiled)
+        torch.cuda.synchronize()
+        for name, x, y in zip(("o", "dq", "dk", "dv"), want, got):
+            assert torch.equal(x, y), f"reduce-overhead call {call}: {name} differs from the eager call"
+    assert counters["inductor"].get("cudagraph_skips", 0) == skips, "Inductor ran the triton operators without CUDA graphs"
+
+
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU: CUDA-graph capture exists only there")
 def test_cuda_graph_replay_after_a_longer_call_still_reads_its_rope_tables():
     """A CUDA graph of a triton forward captured at T1 reads the cached RoPE tables by address. A
