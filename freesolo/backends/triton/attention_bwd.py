@@ -1089,6 +1089,24 @@ def default_bwd_tiles(D: int, dtype: torch.dtype, device: torch.device) -> BwdTi
     return BwdTiles(num_warps=4, num_stages=3, num_warps_long=4)
 
 
+_CALL_TILES: dict = {}
+
+
+def _call_bwd_tiles(D: int, dtype: torch.dtype, device: torch.device, deterministic: bool) -> BwdTiles:
+    """`default_bwd_tiles` with the call's long mode (`default_long_mode`) and prerotation
+    (`tiles_prerotate_default`), cached per (D, dtype, device type, deterministic, the value of
+    FREESOLO_TRITON_BWD_LONG): the variable is still read at every call."""
+    key = (D, dtype, device.type, deterministic, os.environ.get(LONG_MODE_ENV))
+    hit = _CALL_TILES.get(key)
+    if hit is None:
+        hit = _CALL_TILES[key] = dataclasses.replace(
+            default_bwd_tiles(D, dtype, device),
+            long_mode=default_long_mode(deterministic),
+            prerotate=tiles_prerotate_default(),
+        )
+    return hit
+
+
 def _pow2(x: int, floor: int = 1) -> int:
     return max(floor, next_pow2(max(1, int(x))))
 
@@ -1458,11 +1476,7 @@ def attention_backward(
     if cos.shape != (T, D // 2) or sin.shape != (T, D // 2):
         raise ValueError(f"cos / sin must be [T={T}, D/2={D // 2}], got {tuple(cos.shape)}, {tuple(sin.shape)}")
     if tiles is None:
-        tiles = dataclasses.replace(
-            default_bwd_tiles(D, q.dtype, q.device),
-            long_mode=default_long_mode(deterministic),
-            prerotate=tiles_prerotate_default(),
-        )
+        tiles = _call_bwd_tiles(D, q.dtype, q.device, deterministic)
     dev = q.device
     q, k, v, o, do = (x.contiguous() for x in (q, k, v, o, do))
     idx = idx.contiguous()
