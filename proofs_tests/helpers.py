@@ -156,3 +156,20 @@ def triton_kernel_tests() -> tuple:
         reason="no CUDA device and TRITON_INTERPRET is not set: the Triton kernels cannot run here",
     )
     return cuda, interpreted, "cuda" if cuda else "cpu", mark
+
+
+def record_jit_runs(monkeypatch) -> list:
+    """From now on (for the test), every call of triton's `JITFunction.run` appends the kernel's
+    name to the returned list and then runs as before: a launch that took `_common.launch`'s fast
+    path leaves no name."""
+    from freesolo.backends.triton import _common
+
+    hits: list = []
+    original = _common.JITFunction.run
+
+    def counting_run(self, *args, **kwargs):
+        hits.append(self.__name__)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(_common.JITFunction, "run", counting_run)
+    return hits

@@ -20,7 +20,7 @@ from freesolo import FreeSoloConfig  # noqa: E402
 from freesolo.backends.registry import BackendUnavailableError  # noqa: E402
 from freesolo.reference import oracle  # noqa: E402
 
-from .helpers import SMALL, assert_close, assert_selection_matches, off_grid_tau, random_qkv  # noqa: E402
+from .helpers import SMALL, assert_close, assert_selection_matches, off_grid_tau, random_qkv, record_jit_runs  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -425,14 +425,8 @@ def test_cuda_fast_launch_equals_triton_launch(variant, monkeypatch):
     first = run()
     cached = len(_common._COMPILED)
     assert cached > 0, "the fast path cached no compiled kernel"
-    hits = []
     original = _common.JITFunction.run
-
-    def counting_run(self, *args, **kwargs):
-        hits.append(self.__name__)
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(_common.JITFunction, "run", counting_run)
+    hits = record_jit_runs(monkeypatch)
     second = run()
     assert hits == [], f"the second call went through JITFunction.run for {sorted(set(hits))}"
     for name, x, y, z in zip(("o", "dq", "dk", "dv"), ref, first, second):

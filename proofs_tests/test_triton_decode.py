@@ -21,7 +21,7 @@ import pytest
 import freesolo
 from freesolo import FreeSoloCache, FreeSoloConfig
 
-from .helpers import assert_close, random_qkv
+from .helpers import assert_close, random_qkv, record_jit_runs
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
@@ -734,14 +734,7 @@ def test_cuda_decode_fast_launch_equals_triton_launch(variant, tiles, monkeypatc
     ref = run()
     monkeypatch.setenv(_common.FAST_LAUNCH_ENV, "1")
     first = run()
-    hits = []
-    original = _common.JITFunction.run
-
-    def counting_run(self, *args, **kwargs):
-        hits.append(self.__name__)
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(_common.JITFunction, "run", counting_run)
+    hits = record_jit_runs(monkeypatch)
     second = run()
     assert hits == [], f"the second run went through JITFunction.run for {sorted(set(hits))}"
     assert torch.equal(ref, first) and torch.equal(ref, second), "fast launch: decode outputs differ from JITFunction.run's"
