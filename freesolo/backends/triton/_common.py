@@ -190,7 +190,9 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     ):
         kernel[grid](*args, **kwargs)
         return
-    torch_c = _torch_c()
+    import torch
+
+    torch_c = torch._C
     kwargs["debug"] = kwargs.get("debug", kernel.debug) or triton.knobs.runtime.debug
     kwargs["instrumentation_mode"] = triton.knobs.compilation.instrumentation_mode
     device = torch_c._cuda_getDevice()  # torch.cuda.current_device() without its lazy-init check (CUDA tensors: initialized)
@@ -216,18 +218,6 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
                  compiled.packed_metadata, None, None, None, *bound_args.values())  # fmt: skip
         return
     compiled.run(g0, g1, g2, stream, compiled.function, compiled.packed_metadata, None, None, None, *bound_args.values())
-
-
-_TORCH_C = []
-
-
-def _torch_c():
-    """torch._C (imported on first use: this module imports no torch at import time)."""
-    if not _TORCH_C:
-        import torch
-
-        _TORCH_C.append(torch._C)
-    return _TORCH_C[0]
 
 
 def check_head_dim(D: int) -> None:
