@@ -2,7 +2,7 @@
 # One H200 call that measures and checks what a session changed (run from the repository root with
 # $OUT set). Every step has its own timeout so that a slow step cannot starve the rest; everything
 # lands in $OUT/session.tar (the device returns at most 8 files) plus $OUT/summary.txt.
-# STEPS picks the steps (default: "s30f_rope", s30's sixth call;
+# STEPS picks the steps (default: "s30g_tests s30g_memcheck s30g_racecheck", s30's last call;
 # pass timeout_s 600, read summary.txt):
 #   tests_split  CUDA tests of the Triton forward / backward / API / L11-L12 with the split long kernel
 #                (FREESOLO_TRITON_LONG_BLOCK=64 FREESOLO_TRITON_MAXNREG=128: the proposed 16-bit default)
@@ -197,13 +197,17 @@
 #   s30e_fsb     issue 12: triton_fsb (Triton search) vs triton_fs forward at 256k / 1M (gpu_attention.py)
 #   s30f_rope    issues 10 / 11: tile sweep of the RoPE kernel (rows per program x warps, bitwise vs the default;
 #                benchmarks/rope_sweep.py)
+#   s30g_tests   s30's last call: the fast-launch / CUDA-graph / reduce-overhead CUDA tests of the backend and decode
+#                (the record_jit_runs helper, torch._C through a plain import)
+#   s30g_memcheck memcheck of the decode, FS-B search and tree-builder kernels (now launched through `_common.launch`)
+#   s30g_racecheck racecheck of the forward / backward kernels (the cell plan's shared binary search)
 set -u
 OUT=${OUT:-/tmp/session_out}
 W=/tmp/session_work
 rm -rf "$W"  # a warm machine keeps /tmp: start empty
 mkdir -p "$OUT" "$W"
 export PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=ci PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-STEPS=${STEPS:-"s30f_rope"}
+STEPS=${STEPS:-"s30g_tests s30g_memcheck s30g_racecheck"}
 SPLIT=(env FREESOLO_TRITON_LONG_BLOCK=64 FREESOLO_TRITON_MAXNREG=128)
 step() {  # step NAME SECONDS COMMAND...: run with a timeout, log to $W/NAME.log, one summary line
   local name=$1 secs=$2; shift 2
@@ -282,6 +286,9 @@ step lb27 330 bash -c "python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k '
 step ab28_tests 230 env FREESOLO_TRITON_LONG_BOUND=1 FREESOLO_TRITON_FSL_TAIL=1 python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k "cuda or gpu or bound or tail" proofs_tests/test_triton_selection.py proofs_tests/test_triton_attention.py proofs_tests/test_triton_backend.py proofs_tests/test_row_independence.py proofs_tests/test_packed.py
 step ab28_score 80 python3 benchmarks/score_tiles_sweep.py --cases fsl:16384 fsl:65536 fsl:131072 --chunks --out "$W/score_tiles_s28.json"
 step final28 560 bash -c "python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k 'cuda or gpu or tail' proofs_tests/test_triton_selection.py proofs_tests/test_row_independence.py proofs_tests/test_triton_backend.py proofs_tests/test_triton_attention.py proofs_tests/test_triton_backward.py proofs_tests/test_packed.py proofs_tests/test_models.py; python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fs sdpa_causal flex_swa512 fla_nsa --shapes H16-D64 --modes fwd --lengths 4096 16384 65536 131072 --budget-s 140 --rep-ms 30 --out $W --tag _s28_final_fwd; FREESOLO_TRITON_FSL_TAIL=0 python3 benchmarks/gpu_attention.py --providers triton_fsl sdpa_causal flex_swa512 --shapes H16-D64 --modes fwd --lengths 16384 65536 131072 --budget-s 50 --rep-ms 30 --out $W --tag _s28_notail_fwd; python3 benchmarks/gpu_attention.py --providers triton_fsl sdpa_causal flex_swa512 fla_nsa --shapes H16-D64 --modes fwd+bwd --lengths 4096 16384 65536 --budget-s 100 --rep-ms 30 --out $W --tag _s28_final_bwd; python3 benchmarks/forward_overlap_ab.py --lengths 65536 131072 --fs-lengths --configs sorted --out $W/forward_s28.json; compute-sanitizer --tool memcheck python3 benchmarks/sanitize_triton.py forward_backward && compute-sanitizer --tool racecheck python3 benchmarks/sanitize_triton.py forward_backward"
+step s30g_tests 70 python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k "fast_launch or graph_replay or reduce_overhead" proofs_tests/test_triton_backend.py proofs_tests/test_triton_decode.py
+step s30g_memcheck 90 compute-sanitizer --tool memcheck python3 benchmarks/sanitize_triton.py decode fsb_search fsb_build
+step s30g_racecheck 110 compute-sanitizer --tool racecheck python3 benchmarks/sanitize_triton.py forward_backward
 step s30f_rope 90 python3 benchmarks/rope_sweep.py --out "$W/rope_sweep.json"
 step s30e_decode 220 python3 benchmarks/gpu_decode.py --contexts 4096 65536 262144 1048576 --batches 1 32 --tiles default --out "$W" --name gpu_decode_s30
 step s30e_fsb 160 python3 benchmarks/gpu_attention.py --providers triton_fsb triton_fs --shapes H16-D64 --modes fwd --lengths 262144 1048576 --budget-s 140 --out "$W" --tag _fsb_s30
