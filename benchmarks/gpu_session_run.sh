@@ -2,7 +2,7 @@
 # One H200 call that measures and checks what a session changed (run from the repository root with
 # $OUT set). Every step has its own timeout so that a slow step cannot starve the rest; everything
 # lands in $OUT/session.tar (the device returns at most 8 files) plus $OUT/summary.txt.
-# STEPS picks the steps (default: "s30g_tests s30g_memcheck s30g_racecheck", s30's last call;
+# STEPS picks the steps (default: "s31a_host";
 # pass timeout_s 600, read summary.txt):
 #   tests_split  CUDA tests of the Triton forward / backward / API / L11-L12 with the split long kernel
 #                (FREESOLO_TRITON_LONG_BLOCK=64 FREESOLO_TRITON_MAXNREG=128: the proposed 16-bit default)
@@ -201,13 +201,15 @@
 #                (the record_jit_runs helper, torch._C through a plain import)
 #   s30g_memcheck memcheck of the decode, FS-B search and tree-builder kernels (now launched through `_common.launch`)
 #   s30g_racecheck racecheck of the forward / backward kernels (the cell plan's shared binary search)
+#   s31a_host    issues 10 / 11: where a short FS-L call's host time goes: per call with the GPU idle at its start,
+#                queued, and without the Triton launches (launch_host_probe.py --idle), 4k / 16k
 set -u
 OUT=${OUT:-/tmp/session_out}
 W=/tmp/session_work
 rm -rf "$W"  # a warm machine keeps /tmp: start empty
 mkdir -p "$OUT" "$W"
 export PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=ci PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-STEPS=${STEPS:-"s30g_tests s30g_memcheck s30g_racecheck"}
+STEPS=${STEPS:-"s31a_host"}
 SPLIT=(env FREESOLO_TRITON_LONG_BLOCK=64 FREESOLO_TRITON_MAXNREG=128)
 step() {  # step NAME SECONDS COMMAND...: run with a timeout, log to $W/NAME.log, one summary line
   local name=$1 secs=$2; shift 2
@@ -289,6 +291,7 @@ step final28 560 bash -c "python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -
 step s30g_tests 70 python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k "fast_launch or graph_replay or reduce_overhead" proofs_tests/test_triton_backend.py proofs_tests/test_triton_decode.py
 step s30g_memcheck 90 compute-sanitizer --tool memcheck python3 benchmarks/sanitize_triton.py decode fsb_search fsb_build
 step s30g_racecheck 110 compute-sanitizer --tool racecheck python3 benchmarks/sanitize_triton.py forward_backward
+step s31a_host 150 python3 benchmarks/launch_host_probe.py --T 4096 16384 --idle --out "$W/launch_host_s31a.json"
 step s30f_rope 90 python3 benchmarks/rope_sweep.py --out "$W/rope_sweep.json"
 step s30e_decode 220 python3 benchmarks/gpu_decode.py --contexts 4096 65536 262144 1048576 --batches 1 32 --tiles default --out "$W" --name gpu_decode_s30
 step s30e_fsb 160 python3 benchmarks/gpu_attention.py --providers triton_fsb triton_fs --shapes H16-D64 --modes fwd --lengths 262144 1048576 --budget-s 140 --out "$W" --tag _fsb_s30

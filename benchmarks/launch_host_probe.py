@@ -156,6 +156,43 @@ def ab_rounds(fn, calls: int) -> dict:
     return out
 
 
+def idle_host_us(fn, calls: int) -> float:
+    """Mean host microseconds per call with the GPU idle at each call's start (a sync before each,
+    outside the timed span): the call's own host work, without back-pressure from a full launch queue."""
+    for _ in range(5):
+        fn()
+    total = 0.0
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        total += time.perf_counter() - start
+    torch.cuda.synchronize()
+    return 1e6 * total / calls
+
+
+def without_launches(fn, calls: int) -> dict:
+    """`idle_host_us` of fn with every Triton launch of the backend replaced by a no-op (outputs are
+    garbage): the host time of everything but the launches (Python, allocations, streams, aten ops)."""
+    from freesolo.backends.triton import _common, attention, attention_bwd, selection
+
+    modules = (_common, attention, attention_bwd, selection)
+    saved = [m.launch for m in modules]
+    counter = {"n": 0}
+
+    def no_launch(kernel, grid, *args, **kwargs):
+        counter["n"] += 1
+
+    try:
+        for m in modules:
+            m.launch = no_launch
+        host = [round(idle_host_us(fn, calls), 1) for _ in range(3)]
+    finally:
+        for m, original in zip(modules, saved):
+            m.launch = original
+    return dict(host_us=host, launches_per_call=counter["n"] / (3 * (calls + 5)))
+
+
 def torch_profile_table(fn, calls: int = 20) -> str:
     """torch.profiler key averages (self CPU time) over `calls` calls of fn."""
     from torch.profiler import ProfilerActivity, profile
@@ -178,6 +215,7 @@ def main() -> None:
     parser.add_argument("--ab", action="store_true", help="fast launch off / on, alternating (module docstring)")
     parser.add_argument("--torch-profile", action="store_true", help="torch.profiler tables of each path")
     parser.add_argument("--no-replay", action="store_true", help="skip the launch recording, replay and cProfile")
+    parser.add_argument("--idle", action="store_true", help="host time per call with the GPU idle at its start (`idle_host_us`)")
     args = parser.parse_args()
     dev = torch.device("cuda")
     cfg = FreeSoloConfig(variant="fsl")
@@ -199,6 +237,16 @@ def main() -> None:
             o.backward(do)
 
         for name, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
+            if args.idle:
+                idle = [round(idle_host_us(fn, args.calls), 1) for _ in range(3)]
+                queued = [round(host_us(fn, args.calls), 1) for _ in range(3)]
+                results.append(dict(T=T, path=name, idle_host_us=idle, queued_host_us=queued))
+                print(f"T={T} {name}: host per call, GPU idle at the start {idle} / calls queued {queued} us", flush=True)
+                if name == "fwd":  # (fwd+bwd: the backward's aten ops would index with garbage selections)
+                    bare = without_launches(fn, args.calls)
+                    results[-1]["without_launches"] = bare
+                    print(f"T={T} {name}: host per call without the Triton launches {bare['host_us']} us "
+                          f"({bare['launches_per_call']:.1f} launches per call skipped)", flush=True)
             if args.ab:
                 ab = ab_rounds(fn, args.calls)
                 results.append(dict(T=T, path=name, ab=ab))
