@@ -2,7 +2,7 @@
 # One H200 call that measures and checks what a session changed (run from the repository root with
 # $OUT set). Every step has its own timeout so that a slow step cannot starve the rest; everything
 # lands in $OUT/session.tar (the device returns at most 8 files) plus $OUT/summary.txt.
-# STEPS picks the steps (default: "s31a_host";
+# STEPS picks the steps (default: "s31a_host fla_install s31a_attn";
 # pass timeout_s 600, read summary.txt):
 #   tests_split  CUDA tests of the Triton forward / backward / API / L11-L12 with the split long kernel
 #                (FREESOLO_TRITON_LONG_BLOCK=64 FREESOLO_TRITON_MAXNREG=128: the proposed 16-bit default)
@@ -203,13 +203,14 @@
 #   s30g_racecheck racecheck of the forward / backward kernels (the cell plan's shared binary search)
 #   s31a_host    issues 10 / 11: where a short FS-L call's host time goes: per call with the GPU idle at its start,
 #                queued, and without the Triton launches (launch_host_probe.py --idle), 4k / 16k
+#   s31a_attn    issue 10: triton FS-L vs fla NSA and SDPA, forward at 4k / 16k, same run (needs fla_install)
 set -u
 OUT=${OUT:-/tmp/session_out}
 W=/tmp/session_work
 rm -rf "$W"  # a warm machine keeps /tmp: start empty
 mkdir -p "$OUT" "$W"
 export PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=ci PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-STEPS=${STEPS:-"s31a_host"}
+STEPS=${STEPS:-"s31a_host fla_install s31a_attn"}
 SPLIT=(env FREESOLO_TRITON_LONG_BLOCK=64 FREESOLO_TRITON_MAXNREG=128)
 step() {  # step NAME SECONDS COMMAND...: run with a timeout, log to $W/NAME.log, one summary line
   local name=$1 secs=$2; shift 2
@@ -292,6 +293,7 @@ step s30g_tests 70 python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k "fast
 step s30g_memcheck 90 compute-sanitizer --tool memcheck python3 benchmarks/sanitize_triton.py decode fsb_search fsb_build
 step s30g_racecheck 110 compute-sanitizer --tool racecheck python3 benchmarks/sanitize_triton.py forward_backward
 step s31a_host 150 python3 benchmarks/launch_host_probe.py --T 4096 16384 --idle --out "$W/launch_host_s31a.json"
+step s31a_attn 100 python3 benchmarks/gpu_attention.py --providers triton_fsl fla_nsa sdpa_causal flex_swa512 --shapes H16-D64 --modes fwd --lengths 4096 16384 --budget-s 70 --rep-ms 30 --out "$W" --tag _s31a
 step s30f_rope 90 python3 benchmarks/rope_sweep.py --out "$W/rope_sweep.json"
 step s30e_decode 220 python3 benchmarks/gpu_decode.py --contexts 4096 65536 262144 1048576 --batches 1 32 --tiles default --out "$W" --name gpu_decode_s30
 step s30e_fsb 160 python3 benchmarks/gpu_attention.py --providers triton_fsb triton_fs --shapes H16-D64 --modes fwd --lengths 262144 1048576 --budget-s 140 --out "$W" --tag _fsb_s30
