@@ -465,6 +465,39 @@ def _slot_rows(sl, b, T, T0, TC, HQ: tl.constexpr, TOPK: tl.constexpr):
 
 
 @triton.jit
+def _cell_work_item(WORK_CELL, WORK_SEG, OFFSETS, K, V, T, C, NCELLS, HKV: tl.constexpr, D: tl.constexpr,
+                    CELL: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, SEG: tl.constexpr):
+    """The cell and reader range of this program's work item (the "cell" mode's passes 1 and 3):
+    WORK_CELL[w] = cell key (b*HKV + g)*C + c (>= NCELLS: idle, an empty range), WORK_SEG[w] = its
+    segment j of SEG readers. Returns (active, key, j, b, offs_d, dmask, offs_u, umask, m2, kvp,
+    kc, vc, start, end): kvp int64 [BLOCK_C, BLOCK_D] element offsets of the cell's rows in K / V
+    (mask m2), kc / vc those rows in K's dtype, the readers SLOTS[start:end]."""
+    DOT_DTYPE = K.dtype.element_ty
+    w = tl.program_id(0).to(tl.int64)
+    key_raw = tl.load(WORK_CELL + w)
+    active = key_raw < NCELLS
+    key = tl.where(active, key_raw, 0)
+    j = tl.load(WORK_SEG + w)
+    bg = key // C
+    c = key - bg * C
+    b = bg // HKV
+    g = bg - b * HKV
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    offs_u = tl.arange(0, BLOCK_C)
+    umask = offs_u < CELL
+    kv_off = ((b * T + c * CELL + offs_u) * HKV + g) * D
+    m2 = umask[:, None] & dmask[None, :]
+    kvp = kv_off[:, None] + offs_d[None, :]
+    kc = tl.load(K + kvp, mask=m2, other=0.0).to(DOT_DTYPE)  # [BLOCK_C, BLOCK_D]
+    vc = tl.load(V + kvp, mask=m2, other=0.0).to(DOT_DTYPE)
+    cell_end = tl.load(OFFSETS + key + 1)
+    start = tl.load(OFFSETS + key) + j * SEG
+    end = tl.where(active, tl.minimum(cell_end, start + SEG), start)
+    return active, key, j, b, offs_d, dmask, offs_u, umask, m2, kvp, kc, vc, start, end
+
+
+@triton.jit
 def _bwd_cell_olong_kernel(
     Q,
     K,
@@ -499,26 +532,9 @@ def _bwd_cell_olong_kernel(
     readers SLOTS[OFFSETS[key]:OFFSETS[key+1]] (`inverted_slots`). OPART fp32 [B*TC*HQ*TOPK, D]
     (slots of unselected entries are not written)."""
     DOT_DTYPE = K.dtype.element_ty
-    w = tl.program_id(0).to(tl.int64)
-    key_raw = tl.load(WORK_CELL + w)
-    active = key_raw < NCELLS
-    key = tl.where(active, key_raw, 0)
-    j = tl.load(WORK_SEG + w)
-    bg = key // C
-    c = key - bg * C
-    b = bg // HKV
-    g = bg - b * HKV
-    offs_d = tl.arange(0, BLOCK_D)
-    dmask = offs_d < D
-    offs_u = tl.arange(0, BLOCK_C)
-    umask = offs_u < CELL
-    kv_off = ((b * T + c * CELL + offs_u) * HKV + g) * D
-    m2 = umask[:, None] & dmask[None, :]
-    kc = tl.load(K + kv_off[:, None] + offs_d[None, :], mask=m2, other=0.0).to(DOT_DTYPE)  # [BLOCK_C, BLOCK_D]
-    vc = tl.load(V + kv_off[:, None] + offs_d[None, :], mask=m2, other=0.0).to(DOT_DTYPE)
-    cell_end = tl.load(OFFSETS + key + 1)
-    start = tl.load(OFFSETS + key) + j * SEG
-    end = tl.where(active, tl.minimum(cell_end, start + SEG), start)
+    active, key, j, b, offs_d, dmask, offs_u, umask, m2, kvp, kc, vc, start, end = _cell_work_item(
+        WORK_CELL, WORK_SEG, OFFSETS, K, V, T, C, NCELLS, HKV, D, CELL, BLOCK_D, BLOCK_C, SEG
+    )
     # software prefetch (a while loop is not pipelined): slots two blocks ahead, q rows one block ahead
     r0 = start
     rmask, sl = _cell_slots(SLOTS, r0, end, BLOCK_R)
@@ -538,6 +554,16 @@ def _bwd_cell_olong_kernel(
         rmask, sl, qr, lse = rmask1, sl1, qr1, lse1
         rmask1, sl1 = rmask2, sl2
         r0 += BLOCK_R
+
+
+@triton.jit
+def _chunk_rows(rl, T, T0, TC, HQ: tl.constexpr):
+    """(h, b, pos, q row (b*T + pos)*HQ + h) of chunk-local query-head rows rl = (b*TC + ii)*HQ + h, pos = T0 + ii."""
+    h = rl % HQ
+    bi = rl // HQ
+    b = bi // TC
+    pos = T0 + bi - b * TC
+    return h, b, pos, (b * T + pos) * HQ + h
 
 
 @triton.jit
@@ -568,11 +594,7 @@ def _bwd_long_rows_kernel(
     `_bwd_long_query_kernel`)."""
     rl = tl.program_id(0).to(tl.int64) * BLOCK_Q + tl.arange(0, BLOCK_Q)
     rmask = rl < NR
-    h = rl % HQ
-    bi = rl // HQ
-    b = bi // TC
-    pos = T0 + bi - b * TC
-    grow = (b * T + pos) * HQ + h
+    h, b, pos, grow = _chunk_rows(rl, T, T0, TC, HQ)
     stat = (b * HQ + h) * T + pos
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
@@ -641,29 +663,11 @@ def _bwd_cell_grad_kernel(
     segments writes partial slot PART_BASE[key] + j (reduced by `_bwd_long_reduce_kernel`), or with
     ATOMIC adds itself with tl.atomic_add (dk / dv_acc then zeroed first)."""
     DOT_DTYPE = K.dtype.element_ty
-    w = tl.program_id(0).to(tl.int64)
-    key_raw = tl.load(WORK_CELL + w)
-    active = key_raw < NCELLS
-    key = tl.where(active, key_raw, 0)
-    j = tl.load(WORK_SEG + w)
-    bg = key // C
-    c = key - bg * C
-    b = bg // HKV
-    g = bg - b * HKV
-    offs_d = tl.arange(0, BLOCK_D)
-    dmask = offs_d < D
-    offs_u = tl.arange(0, BLOCK_C)
-    umask = offs_u < CELL
-    kv_off = ((b * T + c * CELL + offs_u) * HKV + g) * D
-    m2 = umask[:, None] & dmask[None, :]
-    kvp = kv_off[:, None] + offs_d[None, :]
-    kc = tl.load(K + kvp, mask=m2, other=0.0).to(DOT_DTYPE)
-    vc = tl.load(V + kvp, mask=m2, other=0.0).to(DOT_DTYPE)
+    active, key, j, b, offs_d, dmask, offs_u, umask, m2, kvp, kc, vc, start, end = _cell_work_item(
+        WORK_CELL, WORK_SEG, OFFSETS, K, V, T, C, NCELLS, HKV, D, CELL, BLOCK_D, BLOCK_C, SEG
+    )
     dk = tl.zeros([BLOCK_C, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_C, BLOCK_D], dtype=tl.float32)
-    cell_end = tl.load(OFFSETS + key + 1)
-    start = tl.load(OFFSETS + key) + j * SEG
-    end = tl.where(active, tl.minimum(cell_end, start + SEG), start)
     # software prefetch as in `_bwd_cell_olong_kernel`: slots two blocks ahead, rows one block ahead
     r0 = start
     rmask, sl = _cell_slots(SLOTS, r0, end, BLOCK_R)
@@ -736,10 +740,7 @@ def _bwd_sum_parts_kernel(
     """dq_long fp32 [B, T, HQ, D] of the chunk's rows = the sum of their TOPK dq parts in slot order."""
     rl = tl.program_id(0).to(tl.int64) * BLOCK_Q + tl.arange(0, BLOCK_Q)
     rmask = rl < NR
-    h = rl % HQ
-    bi = rl // HQ
-    b = bi // TC
-    grow = (b * T + T0 + bi - b * TC) * HQ + h
+    _h, _b, _pos, grow = _chunk_rows(rl, T, T0, TC, HQ)
     offs_d = tl.arange(0, BLOCK_D)
     m2 = rmask[:, None] & (offs_d < D)[None, :]
     acc = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
