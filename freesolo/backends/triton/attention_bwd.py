@@ -305,6 +305,39 @@ def _bwd_long_tile_kernel(
 
 
 @triton.jit
+def _cell_work_item(WORK_CELL, WORK_SEG, OFFSETS, K, V, T, C, NCELLS, HKV: tl.constexpr, D: tl.constexpr,
+                    CELL: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, SEG: tl.constexpr):
+    """The cell and reader range of this program's work item (the "cell" mode's passes 1 and 3):
+    WORK_CELL[w] = cell key (b*HKV + g)*C + c (>= NCELLS: idle, an empty range), WORK_SEG[w] = its
+    segment j of SEG readers. Returns (active, key, j, b, offs_d, dmask, offs_u, umask, m2, kvp,
+    kc, vc, start, end): kvp int64 [BLOCK_C, BLOCK_D] element offsets of the cell's rows in K / V
+    (mask m2), kc / vc those rows in K's dtype, the readers SLOTS[start:end]."""
+    DOT_DTYPE = K.dtype.element_ty
+    w = tl.program_id(0).to(tl.int64)
+    key_raw = tl.load(WORK_CELL + w)
+    active = key_raw < NCELLS
+    key = tl.where(active, key_raw, 0)
+    j = tl.load(WORK_SEG + w)
+    bg = key // C
+    c = key - bg * C
+    b = bg // HKV
+    g = bg - b * HKV
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    offs_u = tl.arange(0, BLOCK_C)
+    umask = offs_u < CELL
+    kv_off = ((b * T + c * CELL + offs_u) * HKV + g) * D
+    m2 = umask[:, None] & dmask[None, :]
+    kvp = kv_off[:, None] + offs_d[None, :]
+    kc = tl.load(K + kvp, mask=m2, other=0.0).to(DOT_DTYPE)  # [BLOCK_C, BLOCK_D]
+    vc = tl.load(V + kvp, mask=m2, other=0.0).to(DOT_DTYPE)
+    cell_end = tl.load(OFFSETS + key + 1)
+    start = tl.load(OFFSETS + key) + j * SEG
+    end = tl.where(active, tl.minimum(cell_end, start + SEG), start)
+    return active, key, j, b, offs_d, dmask, offs_u, umask, m2, kvp, kc, vc, start, end
+
+
+@triton.jit
 def _bwd_long_cell_kernel(
     Q,
     K,
@@ -342,29 +375,11 @@ def _bwd_long_cell_kernel(
     A cell of one segment writes dk/dv_acc fp32 [B, T, HKV, D] directly; a cell of NSEG[key] > 1
     segments writes its partial sums to slot PART_BASE[key] + j of PART_DK/DV fp32 [P, CELL, D]."""
     DOT_DTYPE = K.dtype.element_ty  # tl.dot inputs in the inputs' dtype, fp32 accumulation
-    w = tl.program_id(0).to(tl.int64)
-    key_raw = tl.load(WORK_CELL + w)
-    active = key_raw < NCELLS
-    key = tl.where(active, key_raw, 0)
-    j = tl.load(WORK_SEG + w)
-    bg = key // C
-    c = key - bg * C
-    b = bg // HKV
-    g = bg - b * HKV
-    offs_d = tl.arange(0, BLOCK_D)
-    dmask = offs_d < D
-    offs_u = tl.arange(0, BLOCK_C)
-    umask = offs_u < CELL
-    tok = c * CELL + offs_u
-    kv_off = ((b * T + tok) * HKV + g) * D
-    m2 = umask[:, None] & dmask[None, :]
-    kc = tl.load(K + kv_off[:, None] + offs_d[None, :], mask=m2, other=0.0).to(DOT_DTYPE)  # [BLOCK_C, BLOCK_D]
-    vc = tl.load(V + kv_off[:, None] + offs_d[None, :], mask=m2, other=0.0).to(DOT_DTYPE)
+    active, key, j, b, offs_d, dmask, offs_u, umask, m2, kvp, kc, vc, start, end = _cell_work_item(
+        WORK_CELL, WORK_SEG, OFFSETS, K, V, T, C, NCELLS, HKV, D, CELL, BLOCK_D, BLOCK_C, SEG
+    )
     dk = tl.zeros([BLOCK_C, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_C, BLOCK_D], dtype=tl.float32)
-    cell_end = tl.load(OFFSETS + key + 1)
-    start = tl.load(OFFSETS + key) + j * SEG
-    end = tl.where(active, tl.minimum(cell_end, start + SEG), start)
     offs_r = tl.arange(0, BLOCK_R)
     r0 = start
     while r0 < end:  # (a while loop: the interpreter cannot range over loaded bounds)
@@ -388,8 +403,8 @@ def _bwd_long_cell_kernel(
     dk = dk * scale
     nseg = tl.load(NSEG + key)
     direct = active & (nseg == 1)
-    tl.store(DK_ACC + kv_off[:, None] + offs_d[None, :], dk, mask=m2 & direct)
-    tl.store(DV_ACC + kv_off[:, None] + offs_d[None, :], dv, mask=m2 & direct)
+    tl.store(DK_ACC + kvp, dk, mask=m2 & direct)
+    tl.store(DV_ACC + kvp, dv, mask=m2 & direct)
     slot = (tl.load(PART_BASE + key) + j) * (CELL * D) + offs_u[:, None] * D + offs_d[None, :]
     split = active & (nseg > 1)
     tl.store(PART_DK + slot, dk, mask=m2 & split)
@@ -462,39 +477,6 @@ def _slot_rows(sl, b, T, T0, TC, HQ: tl.constexpr, TOPK: tl.constexpr):
     h = rl % HQ
     pos = T0 + (rl // HQ) % TC
     return (b * T + pos) * HQ + h, (b * HQ + h) * T + pos
-
-
-@triton.jit
-def _cell_work_item(WORK_CELL, WORK_SEG, OFFSETS, K, V, T, C, NCELLS, HKV: tl.constexpr, D: tl.constexpr,
-                    CELL: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, SEG: tl.constexpr):
-    """The cell and reader range of this program's work item (the "cell" mode's passes 1 and 3):
-    WORK_CELL[w] = cell key (b*HKV + g)*C + c (>= NCELLS: idle, an empty range), WORK_SEG[w] = its
-    segment j of SEG readers. Returns (active, key, j, b, offs_d, dmask, offs_u, umask, m2, kvp,
-    kc, vc, start, end): kvp int64 [BLOCK_C, BLOCK_D] element offsets of the cell's rows in K / V
-    (mask m2), kc / vc those rows in K's dtype, the readers SLOTS[start:end]."""
-    DOT_DTYPE = K.dtype.element_ty
-    w = tl.program_id(0).to(tl.int64)
-    key_raw = tl.load(WORK_CELL + w)
-    active = key_raw < NCELLS
-    key = tl.where(active, key_raw, 0)
-    j = tl.load(WORK_SEG + w)
-    bg = key // C
-    c = key - bg * C
-    b = bg // HKV
-    g = bg - b * HKV
-    offs_d = tl.arange(0, BLOCK_D)
-    dmask = offs_d < D
-    offs_u = tl.arange(0, BLOCK_C)
-    umask = offs_u < CELL
-    kv_off = ((b * T + c * CELL + offs_u) * HKV + g) * D
-    m2 = umask[:, None] & dmask[None, :]
-    kvp = kv_off[:, None] + offs_d[None, :]
-    kc = tl.load(K + kvp, mask=m2, other=0.0).to(DOT_DTYPE)  # [BLOCK_C, BLOCK_D]
-    vc = tl.load(V + kvp, mask=m2, other=0.0).to(DOT_DTYPE)
-    cell_end = tl.load(OFFSETS + key + 1)
-    start = tl.load(OFFSETS + key) + j * SEG
-    end = tl.where(active, tl.minimum(cell_end, start + SEG), start)
-    return active, key, j, b, offs_d, dmask, offs_u, umask, m2, kvp, kc, vc, start, end
 
 
 @triton.jit

@@ -228,8 +228,7 @@ def _decode_kernel(
 
     slots = tl.arange(0, BLOCK_S)
     rows = tl.arange(0, TOPK_P2 * BLOCK_CELL)
-    row_cell = rows // BLOCK_CELL  # which chosen cell (0 .. TOPK-1; >= TOPK: padding)
-    row_tok = rows % BLOCK_CELL  # token inside it
+    row_cell = rows // BLOCK_CELL  # which chosen cell (0 .. TOPK-1; >= TOPK: padding): FS-B's chosen rows
 
     for g in range(G):
         h = kvh * G + g
@@ -266,61 +265,103 @@ def _decode_kernel(
                 sc = tl.load(part_score_ptr + pbase + slots, mask=slots < NPART, other=float("-inf"))
                 cid = tl.load(part_id_ptr + pbase + slots, mask=slots < NPART, other=-1)
         else:  # FS-L: the held cells (loaded per head: fewer live registers in the window loop)
-            ids = tl.load(ids_ptr + pid * SLOTS + slots, mask=slots < SLOTS, other=-1)
-            held = ids >= 0
-            kbar = tl.load(
-                kbar_ptr + (pid * SLOTS + slots)[:, None] * D + d[None, :],
-                mask=held[:, None] & dmask[None, :],
-                other=0.0,
-            )
-            a = tl.load(a_ptr + pid * SLOTS + slots, mask=held, other=0.0)
-            dist = (pos - ids * CELL).to(tl.float32)
-            sigma = tl.load(sigma_ptr + h)
-            lam = tl.load(lam_ptr + h)
-            dots = tl.reduce(kbar * q[None, :], 1, _ADD)
-            prior = tl.math.erf(sigma * dist / (2.0 * CELL))
-            sc = tl.where(held, dots * scale + lam * a * prior, float("-inf"))
-            cid = ids
+            sc, cid = _fsl_cell_scores(ids_ptr, kbar_ptr, a_ptr, sigma_ptr, lam_ptr, pid, SLOTS, slots, q, pos, h, scale, D, CELL, BLOCK_D)
         # selection: TOPK argmax passes; the chosen cells' slots go to the rows of one token tile
         # (row r = token r % BLOCK_CELL of the (r // BLOCK_CELL)-th chosen cell), read in one load
-        row_slot = tl.zeros([TOPK_P2 * BLOCK_CELL], tl.int64)
-        row_len = tl.zeros([TOPK_P2 * BLOCK_CELL], tl.int32)  # tokens of the row's cell: CELL, 0 = none
         if CHOSEN:  # FS-B: the cells are chosen already; -1 = none
+            row_slot = tl.zeros([TOPK_P2 * BLOCK_CELL], tl.int64)
+            row_len = tl.zeros([TOPK_P2 * BLOCK_CELL], tl.int32)  # tokens of the row's cell: CELL, 0 = none
             for kk in tl.static_range(TOPK):
                 chosen = tl.load(part_id_ptr + pbase + kk)
                 row_slot = tl.where(row_cell == kk, tl.maximum(chosen, 0), row_slot)
                 row_len = tl.where(row_cell == kk, tl.where(chosen >= 0, CELL, 0), row_len)
-        for kk in tl.static_range(0 if CHOSEN else TOPK):
-            best = tl.reduce(sc, 0, _MAX)  # best score, then the larger cell
-            best_id = tl.reduce(tl.where(sc == best, cid, -1), 0, _MAX)
-            sc = tl.where((cid == best_id) & (sc == best), float("-inf"), sc)
-            ok = best > float("-inf")
-            if FS:
-                slot = best_id
-            else:
-                slot = tl.reduce(tl.where(cid == best_id, slots.to(tl.int64), -1), 0, _MAX)
-            row_slot = tl.where(row_cell == kk, tl.where(ok, slot, 0), row_slot)
-            row_len = tl.where(row_cell == kk, tl.where(ok, CELL, 0), row_len)
-        # sparse NoPE readout of the chosen cells' raw tokens (query unrotated, storage dtype)
-        live = row_tok < row_len
-        off = ((pid * SLOTS + row_slot) * CELL + row_tok)[:, None] * D + d[None, :]
-        lmask = live[:, None] & dmask[None, :]
-        kt = tl.load(cell_k_ptr + off, mask=lmask, other=0.0).to(tl.float32)
-        vt = tl.load(cell_v_ptr + off, mask=lmask, other=0.0).to(tl.float32)
-        logit = tl.where(live, tl.reduce(kt * q[None, :], 1, _ADD) * scale, float("-inf"))
-        m_l = tl.maximum(tl.reduce(logit, 0, _MAX), -1.0e30)  # finite when no cell is chosen
-        p = tl.exp(logit - m_l)
-        l_l = tl.reduce(p, 0, _ADD)
-        acc_l = tl.reduce(p[:, None] * vt, 0, _ADD)
-        o_long = tl.where(l_l > 0.0, acc_l / tl.maximum(l_l, 1e-30), 0.0).to(dtype).to(tl.float32)
-        ms = tl.reduce(o_long * o_long, 0, _ADD) / D
-        normed = o_long * (1.0 / tl.sqrt(ms + eps))
+        else:
+            row_slot, row_len = _top_k_rows(sc, cid, slots, FS, CELL, TOPK, TOPK_P2, BLOCK_CELL)
         beta = tl.load(beta_ptr + h).to(tl.float32)
-        out = o_loc + beta * normed
+        out = o_loc + _cells_readout(
+            row_slot, row_len, q, cell_k_ptr, cell_v_ptr, pid, beta, scale, eps, SLOTS, dtype, D, CELL, TOPK_P2,
+            BLOCK_D, BLOCK_CELL,
+        )  # fmt: skip
         tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=dmask)
 
 
-# ---- split step: the work of one (row, head) spread over several programs ---------------------
+# ---- the long branch of one query head (the single and the split step) -------------------------
+@triton.jit
+def _fsl_cell_scores(ids_ptr, kbar_ptr, a_ptr, sigma_ptr, lam_ptr, kv_row, n_slots, slots, q, pos, h, scale,
+                     D: tl.constexpr, CELL: tl.constexpr, BLOCK_D: tl.constexpr):
+    """FS-L: (scores [BLOCK_S] float32, -inf = an empty slot; cell ids [BLOCK_S] int64) of the
+    n_slots held cells of store row kv_row = b * Hkv + kv head for query head h: q . kbar * scale +
+    lam * a * erf(sigma * (pos - c * CELL) / (2 * CELL)) (spec §4). q [BLOCK_D] float32 unrotated."""
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    ids = tl.load(ids_ptr + kv_row * n_slots + slots, mask=slots < n_slots, other=-1)
+    held = ids >= 0
+    kbar = tl.load(
+        kbar_ptr + (kv_row * n_slots + slots)[:, None] * D + d[None, :],
+        mask=held[:, None] & dmask[None, :],
+        other=0.0,
+    )
+    a = tl.load(a_ptr + kv_row * n_slots + slots, mask=held, other=0.0)
+    dist = (pos - ids * CELL).to(tl.float32)
+    sigma = tl.load(sigma_ptr + h)
+    lam = tl.load(lam_ptr + h)
+    dots = tl.reduce(kbar * q[None, :], 1, _ADD)
+    prior = tl.math.erf(sigma * dist / (2.0 * CELL))
+    return tl.where(held, dots * scale + lam * a * prior, float("-inf")), ids
+
+
+@triton.jit
+def _top_k_rows(sc, cid, slots, SLOT_IS_ID: tl.constexpr, CELL: tl.constexpr, TOPK: tl.constexpr,
+                TOPK_P2: tl.constexpr, BLOCK_CELL: tl.constexpr):
+    """Top-K of the candidates by K argmax passes (score desc, then the larger cell) as the rows of
+    one token tile: row r holds token r % BLOCK_CELL of the (r // BLOCK_CELL)-th chosen cell.
+    sc [BLOCK_S] float32 scores (-inf = none), cid [BLOCK_S] int64 cell ids, slots [BLOCK_S] their
+    store slots (SLOT_IS_ID: the slot is the cell id). Returns (row_slot int64, row_len int32:
+    CELL, or 0 where the row's cell is none) [TOPK_P2 * BLOCK_CELL]."""
+    rows = tl.arange(0, TOPK_P2 * BLOCK_CELL)
+    row_cell = rows // BLOCK_CELL  # which chosen cell (0 .. TOPK-1; >= TOPK: padding)
+    row_slot = tl.zeros([TOPK_P2 * BLOCK_CELL], tl.int64)
+    row_len = tl.zeros([TOPK_P2 * BLOCK_CELL], tl.int32)
+    for kk in tl.static_range(TOPK):
+        best = tl.reduce(sc, 0, _MAX)  # best score, then the larger cell
+        best_id = tl.reduce(tl.where(sc == best, cid, -1), 0, _MAX)
+        sc = tl.where((cid == best_id) & (sc == best), float("-inf"), sc)
+        ok = best > float("-inf")
+        if SLOT_IS_ID:
+            slot = best_id
+        else:
+            slot = tl.reduce(tl.where(cid == best_id, slots.to(tl.int64), -1), 0, _MAX)
+        row_slot = tl.where(row_cell == kk, tl.where(ok, slot, 0), row_slot)
+        row_len = tl.where(row_cell == kk, tl.where(ok, CELL, 0), row_len)
+    return row_slot, row_len
+
+
+@triton.jit
+def _cells_readout(row_slot, row_len, q, cell_k_ptr, cell_v_ptr, kv_row, beta, scale, eps, n_slots,
+                   dtype: tl.constexpr, D: tl.constexpr, CELL: tl.constexpr, TOPK_P2: tl.constexpr,
+                   BLOCK_D: tl.constexpr, BLOCK_CELL: tl.constexpr):
+    """beta * rmsnorm(o_long) [BLOCK_D] float32: the sparse NoPE readout of the chosen cells' raw
+    tokens (`_top_k_rows`' tile, one softmax; q [BLOCK_D] float32 unrotated) from the store row
+    kv_row = b * Hkv + kv head of n_slots slots; o_long rounded to the storage dtype as the torch
+    path's SDPA output."""
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    row_tok = tl.arange(0, TOPK_P2 * BLOCK_CELL) % BLOCK_CELL  # token inside the row's cell
+    live = row_tok < row_len
+    off = ((kv_row * n_slots + row_slot) * CELL + row_tok)[:, None] * D + d[None, :]
+    lmask = live[:, None] & dmask[None, :]
+    kt = tl.load(cell_k_ptr + off, mask=lmask, other=0.0).to(tl.float32)
+    vt = tl.load(cell_v_ptr + off, mask=lmask, other=0.0).to(tl.float32)
+    logit = tl.where(live, tl.reduce(kt * q[None, :], 1, _ADD) * scale, float("-inf"))
+    m_l = tl.maximum(tl.reduce(logit, 0, _MAX), -1.0e30)  # finite when no cell is chosen
+    p = tl.exp(logit - m_l)
+    l_l = tl.reduce(p, 0, _ADD)
+    acc_l = tl.reduce(p[:, None] * vt, 0, _ADD)
+    o_long = tl.where(l_l > 0.0, acc_l / tl.maximum(l_l, 1e-30), 0.0).to(dtype).to(tl.float32)
+    ms = tl.reduce(o_long * o_long, 0, _ADD) / D
+    return beta * (o_long * (1.0 / tl.sqrt(ms + eps)))
+
+
 @triton.jit
 def _long_branch(
     sc,
@@ -343,48 +384,17 @@ def _long_branch(
     BLOCK_D: tl.constexpr,
     BLOCK_CELL: tl.constexpr,
 ):
-    """beta * rmsnorm(o_long) [BLOCK_D] float32 of one query head.
-
-    sc [BLOCK_S] float32 candidate scores (-inf = none), cid [BLOCK_S] int64 their cell ids,
-    slots [BLOCK_S] their store slots (SLOT_IS_ID: the slot is the cell id, FS's archive);
-    q [BLOCK_D] float32 unrotated query; kv_row = b * Hkv + kv head; n_slots: the store's slots.
-    Top-K by K argmax passes (score desc, then larger c), then the chosen cells' raw tokens read
-    as one tile (NoPE) with one softmax; o_long rounded to the storage dtype as the torch path's
-    SDPA output.
-    """
-    d = tl.arange(0, BLOCK_D)
-    dmask = d < D
-    rows = tl.arange(0, TOPK_P2 * BLOCK_CELL)
-    row_cell = rows // BLOCK_CELL  # which chosen cell (0 .. TOPK-1; >= TOPK: padding)
-    row_tok = rows % BLOCK_CELL  # token inside it
-    row_slot = tl.zeros([TOPK_P2 * BLOCK_CELL], tl.int64)
-    row_len = tl.zeros([TOPK_P2 * BLOCK_CELL], tl.int32)  # tokens of the row's cell: CELL, 0 = none
-    for kk in tl.static_range(TOPK):
-        best = tl.reduce(sc, 0, _MAX)  # best score, then the larger cell
-        best_id = tl.reduce(tl.where(sc == best, cid, -1), 0, _MAX)
-        sc = tl.where((cid == best_id) & (sc == best), float("-inf"), sc)
-        ok = best > float("-inf")
-        if SLOT_IS_ID:
-            slot = best_id
-        else:
-            slot = tl.reduce(tl.where(cid == best_id, slots.to(tl.int64), -1), 0, _MAX)
-        row_slot = tl.where(row_cell == kk, tl.where(ok, slot, 0), row_slot)
-        row_len = tl.where(row_cell == kk, tl.where(ok, CELL, 0), row_len)
-    live = row_tok < row_len
-    off = ((kv_row * n_slots + row_slot) * CELL + row_tok)[:, None] * D + d[None, :]
-    lmask = live[:, None] & dmask[None, :]
-    kt = tl.load(cell_k_ptr + off, mask=lmask, other=0.0).to(tl.float32)
-    vt = tl.load(cell_v_ptr + off, mask=lmask, other=0.0).to(tl.float32)
-    logit = tl.where(live, tl.reduce(kt * q[None, :], 1, _ADD) * scale, float("-inf"))
-    m_l = tl.maximum(tl.reduce(logit, 0, _MAX), -1.0e30)  # finite when no cell is chosen
-    p = tl.exp(logit - m_l)
-    l_l = tl.reduce(p, 0, _ADD)
-    acc_l = tl.reduce(p[:, None] * vt, 0, _ADD)
-    o_long = tl.where(l_l > 0.0, acc_l / tl.maximum(l_l, 1e-30), 0.0).to(dtype).to(tl.float32)
-    ms = tl.reduce(o_long * o_long, 0, _ADD) / D
-    return beta * (o_long * (1.0 / tl.sqrt(ms + eps)))
+    """beta * rmsnorm(o_long) [BLOCK_D] float32 of one query head: `_top_k_rows` of the candidates
+    (sc, cid, slots), then `_cells_readout` of the chosen cells (kv_row = b * Hkv + kv head,
+    n_slots: the store's slots)."""
+    row_slot, row_len = _top_k_rows(sc, cid, slots, SLOT_IS_ID, CELL, TOPK, TOPK_P2, BLOCK_CELL)
+    return _cells_readout(
+        row_slot, row_len, q, cell_k_ptr, cell_v_ptr, kv_row, beta, scale, eps, n_slots, dtype, D, CELL, TOPK_P2,
+        BLOCK_D, BLOCK_CELL,
+    )  # fmt: skip
 
 
+# ---- split step: the work of one (row, head) spread over several programs ---------------------
 @triton.jit
 def _split_partials_kernel(
     q_ptr,
@@ -543,20 +553,9 @@ def _split_partials_kernel(
             h = kvh * G + (j - NW)
             q = tl.load(q_ptr + b * stride_qb + h * stride_qh + d, mask=dmask, other=0.0).to(tl.float32)
             slots = tl.arange(0, BLOCK_S)
-            ids = tl.load(ids_ptr + pid * n_slots + slots, mask=slots < n_slots, other=-1)
-            held = ids >= 0
-            kbar = tl.load(
-                kbar_ptr + (pid * n_slots + slots)[:, None] * D + d[None, :],
-                mask=held[:, None] & dmask[None, :],
-                other=0.0,
+            sc, ids = _fsl_cell_scores(
+                ids_ptr, kbar_ptr, a_ptr, sigma_ptr, lam_ptr, pid, n_slots, slots, q, pos, h, scale, D, CELL, BLOCK_D
             )
-            a = tl.load(a_ptr + pid * n_slots + slots, mask=held, other=0.0)
-            dist = (pos - ids * CELL).to(tl.float32)
-            sigma = tl.load(sigma_ptr + h)
-            lam = tl.load(lam_ptr + h)
-            dots = tl.reduce(kbar * q[None, :], 1, _ADD)
-            prior = tl.math.erf(sigma * dist / (2.0 * CELL))
-            sc = tl.where(held, dots * scale + lam * a * prior, float("-inf"))
             beta = tl.load(beta_ptr + h).to(tl.float32)
             out = _long_branch(
                 sc, ids, slots, q, cell_k_ptr, cell_v_ptr, pid, beta, scale, eps, n_slots,
