@@ -12,6 +12,8 @@ Configurations (`CONFIGS`; 16-bit default tiles of `attention.default_tiles` cha
            leaves its in-block path past 4096); sorted_lb32 / sorted_lb32w2 / sorted_lb16w1: long
            tiles of 32 / 32 / 16 queries on 4 / 2 / 1 warps (sorted tiles of fewer queries share
            fewer cells).
+- overlap: sorted with the side stream at every length (FREESOLO_TRITON_OVERLAP_MIN_T=0: the default
+           until s31); sorted overlaps from attention.OVERLAP_MIN_T positions only (s31).
 results/session_2026-12-02_s26/call2 ran an earlier version of this script (commit 570ce1a) that
 also had the side stream at priority -1 vs 0 (no difference) and the long kernel over aligned
 pairs of cells (`AttentionTiles.long_group`, 27 % slower at 64k; removed).
@@ -57,7 +59,9 @@ CONFIGS = {
     "sorted_lb32": dict(window_first=True, sorted_long=True, long_block=32),
     "sorted_lb32w2": dict(window_first=True, sorted_long=True, long_block=32, long_warps=2),
     "sorted_lb16w1": dict(window_first=True, sorted_long=True, long_block=16, long_warps=1),
+    "overlap": dict(window_first=True, sorted_long=True),
 }
+CONFIG_ENV = {"overlap": {att.ENV_OVERLAP_MIN_T: "0"}}  # environment variables a configuration sets
 ORDER_CHUNKS = {"sorted2k": 2048, "sorted8k": 8192}  # attention.ORDER_CHUNK of these configurations
 H, D = 16, 64
 
@@ -73,6 +77,10 @@ def _use(config: str):
 
     att.default_tiles = tiles
     att.ORDER_CHUNK = ORDER_CHUNKS.get(config, _ORIGINAL_ORDER_CHUNK)
+    for env in CONFIG_ENV.values():
+        for name in env:
+            os.environ.pop(name, None)
+    os.environ.update(CONFIG_ENV.get(config, {}))
 
 
 _ORIGINAL_DEFAULT_TILES = att.default_tiles
@@ -144,6 +152,9 @@ def case(variant: str, T: int, rep: int, configs) -> dict:
               f"long kernel {r['long_kernel_ms']:.3f}  unions {r['unions_ms']:.3f} ms", flush=True)  # fmt: skip
     _use(configs[0])
     att.default_tiles = _ORIGINAL_DEFAULT_TILES
+    for env in CONFIG_ENV.values():
+        for name in env:
+            os.environ.pop(name, None)
     if variant == "fsl":
         row["sdpa_causal_ms"] = sdpa_causal(T, H, H, D, torch.bfloat16, rep)
         row["flex_swa512_ms"] = flex_swa512(T, H, H, D, torch.bfloat16, rep)

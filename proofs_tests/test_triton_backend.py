@@ -348,6 +348,38 @@ def test_cuda_graph_replay_after_a_longer_call_still_reads_its_rope_tables():
     assert len(tb._ROPE_KEPT) == kept, "tables that no capture read were kept"
 
 
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (streams, CUDA-graph capture)")
+@pytest.mark.parametrize("variant", ["fsl", "fs"])
+def test_cuda_selection_overlap_changes_no_bit(variant, monkeypatch):
+    """`overlaps_selection`: an eager call below OVERLAP_MIN_T runs the selection on the current
+    stream, from it (or FREESOLO_TRITON_OVERLAP_MIN_T) and under CUDA-graph capture on the side
+    stream; outputs, statistics and gradients are the same bits either way."""
+    from freesolo.backends.triton import attention as att
+
+    assert not att.overlaps_selection(att.OVERLAP_MIN_T - 1, torch.device("cuda"))
+    assert att.overlaps_selection(att.OVERLAP_MIN_T, torch.device("cuda"))
+    assert not att.overlaps_selection(att.OVERLAP_MIN_T, torch.device("cpu"))
+    graph, seen = torch.cuda.CUDAGraph(), []
+    with torch.cuda.graph(graph):  # (an empty capture: only the predicate runs inside it)
+        seen.append(att.overlaps_selection(16, torch.device("cuda")))
+    assert seen == [True], "a CUDA-graph capture overlaps at every length"
+    cfg = FreeSoloConfig(variant=variant)
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    B, T, Hq, Hkv, D = 2, 8192 + 77, 4, 2, 64
+    q, k, v = (torch.randn(B, T, h, D, device="cuda", dtype=torch.bfloat16, generator=gen) for h in (Hq, Hkv, Hkv))
+    do = torch.randn(B, T, Hq, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    runs = {}
+    for min_t in ("", "0"):  # the default (no overlap at this T), then overlap from T = 0
+        monkeypatch.setenv(att.ENV_OVERLAP_MIN_T, min_t)
+        assert att.overlaps_selection(T, q.device) == (min_t == "0")
+        qg, kg, vg = (x.clone().requires_grad_(True) for x in (q, k, v))
+        o = freesolo.freesolo_attention(qg, kg, vg, cfg, backend="triton", check_finite=False)
+        o.backward(do)
+        runs[min_t] = [o.detach(), qg.grad, kg.grad, vg.grad]
+    for name, x, y in zip(("o", "dq", "dk", "dv"), runs[""], runs["0"]):
+        assert torch.equal(x, y), f"{name}: the side stream changed bits"
+
+
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (16-bit split kernels, streams)")
 @pytest.mark.parametrize("variant", ["fsl", "fs"])
 def test_cuda_window_first_matches_default(variant, monkeypatch):

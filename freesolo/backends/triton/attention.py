@@ -18,7 +18,8 @@ With `AttentionTiles.long_block > 0` (the 16-bit default) step 2 runs in its own
 (`_long_fwd_kernel`) over tiles of long_block queries whose unions are computed per long_block
 queries (fewer masked steps per query, smaller programs, more of them resident). By default
 (`window_first`) the window kernel runs first and writes o = o_loc while the selection and the
-unions run on a side stream (`forward_with_selection`), then the long kernel adds
+unions run on a side stream (`forward_with_selection`; from OVERLAP_MIN_T positions or under
+CUDA-graph capture, on the current stream otherwise), then the long kernel adds
 beta_h * rmsnorm(o_long) to o; otherwise the long kernel writes its term first (into o, or an
 fp32 buffer) and the window kernel adds o_loc. `AttentionTiles.maxnreg` caps the window
 kernel's registers (occupancy). With `AttentionTiles.sorted_long` (the 16-bit default from
@@ -1082,6 +1083,29 @@ def launch_forward(q, k, v, idx, unions: TileUnions, beta, cos, sin, cfg, tiles:
 
 _SIDE_STREAMS: dict = {}
 
+# From this many positions an eager CUDA forward with window_first tiles runs the selection on a side
+# stream beside the window kernel (`forward_with_selection`); shorter eager calls run it on the
+# current stream, and so does nothing else change (the streams change no bit). Below it an eager
+# call is host bound on the H200's host, and the side stream's fork / join (two events, a stream
+# switch) cost more host time than the overlap saves GPU time (s26: 4k 0.50 -> 0.65 ms of host per
+# call with the side stream; GPU time in a CUDA graph at 16k 0.544 -> 0.493 ms). A CUDA-graph
+# capture (CUDA graphs, torch.compile mode="reduce-overhead") always overlaps: its replay has no
+# host work, so there only the GPU time counts. FREESOLO_TRITON_OVERLAP_MIN_T overrides it (A/B).
+OVERLAP_MIN_T = 32768
+ENV_OVERLAP_MIN_T = "FREESOLO_TRITON_OVERLAP_MIN_T"
+
+
+def overlaps_selection(T: int, device: torch.device) -> bool:
+    """Whether `forward_with_selection` (window_first tiles) runs the selection on a side stream:
+    on CUDA, while a CUDA graph is being captured or from OVERLAP_MIN_T positions (or the
+    environment's FREESOLO_TRITON_OVERLAP_MIN_T)."""
+    if device.type != "cuda":
+        return False
+    if torch.cuda.is_current_stream_capturing():
+        return True
+    min_t = _env_int(ENV_OVERLAP_MIN_T)
+    return T >= (OVERLAP_MIN_T if min_t is None else min_t)
+
 
 def _side_stream(device: torch.device):
     """One side stream per CUDA device, for the selection that `forward_with_selection` overlaps."""
@@ -1097,13 +1121,14 @@ def forward_with_selection(
     """The selection and the forward: (idx, (o, lse_loc, lse_long, rstd)).
 
     Args as `attention_forward`, except select: (q, k) -> idx (the selection, e.g.
-    `selection.select_cells`), called once. With tiles.window_first on CUDA, the selection and the
-    tile unions run on a side stream while the window kernel runs on the current stream (it does
-    not read the selection), then the long kernel adds its term. Stream order: the side stream
-    first waits for the current one (q, k ready; and every earlier use of memory the side stream
-    reuses), the current stream waits for the side one before the long kernel, so no tensor is
-    touched by both streams at once, and the result does not depend on the streams. Elsewhere:
-    select, then `attention_forward`.
+    `selection.select_cells`), called once. With tiles.window_first, the window kernel (it does
+    not read the selection) and the selection + tile unions, then the long kernel adds its term;
+    on CUDA when `overlaps_selection` (from OVERLAP_MIN_T positions, or under CUDA-graph capture)
+    the selection and the unions run on a side stream while the window kernel runs on the current
+    stream. Stream order: the side stream first waits for the current one (q, k ready; and every
+    earlier use of memory the side stream reuses), the current stream waits for the side one
+    before the long kernel, so no tensor is touched by both streams at once, and the result does
+    not depend on the streams. Elsewhere: select, then `attention_forward`.
     """
     tiles = tiles or default_tiles(q.shape[3], q.dtype, q.device)
     if not tiles.window_first:
@@ -1112,8 +1137,9 @@ def forward_with_selection(
     _check_inputs(q, k, v, None, beta, cos, sin, cfg)
     outputs = _outputs(q, tiles, save_stats)
     unused = _placeholder(q.device, torch.int32)  # the window kernel's idx / union / count (not read)
-    main = torch.cuda.current_stream(q.device) if q.is_cuda else None
-    side = _side_stream(q.device) if q.is_cuda else None
+    overlap = overlaps_selection(q.shape[1], q.device)
+    main = torch.cuda.current_stream(q.device) if overlap else None
+    side = _side_stream(q.device) if overlap else None
     if side is not None:
         side.wait_stream(main)
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
