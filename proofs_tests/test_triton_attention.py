@@ -487,9 +487,15 @@ def test_rotation_chunks_do_not_change_bits(monkeypatch, long_block):
     tiles = AttentionTiles(32, 32, 1, 1, long_block=long_block)
     ref = _run(q, k, v, idx, beta, cfg, tiles=tiles)
     assert att.rotation_chunk_tiles(2, 2, 16, 4, 32) > -(-150 // 32)  # the reference is one launch
+    # a sequence whose rotated keys fit ROTATION_ONE_CHUNK_FACTOR budgets is one chunk (paper sizes:
+    # B 1, H 16, D 64, bf16, 64-query tiles: up to T = 16384), a longer one is cut at the budget
+    assert att.rotation_chunk_tiles(1, 16, 64, 2, 64, T=16384) == 16384 // 64
+    assert att.rotation_chunk_tiles(1, 16, 64, 2, 64, T=16385) == (att.ROTATION_CHUNK_BYTES // (16 * 64 * 2)) // 64
+    assert att.rotation_chunk_tiles(2, 2, 16, 4, 32, T=150) == -(-150 // 32)
     monkeypatch.setattr(att, "ROTATION_CHUNK_BYTES", 1)
     monkeypatch.setattr(att, "ROTATION_CHUNK_MIN_POSITIONS", 32)
     assert att.rotation_chunk_tiles(2, 2, 16, 4, 32) == 1
+    assert att.rotation_chunk_tiles(2, 2, 16, 4, 32, T=150) == 1
     got = _run(q, k, v, idx, beta, cfg, tiles=tiles)
     _bitwise_equal(got, ref, f"one tile per rotation chunk, long_block={long_block}")
 
@@ -510,6 +516,7 @@ def test_forward_without_saved_statistics(monkeypatch, long_block):
     tiles = AttentionTiles(32, 32, 1, 1, long_block=long_block)
     monkeypatch.setattr(att, "ROTATION_CHUNK_BYTES", 2 * 150 * 2 * 16 * 4 // 5)  # B T Hkv D fp32: a fifth of k
     monkeypatch.setattr(att, "ROTATION_CHUNK_MIN_POSITIONS", 32)
+    monkeypatch.setattr(att, "ROTATION_ONE_CHUNK_FACTOR", 0)  # (the whole k would fit two budgets with the statistics' bytes)
     assert att.rotation_chunk_tiles(2, 2, 16, 4, 32) == 1
     assert att.rotation_chunk_tiles(2, 2, 16, 4, 32, 12 * 2 * 4 * 150) == 2  # + the statistics' bytes: 3 launches, not 5
     ref = _run(q, k, v, idx, beta, cfg, tiles=tiles)

@@ -864,16 +864,28 @@ def sorts_long_tiles(tiles: "AttentionTiles", T: int) -> bool:
 # once. (32 MiB until s27: the long order's 8 MiB at 128k took the peak to 1.51x SDPA's.)
 ROTATION_CHUNK_BYTES = 16 << 20
 ROTATION_CHUNK_MIN_POSITIONS = 4096
+# A sequence whose rotated keys take at most this many times the chunk's budget is rotated in one
+# chunk (one RoPE and one window launch: H 16, D 64, bf16, B 1 up to T = 16384, where an eager call
+# is host bound and two launches fewer save ~50-100 us of host time), so the keys held at once
+# exceed the chunked design's by at most one budget (16 MiB) and only at such short T; longer
+# sequences (the 128k peak-memory bar) are chunked as before.
+ROTATION_ONE_CHUNK_FACTOR = 2
 
 
-def rotation_chunk_tiles(B: int, Hkv: int, D: int, element_size: int, block_m: int, extra_bytes: int = 0) -> int:
+def rotation_chunk_tiles(
+    B: int, Hkv: int, D: int, element_size: int, block_m: int, extra_bytes: int = 0, T: Optional[int] = None
+) -> int:
     """Query tiles per window-kernel launch: as many as keep the chunk's rotated keys within
     ROTATION_CHUNK_BYTES + extra_bytes (the forward passes the bytes of the statistics it does not
     save, in a forward without gradients), at least ROTATION_CHUNK_MIN_POSITIONS positions' worth
-    (few launches at any shape). Depends on the shape only; a query's bits do not depend on it (see
-    `launch_forward`)."""
+    (few launches at any shape); with T given, every tile of the sequence when all its rotated keys
+    fit in ROTATION_ONE_CHUNK_FACTOR budgets. Depends on the shape only; a query's bits do not
+    depend on it (see `launch_forward`)."""
     budget = ROTATION_CHUNK_BYTES + extra_bytes
-    positions = max(ROTATION_CHUNK_MIN_POSITIONS, budget // max(1, B * Hkv * D * element_size))
+    row_bytes = max(1, B * Hkv * D * element_size)  # rotated keys of one position
+    if T is not None and T * row_bytes <= ROTATION_ONE_CHUNK_FACTOR * budget:
+        return max(1, -(-T // block_m))
+    positions = max(ROTATION_CHUNK_MIN_POSITIONS, budget // row_bytes)
     return max(1, positions // block_m)
 
 
@@ -1043,7 +1055,9 @@ def _launch_window(q, k, v, idx, union, count, beta, cos, sin, cfg, tiles: Atten
     # of all of k (0.25 GiB at 128k, H 16, D 64, bf16). The values are the same whatever the
     # chunking (rotation is per row), and so are a query's bits (spec L12).
     # without saved statistics (12 bytes per query position and head) the rotated keys may use their bytes
-    tiles_per_chunk = rotation_chunk_tiles(B, Hkv, D, q.element_size(), tiles.block_m, 0 if store_stats else 12 * B * Hq * T)
+    tiles_per_chunk = rotation_chunk_tiles(
+        B, Hkv, D, q.element_size(), tiles.block_m, 0 if store_stats else 12 * B * Hq * T, T=T
+    )
     span = tiles_per_chunk * tiles.block_m + cfg.window + 2 * tiles.block_n  # positions a chunk's window reads
     kr_buf = torch.empty(B * min(T, span) * Hkv * D, dtype=k.dtype, device=k.device)
     for tile0 in range(0, NT, tiles_per_chunk):
@@ -1051,7 +1065,7 @@ def _launch_window(q, k, v, idx, union, count, beta, cos, sin, cfg, tiles: Atten
         first = tile0 * tiles.block_m
         start = max(0, first - cfg.window - tiles.block_n)  # <= the first key tile any query of the chunk reads
         stop = min(T, first + n_tiles * tiles.block_m + tiles.block_n)  # > the last key any of its tiles loads
-        if start == 0 and stop == T:  # one chunk holds the sequence (T <= ~16k at H 16, D 64): no slices
+        if start == 0 and stop == T:  # one chunk holds the sequence (T <= 16k at H 16, D 64, B 1): no slices
             kr = kr_buf.view(B, T, Hkv, D)
             rope_rotate(k, cos, sin, out=kr)
         else:
