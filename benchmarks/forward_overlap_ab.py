@@ -14,6 +14,8 @@ Configurations (`CONFIGS`; 16-bit default tiles of `attention.default_tiles` cha
            fewer cells).
 - overlap: sorted with the side stream at every length (FREESOLO_TRITON_OVERLAP_MIN_T=0: the default
            until s31); sorted overlaps from attention.OVERLAP_MIN_T positions only (s31).
+- s30:     overlap + the keys always rotated in chunks of the budget (ROTATION_ONE_CHUNK_FACTOR 0):
+           s30's forward; sorted rotates a sequence that fits two budgets in one chunk (s31).
 results/session_2026-12-02_s26/call2 ran an earlier version of this script (commit 570ce1a) that
 also had the side stream at priority -1 vs 0 (no difference) and the long kernel over aligned
 pairs of cells (`AttentionTiles.long_group`, 27 % slower at 64k; removed).
@@ -60,8 +62,10 @@ CONFIGS = {
     "sorted_lb32w2": dict(window_first=True, sorted_long=True, long_block=32, long_warps=2),
     "sorted_lb16w1": dict(window_first=True, sorted_long=True, long_block=16, long_warps=1),
     "overlap": dict(window_first=True, sorted_long=True),
+    "s30": dict(window_first=True, sorted_long=True),
 }
-CONFIG_ENV = {"overlap": {att.ENV_OVERLAP_MIN_T: "0"}}  # environment variables a configuration sets
+CONFIG_ENV = {"overlap": {att.ENV_OVERLAP_MIN_T: "0"}, "s30": {att.ENV_OVERLAP_MIN_T: "0"}}  # environment variables a configuration sets
+CONFIG_ATTRS = {"s30": {"ROTATION_ONE_CHUNK_FACTOR": 0}}  # attention module constants a configuration sets
 ORDER_CHUNKS = {"sorted2k": 2048, "sorted8k": 8192}  # attention.ORDER_CHUNK of these configurations
 H, D = 16, 64
 
@@ -81,10 +85,13 @@ def _use(config: str):
         for name in env:
             os.environ.pop(name, None)
     os.environ.update(CONFIG_ENV.get(config, {}))
+    for name, value in _ORIGINAL_ATTRS.items():
+        setattr(att, name, CONFIG_ATTRS.get(config, {}).get(name, value))
 
 
 _ORIGINAL_DEFAULT_TILES = att.default_tiles
 _ORIGINAL_ORDER_CHUNK = att.ORDER_CHUNK
+_ORIGINAL_ATTRS = {name: getattr(att, name) for attrs in CONFIG_ATTRS.values() for name in attrs}
 
 
 def _graph_ms(fn, rep: int) -> float:
@@ -152,6 +159,8 @@ def case(variant: str, T: int, rep: int, configs) -> dict:
               f"long kernel {r['long_kernel_ms']:.3f}  unions {r['unions_ms']:.3f} ms", flush=True)  # fmt: skip
     _use(configs[0])
     att.default_tiles = _ORIGINAL_DEFAULT_TILES
+    for name, value in _ORIGINAL_ATTRS.items():
+        setattr(att, name, value)
     for env in CONFIG_ENV.values():
         for name in env:
             os.environ.pop(name, None)
