@@ -2,7 +2,7 @@
 # One H200 call that measures and checks what a session changed (run from the repository root with
 # $OUT set). Every step has its own timeout so that a slow step cannot starve the rest; everything
 # lands in $OUT/session.tar (the device returns at most 8 files) plus $OUT/summary.txt.
-# STEPS picks the steps (default: "s31e_memcheck s31e_racecheck";
+# STEPS picks the steps (default: "s32a_race_decode s32a_race_nocudnn s32a_race_fwd";
 # pass timeout_s 600, read summary.txt):
 #   tests_split  CUDA tests of the Triton forward / backward / API / L11-L12 with the split long kernel
 #                (FREESOLO_TRITON_LONG_BLOCK=64 FREESOLO_TRITON_MAXNREG=128: the proposed 16-bit default)
@@ -217,13 +217,16 @@
 #   s31d_tests   the CUDA tests of the selection / backward / decode / FS-B search / caches at the s31 HEAD
 #   s31e_memcheck memcheck of the forward / backward and decode kernels (the s31 refactors, the one-chunk rotation)
 #   s31e_racecheck racecheck of the same kernels
+#   s32a_race_decode racecheck of the decode kernels alone (as s31e: cuDNN's SDPA in the torch prefill included)
+#   s32a_race_nocudnn the same with cuDNN's SDPA off (FREESOLO_SANITIZE_CUDNN=0): freesolo's kernels only
+#   s32a_race_fwd racecheck of the forward / backward kernels alone
 set -u
 OUT=${OUT:-/tmp/session_out}
 W=/tmp/session_work
 rm -rf "$W"  # a warm machine keeps /tmp: start empty
 mkdir -p "$OUT" "$W"
 export PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=ci PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-STEPS=${STEPS:-"s31e_memcheck s31e_racecheck"}
+STEPS=${STEPS:-"s32a_race_decode s32a_race_nocudnn s32a_race_fwd"}
 SPLIT=(env FREESOLO_TRITON_LONG_BLOCK=64 FREESOLO_TRITON_MAXNREG=128)
 step() {  # step NAME SECONDS COMMAND...: run with a timeout, log to $W/NAME.log, one summary line
   local name=$1 secs=$2; shift 2
@@ -316,6 +319,9 @@ step s31c_attn 330 python3 benchmarks/gpu_attention.py --providers triton_fsl tr
 step s31d_tests 200 python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k "cuda or gpu or cell_plan" proofs_tests/test_triton_selection.py proofs_tests/test_triton_backward.py proofs_tests/test_triton_decode.py proofs_tests/test_triton_fsb_search.py proofs_tests/test_cache_gpu.py proofs_tests/test_cache_ragged.py
 step s31e_memcheck 150 compute-sanitizer --tool memcheck python3 benchmarks/sanitize_triton.py forward_backward decode
 step s31e_racecheck 200 compute-sanitizer --tool racecheck python3 benchmarks/sanitize_triton.py forward_backward decode
+step s32a_race_decode 150 compute-sanitizer --tool racecheck python3 benchmarks/sanitize_triton.py decode
+step s32a_race_nocudnn 150 env FREESOLO_SANITIZE_CUDNN=0 compute-sanitizer --tool racecheck python3 benchmarks/sanitize_triton.py decode
+step s32a_race_fwd 150 compute-sanitizer --tool racecheck python3 benchmarks/sanitize_triton.py forward_backward
 step s31b_attn 330 python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fs sdpa_causal flex_swa512 fla_nsa --shapes H16-D64 --modes fwd fwd+bwd --lengths 4096 16384 65536 131072 --budget-s 290 --rep-ms 30 --out "$W" --tag _s31b
 step s31b_overlap 150 bash -c "python3 benchmarks/forward_overlap_ab.py --lengths 4096 16384 65536 --fs-lengths --configs overlap sorted --out $W/forward_overlap_s31b.json && python3 benchmarks/launch_host_probe.py --T 4096 16384 --idle --no-replay --out $W/launch_host_s31b.json"
 step s30f_rope 90 python3 benchmarks/rope_sweep.py --out "$W/rope_sweep.json"

@@ -5,6 +5,11 @@ forest carries) and of the FS-B search and tree builder for compute-sanitizer (m
 
     compute-sanitizer --tool memcheck python benchmarks/sanitize_triton.py
     compute-sanitizer --tool racecheck python benchmarks/sanitize_triton.py [forward_backward] [decode] [fsb_search] [fsb_build]
+
+The decode part prefills its caches with the torch backend, whose local window calls SDPA; racecheck
+reports shared-memory hazards inside cuDNN's SDPA kernels (a peer's kernel, seen since s2x). With
+FREESOLO_SANITIZE_CUDNN=0 the run turns cuDNN's SDPA off (`torch.backends.cuda.enable_cudnn_sdp`),
+so that a racecheck log lists the hazards of freesolo's kernels only.
 """
 
 from __future__ import annotations
@@ -75,7 +80,12 @@ def fsb_build():
 
 def main(parts=("forward_backward", "decode", "fsb_search", "fsb_build")):
     """Runs the named parts (command-line arguments; default all)."""
+    import os
+
     torch.manual_seed(0)
+    if os.environ.get("FREESOLO_SANITIZE_CUDNN", "1") == "0":
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        print("cuDNN SDPA off")
     if "forward_backward" in parts:
         for long_block in (None, 16):  # the default tiles, then the long kernel over 16-query tiles
             forward_backward(long_block)
