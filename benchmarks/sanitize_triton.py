@@ -7,7 +7,7 @@ forest carries) and of the FS-B search and tree builder for compute-sanitizer (m
     compute-sanitizer --tool racecheck python benchmarks/sanitize_triton.py [forward_backward] [decode] [fsb_search] [fsb_build]
 
 The decode part prefills its caches with the torch backend, whose local window calls SDPA; racecheck
-reports shared-memory hazards inside cuDNN's SDPA kernels (a peer's kernel, seen since s2x). With
+reports shared-memory hazards inside cuDNN's SDPA kernels (a peer's kernel: s19 `sanitize_fsb`). With
 FREESOLO_SANITIZE_CUDNN=0 the run turns cuDNN's SDPA off (`torch.backends.cuda.enable_cudnn_sdp`),
 so that a racecheck log lists the hazards of freesolo's kernels only.
 """
