@@ -4,7 +4,8 @@ split kernels, the FS-L block boundary in torch and in Triton, the FS-B decode s
 forest carries) and of the FS-B search and tree builder for compute-sanitizer (memcheck / racecheck):
 
     compute-sanitizer --tool memcheck python benchmarks/sanitize_triton.py
-    compute-sanitizer --tool racecheck python benchmarks/sanitize_triton.py [forward_backward] [decode] [fsb_search] [fsb_build]
+    compute-sanitizer --tool racecheck python benchmarks/sanitize_triton.py [forward_backward] [decode] [fsb_search] [fsb_build] [fsb_build_small]
+    python benchmarks/sanitize_triton.py fsb_build_repeat   # repeated builds, bitwise (no sanitizer)
 
 The decode part prefills its caches with the torch backend, whose local window calls SDPA; racecheck
 reports shared-memory hazards inside cuDNN's SDPA kernels (a peer's kernel: s19 `sanitize_fsb`). With
@@ -48,15 +49,17 @@ def decode():
     print("decode fsb triton-search ok", bool(torch.isfinite(torch.cat(outs, 1)).all()))
 
 
-def fsb_build():
+def fsb_build(D=40, cases=((5, None), (9, 2)), num_warps=None, repeats=1):
     """The FS-B tree-slot builder (`fsb_build._build_tree_slot`): bottom programs only (h 5) and
     top programs with small leaf chunks (h 9, chunks of 4 leaves), float32 and float64, half the
-    rows changed, D 40 (padded lanes)."""
+    rows changed, D 40 (padded lanes). `fsb_build_small`: the decode's trees (D 32, h 0 ... 4, one
+    bottom program of at most 16 leaves), where s32 call1's racecheck of the decode reported
+    write-write hazards at the bottom program's radius reduction."""
     from freesolo.backends.triton.fsb_build import _build_tree_slot
 
-    B, Hkv, D, M = 2, 3, 40, 700
+    B, Hkv, M = 2, 3, 700
     for dtype in (torch.float32, torch.float64):
-        for h, log_chunk in ((5, None), (9, 2)):
+        for h, log_chunk in cases:
             N = (2 << h) - 1 + 5
             fields = {
                 "mu": torch.zeros(B, Hkv, N, D, dtype=dtype, device="cuda"),
@@ -73,12 +76,20 @@ def fsb_build():
             }
             first = torch.randint(0, M - (1 << h), (B, Hkv), device="cuda")
             changed = torch.rand(B, Hkv, device="cuda") < 0.5
-            _build_tree_slot(fields, 5, elems, first, changed, h, 32, "content", True, log_chunk=log_chunk)
+            builds = []
+            for _ in range(repeats):
+                for t in fields.values():
+                    t.zero_()
+                _build_tree_slot(fields, 5, elems, first, changed, h, 32, "content", True, log_chunk=log_chunk,
+                                 num_warps=num_warps)  # fmt: skip
+                builds.append({name: t.clone() for name, t in fields.items()})
             torch.cuda.synchronize()
-            print("fsb_build", dtype, h, "ok", bool(torch.isfinite(fields["mu"]).all()))
+            differ = sum(any(not torch.equal(b[n], builds[0][n]) for n in b) for b in builds[1:])
+            print("fsb_build", dtype, f"h {h} D {D} warps {num_warps or 'default'}", "ok",
+                  bool(torch.isfinite(fields["mu"]).all()), f"builds differing from the first: {differ} of {repeats - 1}")  # fmt: skip
 
 
-def main(parts=("forward_backward", "decode", "fsb_search", "fsb_build")):
+def main(parts=("forward_backward", "decode", "fsb_search", "fsb_build", "fsb_build_small")):
     """Runs the named parts (command-line arguments; default all)."""
     import os
 
@@ -104,6 +115,13 @@ def main(parts=("forward_backward", "decode", "fsb_search", "fsb_build")):
         fsb_search()
     if "fsb_build" in parts:
         fsb_build()
+    small = tuple((h, None) for h in range(5))
+    if "fsb_build_small" in parts:  # default warps, then one warp (no cross-warp reduction)
+        fsb_build(D=32, cases=small)
+        fsb_build(D=32, cases=small, num_warps=1)
+    if "fsb_build_repeat" in parts:  # no sanitizer: do repeated builds of the same inputs give the same bits?
+        fsb_build(D=32, cases=small, repeats=200)
+        fsb_build(cases=((5, None), (9, 2)), repeats=50)
 
 
 def fsb_search():
@@ -143,4 +161,4 @@ def forward_backward(long_block):
 if __name__ == "__main__":
     import sys
 
-    main(tuple(sys.argv[1:]) or ("forward_backward", "decode", "fsb_search", "fsb_build"))
+    main(tuple(sys.argv[1:]) or ("forward_backward", "decode", "fsb_search", "fsb_build", "fsb_build_small"))
