@@ -5,7 +5,8 @@ forest carries) and of the FS-B search and tree builder for compute-sanitizer (m
 
     compute-sanitizer --tool memcheck python benchmarks/sanitize_triton.py
     compute-sanitizer --tool racecheck python benchmarks/sanitize_triton.py [forward_backward] [decode] [fsb_search] [fsb_build] [fsb_build_small]
-    python benchmarks/sanitize_triton.py fsb_build_repeat   # repeated builds, bitwise (no sanitizer)
+    compute-sanitizer --tool racecheck python benchmarks/sanitize_triton.py decode_fsb   # FS-B decode alone, builds traced
+    python benchmarks/sanitize_triton.py fsb_build_repeat decode_fsb_repeat   # repeated runs, bitwise (no sanitizer)
 
 The decode part prefills its caches with the torch backend, whose local window calls SDPA; racecheck
 reports shared-memory hazards inside cuDNN's SDPA kernels (a peer's kernel: s19 `sanitize_fsb`). With
@@ -38,15 +39,66 @@ def decode():
             outs = [cache.extend(q[:, i : i + 1], k[:, i : i + 1], v[:, i : i + 1]) for i in range(100, T)]
             torch.cuda.synchronize()
             print("decode", variant, name, "ok", bool(torch.isfinite(torch.cat(outs, 1)).all()))
-    # FS-B: the Triton decode search (one launch per step) over the streaming forests
+    decode_fsb()
+
+
+def decode_fsb(seed=None):
+    """FS-B: the Triton decode search (one launch per step) over the streaming forests (trees
+    built by `fsb_build`). Returns (outputs [B, 50, Hq, D], the cache's state dict)."""
+    from freesolo import FreeSoloCache
+
+    if seed is not None:
+        torch.manual_seed(seed)
+    B, T, Hq, Hkv, D = 2, 150, 4, 2, 32
     cfg = freesolo.FreeSoloConfig(variant="fsb", window=32, cell=8, block=16, beam=4, top_k=2)
     q, k, v = (torch.randn(B, T, h, D, device="cuda", dtype=torch.bfloat16) for h in (Hq, Hkv, Hkv))
     cfg = cfg.replace(tau=freesolo.calibrate_tau(k.float(), cfg))
     cache = FreeSoloCache(cfg, B, Hq, Hkv, D, backend="torch", decode_kernel="triton", dtype=torch.bfloat16, device="cuda")
     cache.extend(q[:, :100], k[:, :100], v[:, :100])
-    outs = [cache.extend(q[:, i : i + 1], k[:, i : i + 1], v[:, i : i + 1]) for i in range(100, T)]
+    outs = torch.cat([cache.extend(q[:, i : i + 1], k[:, i : i + 1], v[:, i : i + 1]) for i in range(100, T)], 1)
     torch.cuda.synchronize()
-    print("decode fsb triton-search ok", bool(torch.isfinite(torch.cat(outs, 1)).all()))
+    print("decode fsb triton-search ok", bool(torch.isfinite(outs).all()))
+    return outs, cache.state_dict()
+
+
+def _trace_builds():
+    """Print the arguments of every FS-B tree build (`fsb_build.build_tree_slot`) before it runs."""
+    from freesolo.backends.triton import fsb_build as fb
+
+    original = fb.build_tree_slot
+
+    def traced(fields, lo, elems, first, changed, h, cell, leaf_order, outward, **kwargs):
+        mu = fields["mu"]
+        print(f"build: h {h} lo {lo} D {mu.shape[-1]} {mu.dtype} rows {mu.shape[0] * mu.shape[1]} leaf_order {leaf_order} "
+              f"outward {outward} changed {changed.flatten().tolist()} first {first.flatten().tolist()} {kwargs}", flush=True)  # fmt: skip
+        return original(fields, lo, elems, first, changed, h, cell, leaf_order, outward, **kwargs)
+
+    fb.build_tree_slot = traced
+
+
+def _tensors(tree, prefix=""):
+    """The tensors of a nested dict / list / tuple, by path."""
+    if isinstance(tree, torch.Tensor):
+        return {prefix: tree}
+    out = {}
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, (list, tuple)) else ()
+    for key, value in items:
+        out.update(_tensors(value, f"{prefix}/{key}"))
+    return out
+
+
+def decode_fsb_repeat(runs=20):
+    """The FS-B decode of `decode_fsb` from the same inputs `runs` times: outputs and every tensor
+    of the cache's state bitwise equal to the first run's? (no sanitizer)"""
+    first_out, first_state = decode_fsb(seed=1)
+    first_state = _tensors(first_state)
+    differ = []
+    for run in range(1, runs):
+        out, state = decode_fsb(seed=1)
+        names = [n for n, t in _tensors(state).items() if not torch.equal(t, first_state[n])]
+        if names or not torch.equal(out, first_out):
+            differ.append((run, bool(torch.equal(out, first_out)), names))
+    print(f"decode fsb repeated {runs} times: runs differing from the first: {len(differ)}", differ)
 
 
 def fsb_build(D=40, cases=((5, None), (9, 2)), num_warps=None, repeats=1):
@@ -116,6 +168,11 @@ def main(parts=("forward_backward", "decode", "fsb_search", "fsb_build", "fsb_bu
     if "fsb_build" in parts:
         fsb_build()
     small = tuple((h, None) for h in range(5))
+    if "decode_fsb" in parts:  # the FS-B decode alone, every tree build traced
+        _trace_builds()
+        decode_fsb()
+    if "decode_fsb_repeat" in parts:
+        decode_fsb_repeat()
     if "fsb_build_small" in parts:  # default warps, then one warp (no cross-warp reduction)
         fsb_build(D=32, cases=small)
         fsb_build(D=32, cases=small, num_warps=1)
