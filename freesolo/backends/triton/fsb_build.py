@@ -53,6 +53,14 @@ _TOP_REGISTER_BUDGET = {torch.float32: 16384, torch.float64: 16384}
 _MAX_LOG_TOP_BLOCK = 7
 _NUM_WARPS = 4
 _MAX_GRID_ROWS = 65535  # grid axis 1
+# _NO_FP_FUSION: the build kernel is compiled with enable_fp_fusion=False. With fusion, the
+# radius's `tl.sum(diff * diff)` over D contracts the squares into FMAs along the reduction's
+# butterfly, so lanes that hold the same reduced element can round it differently (by an ulp),
+# and on small trees (few leaves: the reduced tensor is replicated across lanes) those lanes
+# store their different values to the same shared-memory slot: s32 call3's racecheck of the
+# decode reported these write-write hazards (1-ulp different values, threads of different
+# warps), so the radius's last bit could depend on the order the warps' stores land in
+# (triton-lang/triton#7264). Plain adds are commutative: every lane then holds the same bits.
 
 
 def _tree_nodes(h: int) -> int:
@@ -368,6 +376,7 @@ def _build_tree_slot(
         OUTWARD=bool(outward),
         OUT_SCALE=out_scale,
         num_warps=_NUM_WARPS if num_warps is None else num_warps,
+        enable_fp_fusion=False,  # see _NO_FP_FUSION
     )
 
 
