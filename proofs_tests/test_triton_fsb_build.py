@@ -10,7 +10,8 @@
 - the outward radius is exactly the plain radius times (1 + 8 eps), as torch rounds it;
 - small leaf chunks and top blocks (the per-node block loops of the top levels, masked blocks),
   D = 256, a taller tree;
-- bad input raises ValueError.
+- bad input raises ValueError;
+- the kernel is launched without FP fusion (the radius reduction race of s32).
 On a CPU machine the kernel runs under the interpreter (TRITON_INTERPRET=1) on small shapes.
 """
 
@@ -279,3 +280,21 @@ def test_bad_input_raises(name, mutate):
     mutate(args)
     with pytest.raises(ValueError):
         build_tree_slot(**args)
+
+
+def test_build_kernel_compiles_without_fp_fusion(monkeypatch):
+    """The build kernel is launched with enable_fp_fusion=False (fsb_build._NO_FP_FUSION: with FMA
+    contraction the radius's reduction lanes round differently and race on shared memory, s32)."""
+    from freesolo.backends.triton import fsb_build
+
+    seen = []
+    original = fsb_build.launch
+
+    def recording(kernel, grid, *args, **kwargs):
+        seen.append(kwargs.get("enable_fp_fusion"))
+        return original(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(fsb_build, "launch", recording)
+    fields, lo, elems, first, changed = make_case(1, 2, 8, 6, 2, torch.float32, seed=3)
+    build_tree_slot(fields, lo, elems, first, changed, 2, CELL, "content", False)
+    assert seen == [False]
