@@ -755,6 +755,33 @@ def _rope_tables(COS, SIN, p0, pos, pos_mask, HALF: tl.constexpr, BLOCK_H: tl.co
 
 
 @triton.jit
+def _rotated_halves(X, rows, row_mask, COS, SIN, p0, pos, DT_REF, PREROT: tl.constexpr, HALF: tl.constexpr,
+                    BLOCK_H: tl.constexpr):  # fmt: skip
+    """The halves of rope(x) for rows of a [*, D] tensor (`_load_halves(X, rows, row_mask)`), in
+    the dtype of the DT_REF pointer (tl.dot's inputs): loaded as they are when PREROT (X holds
+    rope(x) already), else rotated at positions p0 + pos (`_rope_tables`)."""
+    x1, x2 = _load_halves(X, rows, row_mask, HALF, BLOCK_H)
+    DOT_DTYPE = DT_REF.dtype.element_ty
+    if PREROT:
+        r1 = x1.to(DOT_DTYPE)
+        r2 = x2.to(DOT_DTYPE)
+    else:
+        cs, sn = _rope_tables(COS, SIN, p0, pos, row_mask, HALF, BLOCK_H)
+        r1 = (x1 * cs - x2 * sn).to(DOT_DTYPE)
+        r2 = (x2 * cs + x1 * sn).to(DOT_DTYPE)
+    return r1, r2
+
+
+@triton.jit
+def _unrotated_grad(g1, g2, COS, SIN, p0, pos, pos_mask, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    """The gradient with respect to x of one with respect to rope(x) (the transposed rotation:
+    g1 c + g2 s, g2 c - g1 s) at positions p0 + pos; the tables loaded here (fewer live registers
+    than keeping them from the rotation)."""
+    cs, sn = _rope_tables(COS, SIN, p0, pos, pos_mask, HALF, BLOCK_H)
+    return g1 * cs + g2 * sn, g2 * cs - g1 * sn
+
+
+@triton.jit
 def _bwd_local_dkdv_kernel(
     DO,
     Q,
@@ -796,15 +823,8 @@ def _bwd_local_dkdv_kernel(
     nmask = n0 + ar_n < T
     kv_base = ((b * T + n0) * HKV + g) * D  # int64 scalar; tile offsets are int32
     kv_rows = ar_n * (HKV * D)
-    k1, k2 = _load_halves(K + kv_base, kv_rows, nmask, HALF, BLOCK_H)
+    kr1, kr2 = _rotated_halves(K + kv_base, kv_rows, nmask, COS, SIN, n0, ar_n, K, PREROT, HALF, BLOCK_H)
     v1, v2 = _load_halves(V + kv_base, kv_rows, nmask, HALF, BLOCK_H)
-    if PREROT:
-        kr1 = k1.to(DOT_DTYPE)
-        kr2 = k2.to(DOT_DTYPE)
-    else:
-        cs, sn = _rope_tables(COS, SIN, n0, ar_n, nmask, HALF, BLOCK_H)
-        kr1 = (k1 * cs - k2 * sn).to(DOT_DTYPE)
-        kr2 = (k2 * cs + k1 * sn).to(DOT_DTYPE)
     v1 = v1.to(DOT_DTYPE)
     v2 = v2.to(DOT_DTYPE)
     dk1 = tl.zeros([BLOCK_N, BLOCK_H], dtype=tl.float32)
@@ -820,15 +840,8 @@ def _bwd_local_dkdv_kernel(
             mmask = m0 + ar_m < T
             q_base = ((b * T + m0) * HQ + h) * D
             q_rows = ar_m * (HQ * D)
-            q1, q2 = _load_halves(Q + q_base, q_rows, mmask, HALF, BLOCK_H)
+            qr1, qr2 = _rotated_halves(Q + q_base, q_rows, mmask, COS, SIN, m0, ar_m, K, PREROT, HALF, BLOCK_H)
             do1, do2 = _load_halves(DO + q_base, q_rows, mmask, HALF, BLOCK_H)
-            if PREROT:
-                qr1 = q1.to(DOT_DTYPE)
-                qr2 = q2.to(DOT_DTYPE)
-            else:
-                qcs, qsn = _rope_tables(COS, SIN, m0, ar_m, mmask, HALF, BLOCK_H)
-                qr1 = (q1 * qcs - q2 * qsn).to(DOT_DTYPE)
-                qr2 = (q2 * qcs + q1 * qsn).to(DOT_DTYPE)
             do1 = do1.to(DOT_DTYPE)
             do2 = do2.to(DOT_DTYPE)
             stat = (b * HQ + h) * T + m0
@@ -849,10 +862,7 @@ def _bwd_local_dkdv_kernel(
             dk2 += _dot(dsT, qr2, IEEE)
     dk1 = dk1 * scale
     dk2 = dk2 * scale
-    # transpose rotation: dk1 = g1 c + g2 s, dk2 = g2 c - g1 s (tables reloaded: fewer live registers)
-    cs, sn = _rope_tables(COS, SIN, n0, ar_n, nmask, HALF, BLOCK_H)
-    gk1 = dk1 * cs + dk2 * sn
-    gk2 = dk2 * cs - dk1 * sn
+    gk1, gk2 = _unrotated_grad(dk1, dk2, COS, SIN, n0, ar_n, nmask, HALF, BLOCK_H)
     offs_h = tl.arange(0, BLOCK_H)
     m2 = nmask[:, None] & (offs_h < HALF)[None, :]
     p1 = kv_base + kv_rows[:, None] + offs_h[None, :]
@@ -910,15 +920,8 @@ def _bwd_local_dq_kernel(
     mmask = m0 + ar_m < T
     q_base = ((b * T + m0) * HQ + h) * D  # int64 scalar; tile offsets are int32
     q_rows = ar_m * (HQ * D)
-    q1, q2 = _load_halves(Q + q_base, q_rows, mmask, HALF, BLOCK_H)
+    qr1, qr2 = _rotated_halves(Q + q_base, q_rows, mmask, COS, SIN, m0, ar_m, K, PREROT, HALF, BLOCK_H)
     do1, do2 = _load_halves(DO + q_base, q_rows, mmask, HALF, BLOCK_H)
-    if PREROT:
-        qr1 = q1.to(DOT_DTYPE)
-        qr2 = q2.to(DOT_DTYPE)
-    else:
-        cs, sn = _rope_tables(COS, SIN, m0, ar_m, mmask, HALF, BLOCK_H)
-        qr1 = (q1 * cs - q2 * sn).to(DOT_DTYPE)
-        qr2 = (q2 * cs + q1 * sn).to(DOT_DTYPE)
     do1 = do1.to(DOT_DTYPE)
     do2 = do2.to(DOT_DTYPE)
     stat = (b * HQ + h) * T + m0
@@ -934,15 +937,8 @@ def _bwd_local_dq_kernel(
         nmask = (n0 + ar_n < T) & (n0 + ar_n >= 0)
         kv_base = ((b * T + n0) * HKV + g) * D  # may point before the row: masked
         kv_rows = ar_n * (HKV * D)
-        k1, k2 = _load_halves(K + kv_base, kv_rows, nmask, HALF, BLOCK_H)
+        kr1, kr2 = _rotated_halves(K + kv_base, kv_rows, nmask, COS, SIN, n0, ar_n, K, PREROT, HALF, BLOCK_H)
         v1, v2 = _load_halves(V + kv_base, kv_rows, nmask, HALF, BLOCK_H)
-        if PREROT:
-            kr1 = k1.to(DOT_DTYPE)
-            kr2 = k2.to(DOT_DTYPE)
-        else:
-            kcs, ksn = _rope_tables(COS, SIN, n0, ar_n, nmask, HALF, BLOCK_H)
-            kr1 = (k1 * kcs - k2 * ksn).to(DOT_DTYPE)
-            kr2 = (k2 * kcs + k1 * ksn).to(DOT_DTYPE)
         s = _dot(qr1, tl.trans(kr1), IEEE) + _dot(qr2, tl.trans(kr2), IEEE)  # [BLOCK_M, BLOCK_N]
         diff = (m0 - n0).to(tl.int32) + tl.arange(0, BLOCK_M)[:, None] - tl.arange(0, BLOCK_N)[None, :]  # i - t
         vis = (diff >= 0) & (diff < W) & mmask[:, None] & nmask[None, :]
@@ -953,9 +949,7 @@ def _bwd_local_dq_kernel(
         dq2 += _dot(ds, kr2, IEEE)
     dq1 = dq1 * scale
     dq2 = dq2 * scale
-    cs, sn = _rope_tables(COS, SIN, m0, ar_m, mmask, HALF, BLOCK_H)  # reloaded: fewer live registers
-    gq1 = dq1 * cs + dq2 * sn
-    gq2 = dq2 * cs - dq1 * sn
+    gq1, gq2 = _unrotated_grad(dq1, dq2, COS, SIN, m0, ar_m, mmask, HALF, BLOCK_H)
     offs_h = tl.arange(0, BLOCK_H)
     m2 = mmask[:, None] & (offs_h < HALF)[None, :]
     p1 = q_base + q_rows[:, None] + offs_h[None, :]
