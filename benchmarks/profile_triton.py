@@ -56,6 +56,8 @@ def main(argv=None):
                         freesolo.freesolo_attention(q, k, v, cfg, backend="triton", check_finite=False)
                 else:
                     o = freesolo.freesolo_attention(q, k, v, cfg, backend="triton", check_finite=False)
+                    for x in (q, k, v):  # as gpu_attention.py: no accumulation kernels into old .grad
+                        x.grad = None
                     o.backward(do)
 
             for _ in range(3):
