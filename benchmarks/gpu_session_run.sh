@@ -2,7 +2,7 @@
 # One H200 call that measures and checks what a session changed (run from the repository root with
 # $OUT set). Every step has its own timeout so that a slow step cannot starve the rest; everything
 # lands in $OUT/session.tar (the device returns at most 8 files) plus $OUT/summary.txt.
-# STEPS picks the steps (default: "s32e_ab s32e_tests s32e_prof";
+# STEPS picks the steps (default: "s32f_fsb_decode";
 # pass timeout_s 600, read summary.txt):
 #   tests_split  CUDA tests of the Triton forward / backward / API / L11-L12 with the split long kernel
 #                (FREESOLO_TRITON_LONG_BLOCK=64 FREESOLO_TRITON_MAXNREG=128: the proposed 16-bit default)
@@ -232,13 +232,14 @@
 #   s32e_ab      the backward kernels with the shared rotation helpers against 7e4b0ed's (kernel_refactor_ab.py; .ab carried)
 #   s32e_tests   the CUDA tests of the backward / backend / L12 / packed (the refactored backward kernels)
 #   s32e_prof    per-kernel GPU time of FS-L fwd and fwd+bwd at 4k / 16k / 64k (no grad accumulation)
+#   s32f_fsb_decode issue 12: FS-B decode at 1M, 400 steps in a CUDA graph (the tree builder without FP fusion)
 set -u
 OUT=${OUT:-/tmp/session_out}
 W=/tmp/session_work
 rm -rf "$W"  # a warm machine keeps /tmp: start empty
 mkdir -p "$OUT" "$W"
 export PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=ci PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-STEPS=${STEPS:-"s32e_ab s32e_tests s32e_prof"}
+STEPS=${STEPS:-"s32f_fsb_decode"}
 SPLIT=(env FREESOLO_TRITON_LONG_BLOCK=64 FREESOLO_TRITON_MAXNREG=128)
 step() {  # step NAME SECONDS COMMAND...: run with a timeout, log to $W/NAME.log, one summary line
   local name=$1 secs=$2; shift 2
@@ -344,6 +345,7 @@ step s32d_repeat 90 python3 benchmarks/sanitize_triton.py fsb_build_repeat decod
 step s32e_ab 150 python3 benchmarks/kernel_refactor_ab.py --old attention_bwd=.ab/attention_bwd.py
 step s32e_tests 240 python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k "cuda or gpu or cell_plan or without_saved" proofs_tests/test_triton_backward.py proofs_tests/test_triton_backend.py proofs_tests/test_row_independence.py proofs_tests/test_packed.py
 step s32e_prof 120 python3 benchmarks/profile_triton.py --T 4096 16384 65536 --out $W/profile_s32e.json
+step s32f_fsb_decode 200 python3 benchmarks/fsb_decode_bench.py --contexts 1048576 --steps 400 --out "$W/fsb_decode_s32.json"
 step s31b_attn 330 python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fs sdpa_causal flex_swa512 fla_nsa --shapes H16-D64 --modes fwd fwd+bwd --lengths 4096 16384 65536 131072 --budget-s 290 --rep-ms 30 --out "$W" --tag _s31b
 step s31b_overlap 150 bash -c "python3 benchmarks/forward_overlap_ab.py --lengths 4096 16384 65536 --fs-lengths --configs overlap sorted --out $W/forward_overlap_s31b.json && python3 benchmarks/launch_host_probe.py --T 4096 16384 --idle --no-replay --out $W/launch_host_s31b.json"
 step s30f_rope 90 python3 benchmarks/rope_sweep.py --out "$W/rope_sweep.json"
