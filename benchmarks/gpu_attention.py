@@ -9,7 +9,9 @@ blocks, no window; it needs GQA groups of >= 16 heads, so it runs with Hkv = Hq 
 shape says; skipped when fla is not importable). `triton_fsl_graph` / `sdpa_causal_graph`: the same
 calls (forward, or forward + backward into the inputs' .grad) captured once in a CUDA graph and
 replayed: the GPU time without the per-call host work, what a training loop that captures its step
-gets (peak memory: that of the eager call).
+gets (peak memory: that of the eager call). The triton providers run with the backend's defaults,
+so calls of at most 16384 tokens replay from its CUDA-graph cache (`freesolo.backends.triton.graphs`);
+`triton_fsl_eager` / `triton_fs_eager`: the same calls with that cache off (FREESOLO_TRITON_GRAPHS=0).
 
 One run times forward and forward+backward (median of `triton.testing.do_bench`; a provider slower
 than 50 ms per call is timed as the median of 3 calls) and the peak memory of each provider at
@@ -64,11 +66,17 @@ PROVIDERS = [
     "sdpa_causal_graph",
     "triton_fsl_compiled",
     "sdpa_causal_compiled",
+    "triton_fsl_eager",
+    "triton_fs_eager",
 ]
 GRAPH_SUFFIX = "_graph"  # <provider>_graph: the provider's call (fwd, or fwd + backward) captured once in a CUDA graph, replayed
 # <provider>_compiled: the provider's call as a function of (q, k, v) under torch.compile(mode="reduce-overhead",
 # fullgraph=True): Inductor's CUDA-graph trees replay the forward (and the backward) graph, copying the inputs in
 COMPILED_SUFFIX = "_compiled"
+# <provider>_eager: the triton provider with the backend's CUDA-graph cache of short calls off
+# (FREESOLO_TRITON_GRAPHS=0, `freesolo.backends.triton.graphs`): every call launches its kernels
+EAGER_SUFFIX = "_eager"
+GRAPHS_ENV = "FREESOLO_TRITON_GRAPHS"
 MODES = ["fwd", "fwd+bwd"]
 WINDOW = 512
 
@@ -213,7 +221,7 @@ def make_call(provider: str, q, k, v, compiled: bool):
     """q [B, T, Hq, D], k / v [B, T, Hkv, D] -> a function returning the output (any layout)."""
     if provider.endswith(COMPILED_SUFFIX):
         return _reduce_overhead_call(provider, q, k, v, compiled)
-    provider = provider.removesuffix(GRAPH_SUFFIX)
+    provider = provider.removesuffix(GRAPH_SUFFIX).removesuffix(EAGER_SUFFIX)
     Hq, Hkv = q.shape[2], k.shape[2]
     gqa = Hq != Hkv
     if provider.startswith("freesolo_") or provider.startswith("triton_"):
@@ -268,7 +276,21 @@ def bench_ms(fn, device, rep_ms: int) -> float:
 
 
 def run_case(provider, mode, T, shape, device, dtype, compiled, rep_ms):
-    """-> dict(ms, peak_gib, status)."""
+    """-> dict(ms, peak_gib, status); <provider>_eager runs with FREESOLO_TRITON_GRAPHS=0."""
+    if not provider.endswith(EAGER_SUFFIX):
+        return _run_case(provider, mode, T, shape, device, dtype, compiled, rep_ms)
+    previous = os.environ.get(GRAPHS_ENV)
+    os.environ[GRAPHS_ENV] = "0"
+    try:
+        return _run_case(provider, mode, T, shape, device, dtype, compiled, rep_ms)
+    finally:
+        if previous is None:
+            del os.environ[GRAPHS_ENV]
+        else:
+            os.environ[GRAPHS_ENV] = previous
+
+
+def _run_case(provider, mode, T, shape, device, dtype, compiled, rep_ms):
     B = 1
     gen = torch.Generator(device=device).manual_seed(0)
     need_grad = mode == "fwd+bwd"

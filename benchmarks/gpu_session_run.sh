@@ -2,7 +2,7 @@
 # One H200 call that measures and checks what a session changed (run from the repository root with
 # $OUT set). Every step has its own timeout so that a slow step cannot starve the rest; everything
 # lands in $OUT/session.tar (the device returns at most 8 files) plus $OUT/summary.txt.
-# STEPS picks the steps (default: "s32f_fsb_decode";
+# STEPS picks the steps (default: "s33a_tests s33a_probe";
 # pass timeout_s 600, read summary.txt):
 #   tests_split  CUDA tests of the Triton forward / backward / API / L11-L12 with the split long kernel
 #                (FREESOLO_TRITON_LONG_BLOCK=64 FREESOLO_TRITON_MAXNREG=128: the proposed 16-bit default)
@@ -233,13 +233,17 @@
 #   s32e_tests   the CUDA tests of the backward / backend / L12 / packed (the refactored backward kernels)
 #   s32e_prof    per-kernel GPU time of FS-L fwd and fwd+bwd at 4k / 16k / 64k (no grad accumulation)
 #   s32f_fsb_decode issue 12: FS-B decode at 1M, 400 steps in a CUDA graph (the tree builder without FP fusion)
+#   s33a_tests   issues 10 / 11: the CUDA-graph cache's tests, then the backend / models / packed / L12 CUDA tests with the cache on
+#   s33a_probe   issues 10 / 11: graph_cache_probe.py (FS-L 4k / 16k, cache on / off: ms, host us, memory, bits)
+#   s33a_attn    issues 10 / 11: gpu_attention.py, triton_fsl / triton_fs with and without the cache vs SDPA, Flex, 4k / 16k / 64k
+#   s33a_train   issue 11: train_step.py eager providers at 4k / 16k (the FS-L model's attention from the cache)
 set -u
 OUT=${OUT:-/tmp/session_out}
 W=/tmp/session_work
 rm -rf "$W"  # a warm machine keeps /tmp: start empty
 mkdir -p "$OUT" "$W"
 export PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=ci PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-STEPS=${STEPS:-"s32f_fsb_decode"}
+STEPS=${STEPS:-"s33a_tests s33a_probe"}
 SPLIT=(env FREESOLO_TRITON_LONG_BLOCK=64 FREESOLO_TRITON_MAXNREG=128)
 step() {  # step NAME SECONDS COMMAND...: run with a timeout, log to $W/NAME.log, one summary line
   local name=$1 secs=$2; shift 2
@@ -346,6 +350,10 @@ step s32e_ab 150 python3 benchmarks/kernel_refactor_ab.py --old attention_bwd=.a
 step s32e_tests 240 python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k "cuda or gpu or cell_plan or without_saved" proofs_tests/test_triton_backward.py proofs_tests/test_triton_backend.py proofs_tests/test_row_independence.py proofs_tests/test_packed.py
 step s32e_prof 120 python3 benchmarks/profile_triton.py --T 4096 16384 65536 --out $W/profile_s32e.json
 step s32f_fsb_decode 200 python3 benchmarks/fsb_decode_bench.py --contexts 1048576 --steps 400 --out "$W/fsb_decode_s32.json"
+step s33a_tests 300 bash -c "python3 -m pytest -q -p no:benchmark proofs_tests/test_triton_graphs.py; FREESOLO_TRITON_GRAPHS= python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k 'cuda or gpu' proofs_tests/test_triton_backend.py proofs_tests/test_models.py proofs_tests/test_packed.py proofs_tests/test_row_independence.py"
+step s33a_probe 120 python3 benchmarks/graph_cache_probe.py --out "$W/graph_cache_s33a.json"
+step s33a_attn 330 python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fsl_eager triton_fs triton_fs_eager triton_fsl_graph sdpa_causal flex_swa512 --shapes H16-D64 --modes fwd fwd+bwd --lengths 4096 16384 65536 --budget-s 290 --rep-ms 30 --out "$W" --tag _s33a
+step s33a_train 200 python3 benchmarks/train_step.py --lengths 4096 16384 --providers freesolo_fsl_triton sdpa_causal flex_swa512 --out "$W"
 step s31b_attn 330 python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fs sdpa_causal flex_swa512 fla_nsa --shapes H16-D64 --modes fwd fwd+bwd --lengths 4096 16384 65536 131072 --budget-s 290 --rep-ms 30 --out "$W" --tag _s31b
 step s31b_overlap 150 bash -c "python3 benchmarks/forward_overlap_ab.py --lengths 4096 16384 65536 --fs-lengths --configs overlap sorted --out $W/forward_overlap_s31b.json && python3 benchmarks/launch_host_probe.py --T 4096 16384 --idle --no-replay --out $W/launch_host_s31b.json"
 step s30f_rope 90 python3 benchmarks/rope_sweep.py --out "$W/rope_sweep.json"

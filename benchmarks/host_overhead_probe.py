@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+os.environ.setdefault("FREESOLO_TRITON_GRAPHS", "0")  # eager kernels, as measured before the CUDA-graph cache (s33)
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from gpu_attention import _versions, write_json  # noqa: E402 (benchmarks/ is this script's folder)

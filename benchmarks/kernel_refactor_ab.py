@@ -33,6 +33,7 @@ import torch
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
+os.environ["FREESOLO_TRITON_GRAPHS"] = "0"  # the kernels under A/B launch on every call: no replay from the CUDA-graph cache
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import freesolo  # noqa: E402

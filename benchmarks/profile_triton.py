@@ -15,6 +15,7 @@ import sys
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+os.environ.setdefault("FREESOLO_TRITON_GRAPHS", "0")  # eager kernels, as measured before the CUDA-graph cache (s33)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import freesolo  # noqa: E402

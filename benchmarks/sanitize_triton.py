@@ -16,6 +16,10 @@ so that a racecheck log lists the hazards of freesolo's kernels only.
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("FREESOLO_TRITON_GRAPHS", "0")  # the kernels launched eagerly, call by call (s33: CUDA-graph cache)
+
 import torch
 
 import freesolo

@@ -2,6 +2,9 @@
 
 Select with HYPOTHESIS_PROFILE=ci|dev (default: dev locally, ci when CI is set).
 On a machine without CUDA, TRITON_INTERPRET=1 is set so the Triton backend runs interpreted.
+FREESOLO_TRITON_GRAPHS=0 (unless set outside): the CUDA tests check the triton backend's eager
+kernels and launch paths; test_triton_graphs.py turns its CUDA-graph cache on and checks that a
+replay gives those kernels' bits.
 """
 
 import os
@@ -15,6 +18,9 @@ try:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 except ImportError:  # torch is optional for the host backends
     pass
+
+# the triton backend's CUDA-graph cache off by default in the tests (docstring)
+os.environ.setdefault("FREESOLO_TRITON_GRAPHS", "0")
 
 from hypothesis import HealthCheck, settings
 

@@ -36,6 +36,7 @@ import torch
 
 from ...config import FreeSoloConfig
 from ..base import Backend
+from . import graphs
 
 __all__ = [
     "TritonBackend",
@@ -339,17 +340,34 @@ class _EagerAttention(torch.autograd.Function):
     `_backward_impl`), the same saved tensors, without the two custom-op dispatches, which cost
     about 130 us of host time per forward on the H200's host (s23 `host_overhead_probe.py`: 885
     us through the op against 756 for its body at 4k). `triton_attention` uses the operators
-    while torch.compile traces (one opaque node, fake tensors) and this class otherwise."""
+    while torch.compile traces (one opaque node, fake tensors) and this class otherwise.
+    graphed: the call may run from the backend's CUDA-graph cache (`graphs.eligible`), forward
+    and backward alike (the backward asks `graphs.eligible` again: a capture or the sync debug
+    mode may have started in between)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, beta, cfg_json):
-        output = _forward_impl(q, k, v, beta, cfg_json)
+    def forward(ctx, q, k, v, beta, cfg_json, variant, graphed):
+        if graphed:
+            output = graphs.run(_forward_impl, (q, k, v, beta), (cfg_json, True))
+        else:
+            output = _forward_impl(q, k, v, beta, cfg_json)
         _setup_context(ctx, (q, k, v, beta, cfg_json), output)
+        ctx.variant = variant
         return output[0]
 
     @staticmethod
     def backward(ctx, do):
-        return _grads(ctx, do, _backward_impl)
+        q = ctx.saved_tensors[0]
+        if graphs.eligible(q, ctx.variant, q.shape[0] * q.shape[1]):
+            grads = _grads(ctx, do, _graphed_backward)
+        else:
+            grads = _grads(ctx, do, _backward_impl)
+        return (*grads, None, None)
+
+
+def _graphed_backward(*inputs):
+    """`_backward_impl`'s signature, run through the CUDA-graph cache."""
+    return graphs.run(_backward_impl, inputs[:10], inputs[10:])
 
 
 # ---- public functions ----------------------------------------------------------------------------
@@ -369,11 +387,15 @@ def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: Fre
     if torch.compiler.is_compiling():
         o, _idx, _lse_loc, _lse_long, _rstd = torch.ops.freesolo.triton_forward(q, k, v, b, config_to_json(cfg))
         return o
+    # short calls are host-bound: replayed from CUDA graphs when `graphs.eligible` (FREESOLO_TRITON_GRAPHS)
+    graphed = graphs.eligible(q, cfg.variant, q.shape[0] * q.shape[1])
     if not (torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, b))):
         # nothing to differentiate: no autograd node, and the backward's statistics are not stored
         # (12 bytes per position and query head; the rotated keys take their room: fewer launches)
+        if graphed:
+            return graphs.run(_forward_impl, (q, k, v, b), (config_to_json(cfg), False))[0]
         return _forward_impl(q, k, v, b, config_to_json(cfg), save_stats=False)[0]
-    return _EagerAttention.apply(q, k, v, b, config_to_json(cfg))
+    return _EagerAttention.apply(q, k, v, b, config_to_json(cfg), cfg.variant, graphed)
 
 
 def triton_select_cells(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig) -> torch.Tensor:

@@ -1,0 +1,230 @@
+"""CUDA graphs of short eager calls: the host-bound forward / backward replayed from a graph.
+
+At a few thousand tokens an eager triton call is bound by host time, not by the GPU: on the H200
+(B 1, H 16, D 64, bf16) the FS-L forward at 4k costs 0.4-0.6 ms of Python, launches and
+allocations for 0.15 ms of kernels, the forward + backward ~2 ms for 0.69 ms (s29-s31 host
+probes). `torch.compile(mode="reduce-overhead")` removes that host time by CUDA graphs; this
+module does the same for plain eager calls, inside the backend:
+
+- a call is *eligible* when it runs on CUDA (not under the interpreter), its variant is fs or
+  fsl, it holds at most `max_tokens()` tokens (B * T; default 16384: above it the GPU work hides
+  the host work), no CUDA-graph capture is under way on the current stream (the caller's own
+  capture records the kernels as usual) and torch's sync debug mode is off (a capture waits for
+  the device once);
+- the first eligible call of a key runs eagerly (it compiles the kernels and leaves one-off
+  shapes out of the cache); the second captures the body once into a graph with static copies of
+  its inputs, every later one copies its inputs into those buffers, replays the graph on the
+  current stream and returns clones of the graph's outputs (so that calls in flight at once, e.g.
+  the layers of a model before their backward, never share output memory);
+- a key is the body, the shapes and dtypes of the tensors, the device, the non-tensor arguments
+  and the FREESOLO_TRITON_* switches that steer the kernels (`KNOB_ENVS`), so a replay runs the
+  kernels the eager call would run, on the same values: the outputs are the same bits (tested on
+  the H200 against FREESOLO_TRITON_GRAPHS=0);
+- at most `MAX_ENTRIES` graphs are kept (least recently used evicted); after `MAX_EVICTIONS`
+  evictions in a process the shapes vary too much for a cache to pay and it turns itself off
+  with a warning.
+
+FREESOLO_TRITON_GRAPHS=0 turns the cache off; an integer N > 0 sets `max_tokens()` to N.
+Memory: a graph keeps static copies of its inputs and its own pool for the outputs and the
+intermediates, about the size of the call's working set (`GraphCache.stats` counts graphs,
+captures, replays; `clear()` frees them).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections import OrderedDict
+from typing import Callable, Optional
+
+import torch
+
+__all__ = [
+    "GRAPHS_ENV",
+    "DEFAULT_MAX_TOKENS",
+    "KNOB_ENVS",
+    "GraphCache",
+    "CACHE",
+    "max_tokens",
+    "eligible",
+    "cache_key",
+    "run",
+    "clear",
+]
+
+GRAPHS_ENV = "FREESOLO_TRITON_GRAPHS"
+DEFAULT_MAX_TOKENS = 16384
+MAX_ENTRIES = 16
+MAX_EVICTIONS = 64
+CAPTURE_AFTER = 2  # the call of a key that captures it (the first runs eagerly)
+MAX_SEEN = 1024  # keys counted before their capture; the counts are cleared beyond it
+# the environment switches that change which kernels a call runs (read at call time by
+# attention.py, attention_bwd.py, selection.py, _common.py): part of every key
+KNOB_ENVS = (
+    "FREESOLO_TRITON_LONG_BLOCK",
+    "FREESOLO_TRITON_MAXNREG",
+    "FREESOLO_TRITON_LONG_INTO_OUT",
+    "FREESOLO_TRITON_WINDOW_FIRST",
+    "FREESOLO_TRITON_SORTED_LONG",
+    "FREESOLO_TRITON_OVERLAP_MIN_T",
+    "FREESOLO_TRITON_FSL_TAIL",
+    "FREESOLO_TRITON_BWD_LONG",
+    "FREESOLO_TRITON_FAST_LAUNCH",
+)
+
+
+def max_tokens() -> int:
+    """The largest B * T a call may hold to be replayed from a graph (0: the cache is off).
+    FREESOLO_TRITON_GRAPHS: unset or empty = DEFAULT_MAX_TOKENS, "0" = off, N > 0 = N."""
+    text = os.environ.get(GRAPHS_ENV, "")
+    if text == "":
+        return DEFAULT_MAX_TOKENS
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{GRAPHS_ENV}={text!r} must be 0 (off) or a positive token count") from None
+    if value < 0:
+        raise ValueError(f"{GRAPHS_ENV}={text!r} must be 0 (off) or a positive token count")
+    return value
+
+
+def eligible(x: torch.Tensor, variant: str, tokens: int) -> bool:
+    """Whether a call on tensor x (its first input) may be replayed from a graph (module docstring).
+    x: a torch tensor; variant: cfg.variant; tokens: B * T of the call."""
+    if not x.is_cuda or variant not in ("fs", "fsl") or CACHE.disabled:
+        return False
+    limit = max_tokens()
+    if tokens > limit:  # (limit 0: off)
+        return False
+    if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+        return False
+    return torch.cuda.get_sync_debug_mode() == 0
+
+
+class _Graph:
+    """One captured body: static inputs, the graph, its static outputs.
+
+    tensors: the call's tensor arguments (None allowed), copied into contiguous static buffers;
+    body(*static_tensors, *args) is captured on a side stream of the tensors' device."""
+
+    def __init__(self, body: Callable, tensors: tuple, args: tuple):
+        first = next(x for x in tensors if x is not None)
+        device = first.device
+        self.inputs = tuple(None if x is None else x.detach().clone(memory_format=torch.contiguous_format) for x in tensors)
+        self.graph = torch.cuda.CUDAGraph()
+        current = torch.cuda.current_stream(device)
+        side = torch.cuda.Stream(device=device)
+        side.wait_stream(current)  # the static copies above are on the current stream
+        with torch.cuda.stream(side):
+            self.graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                outputs = body(*self.inputs, *args)
+            finally:
+                self.graph.capture_end()
+        current.wait_stream(side)
+        self.outputs = tuple(outputs)
+
+    def __call__(self, tensors: tuple) -> tuple:
+        for static, x in zip(self.inputs, tensors):
+            if static is not None:
+                static.copy_(x)
+        self.graph.replay()
+        return tuple(None if out is None else out.clone() for out in self.outputs)
+
+
+class GraphCache:
+    """Graphs of eligible calls, keyed as the module docstring says; `capture(body, tensors, args)`
+    builds a replayable entry (the CUDA `_Graph` by default; tests on the CPU pass a stand-in)."""
+
+    def __init__(self, capture: Callable = _Graph, max_entries: int = MAX_ENTRIES, max_evictions: int = MAX_EVICTIONS):
+        self._capture = capture
+        self.max_entries = max_entries
+        self.max_evictions = max_evictions
+        self._graphs: OrderedDict = OrderedDict()
+        self._seen: dict = {}
+        self.captures = 0
+        self.replays = 0
+        self.evictions = 0
+        self.disabled = False
+
+    @property
+    def stats(self) -> dict:
+        return {"graphs": len(self._graphs), "captures": self.captures, "replays": self.replays,
+                "evictions": self.evictions, "disabled": self.disabled}
+
+    def clear(self) -> None:
+        """Drop every graph (their memory goes back to torch's allocator) and the counts."""
+        self._graphs.clear()
+        self._seen.clear()
+
+    def call(self, key, body: Callable, tensors: tuple, args: tuple) -> tuple:
+        """body(*tensors, *args) (a tuple of tensors / None), eagerly or from the key's graph."""
+        graph = self._graphs.get(key)
+        if graph is None:
+            seen = self._seen.get(key, 0) + 1
+            if seen < CAPTURE_AFTER or self.disabled:
+                if len(self._seen) >= MAX_SEEN:
+                    self._seen.clear()
+                self._seen[key] = seen
+                return tuple(body(*tensors, *args))
+            self._seen.pop(key, None)
+            try:
+                graph = self._capture(body, tensors, args)
+            except Exception as error:
+                raise RuntimeError(
+                    f"freesolo: capturing a triton call in a CUDA graph failed ({error}); "
+                    f"{GRAPHS_ENV}=0 turns the backend's graph cache off"
+                ) from error
+            self.captures += 1
+            self._graphs[key] = graph
+            if len(self._graphs) > self.max_entries:
+                self._graphs.popitem(last=False)
+                self.evictions += 1
+                if self.evictions >= self.max_evictions:
+                    self.disabled = True
+                    self.clear()
+                    warnings.warn(
+                        f"freesolo: the triton backend's CUDA-graph cache evicted {self.evictions} graphs (the call "
+                        f"shapes vary too much for it to pay); it is off for the rest of the process "
+                        f"({GRAPHS_ENV}=0 turns it off from the start)",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
+        else:
+            self._graphs.move_to_end(key)
+        self.replays += 1
+        return graph(tensors)
+
+
+CACHE = GraphCache()
+
+
+def cache_key(body: Callable, tensors: tuple, args: tuple) -> tuple:
+    """The key of a call (module docstring): body, (shape, dtype) of each tensor (None kept), the
+    device index of the first tensor, args, and the values of the `KNOB_ENVS` switches."""
+    first = next(x for x in tensors if x is not None)
+    return (
+        body,
+        tuple(None if x is None else (x.shape, x.dtype) for x in tensors),
+        first.device.index,
+        args,
+        tuple(os.environ.get(name) for name in KNOB_ENVS),
+    )
+
+
+def run(body: Callable, tensors: tuple, args: tuple) -> tuple:
+    """body(*tensors, *args) through `CACHE` (call it only when `eligible`).
+
+    tensors: torch tensors (or None) on one CUDA device; args: hashable non-tensor arguments.
+    Returns body's tuple of outputs (tensors or None), fresh tensors the caller owns."""
+    key = cache_key(body, tensors, args)
+    device = key[2]
+    if device != torch.cuda.current_device():
+        with torch.cuda.device(device):
+            return CACHE.call(key, body, tensors, args)
+    return CACHE.call(key, body, tensors, args)
+
+
+def clear() -> None:
+    """Free every cached graph of this process."""
+    CACHE.clear()

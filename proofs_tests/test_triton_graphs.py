@@ -1,0 +1,246 @@
+"""The triton backend's CUDA-graph cache of short eager calls (`freesolo.backends.triton.graphs`).
+
+On the CPU: the cache's policy (the first call of a key eager, the second captures, later ones
+replay; LRU eviction; turned off after too many evictions; capture errors raised, not hidden),
+the FREESOLO_TRITON_GRAPHS parsing, the key's parts, and that CPU tensors are never graphed.
+On the H200: a replay gives the eager kernels' bits (forward without grad, forward + backward of
+two layers in flight at once, fs and fsl), new input values after the capture are read, and the
+cache steps aside under a caller's capture, the sync debug mode and above its token limit.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton", reason="triton is not installed")
+
+import freesolo  # noqa: E402
+from freesolo import FreeSoloConfig  # noqa: E402
+from freesolo.backends.triton import graphs  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+
+
+class _Stand:
+    """A stand-in for `graphs._Graph`: records its captures; a replay returns body's outputs."""
+
+    built: list = []
+
+    def __init__(self, body, tensors, args):
+        self.body, self.args = body, args
+        _Stand.built.append(args)
+
+    def __call__(self, tensors):
+        return tuple(self.body(*tensors, *self.args))
+
+
+def _body(x, scale):
+    return (x * scale, None)
+
+
+def test_cache_runs_the_first_call_eagerly_captures_the_second_and_replays_after():
+    _Stand.built = []
+    cache = graphs.GraphCache(capture=_Stand)
+    x = torch.arange(4.0)
+    out = cache.call("a", _body, (x,), (2.0,))
+    assert cache.stats == {"graphs": 0, "captures": 0, "replays": 0, "evictions": 0, "disabled": False}
+    assert torch.equal(out[0], x * 2) and out[1] is None
+    for replays in (1, 2, 3):
+        out = cache.call("a", _body, (x + replays,), (2.0,))
+        assert torch.equal(out[0], (x + replays) * 2), "a replay did not read the call's inputs"
+        assert cache.stats["captures"] == 1 and cache.stats["replays"] == replays
+    assert _Stand.built == [(2.0,)]
+
+
+def test_cache_evicts_the_least_recently_used_graph_and_turns_off_after_too_many_evictions():
+    cache = graphs.GraphCache(capture=_Stand, max_entries=2, max_evictions=3)
+    x = torch.ones(2)
+    for key in ("a", "b"):
+        cache.call(key, _body, (x,), (1.0,))
+        cache.call(key, _body, (x,), (1.0,))
+    cache.call("a", _body, (x,), (1.0,))  # a is now the most recent: c evicts b
+    for _ in range(2):
+        cache.call("c", _body, (x,), (1.0,))
+    assert cache.stats["graphs"] == 2 and cache.stats["evictions"] == 1
+    assert set(cache._graphs) == {"a", "c"}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for key in ("d", "e"):  # two more evictions: the third turns the cache off
+            for _ in range(2):
+                cache.call(key, _body, (x,), (1.0,))
+    assert cache.disabled and cache.stats["graphs"] == 0
+    assert any("CUDA-graph cache" in str(w.message) for w in caught), "turning itself off was not warned"
+    replays = cache.replays
+    for _ in range(3):
+        assert torch.equal(cache.call("f", _body, (x,), (3.0,))[0], x * 3)
+    assert cache.replays == replays and cache.stats["graphs"] == 0, "a disabled cache captured or replayed"
+
+
+def test_cache_raises_a_capture_error_naming_the_switch():
+    def broken(body, tensors, args):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    cache = graphs.GraphCache(capture=broken)
+    x = torch.ones(2)
+    cache.call("a", _body, (x,), (1.0,))
+    with pytest.raises(RuntimeError, match=graphs.GRAPHS_ENV):
+        cache.call("a", _body, (x,), (1.0,))
+
+
+def test_max_tokens_parses_the_switch(monkeypatch):
+    monkeypatch.delenv(graphs.GRAPHS_ENV, raising=False)
+    assert graphs.max_tokens() == graphs.DEFAULT_MAX_TOKENS
+    for text, value in (("", graphs.DEFAULT_MAX_TOKENS), ("0", 0), ("4096", 4096)):
+        monkeypatch.setenv(graphs.GRAPHS_ENV, text)
+        assert graphs.max_tokens() == value
+    for text in ("-1", "yes", "1.5"):
+        monkeypatch.setenv(graphs.GRAPHS_ENV, text)
+        with pytest.raises(ValueError, match=graphs.GRAPHS_ENV):
+            graphs.max_tokens()
+
+
+def test_cache_key_holds_shapes_dtypes_args_and_the_kernel_switches(monkeypatch):
+    x, y = torch.ones(2, 3), torch.ones(2, 3, dtype=torch.float64)
+    base = graphs.cache_key(_body, (x, None), ("cfg", True))
+    assert base == graphs.cache_key(_body, (torch.zeros(2, 3), None), ("cfg", True)), "values must not change the key"
+    assert base != graphs.cache_key(_body, (torch.ones(3, 2), None), ("cfg", True))
+    assert base != graphs.cache_key(_body, (y, None), ("cfg", True))
+    assert base != graphs.cache_key(_body, (x, None), ("cfg", False))
+    for name in graphs.KNOB_ENVS:
+        monkeypatch.setenv(name, "7")
+        assert graphs.cache_key(_body, (x, None), ("cfg", True)) != base, f"{name} is not part of the key"
+        monkeypatch.delenv(name)
+
+
+def test_knob_list_names_every_triton_switch_of_the_kernels():
+    """Every FREESOLO_TRITON_* variable the forward / backward code reads is part of the key (or is
+    the cache's own switch, or FS-B's search, which the cache never graphs)."""
+    from freesolo.backends.triton import _common, attention, attention_bwd, selection
+
+    read = {
+        attention.ENV_LONG_BLOCK, attention.ENV_MAXNREG, attention.ENV_LONG_INTO_OUT, attention.ENV_WINDOW_FIRST,
+        attention.ENV_SORTED_LONG, attention.ENV_OVERLAP_MIN_T, selection.ENV_FSL_TAIL, attention_bwd.LONG_MODE_ENV,
+        _common.FAST_LAUNCH_ENV,
+    }
+    assert read == set(graphs.KNOB_ENVS)
+    import pathlib
+    import re
+
+    root = pathlib.Path(graphs.__file__).parent
+    named = set()
+    for path in root.glob("*.py"):
+        named |= set(re.findall(r'"(FREESOLO_TRITON_[A-Z_]+)"', path.read_text()))
+    assert named - set(graphs.KNOB_ENVS) == {graphs.GRAPHS_ENV, "FREESOLO_TRITON_FSB_SEARCH"}, named
+
+
+def test_cpu_tensors_are_never_graphed(monkeypatch):
+    monkeypatch.setenv(graphs.GRAPHS_ENV, "")
+    assert not graphs.eligible(torch.ones(1, 8, 2, 4), "fsl", 8)
+
+
+# ---- CUDA ------------------------------------------------------------------------------------------
+
+
+def _inputs(seed, B, T, Hq, Hkv, D, grad=False):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    xs = [torch.randn(B, T, h, D, device="cuda", dtype=torch.bfloat16, generator=gen) for h in (Hq, Hkv, Hkv)]
+    return [x.requires_grad_(grad) for x in xs]
+
+
+@pytest.fixture
+def graphs_on(monkeypatch):
+    monkeypatch.setenv(graphs.GRAPHS_ENV, "")
+    graphs.clear()
+    yield graphs.CACHE
+    graphs.clear()
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU: CUDA graphs exist only there")
+@pytest.mark.parametrize("variant", ["fsl", "fs"])
+def test_cuda_graphed_forward_equals_eager(variant, graphs_on, monkeypatch):
+    """Forward without grad: calls replayed from the cache give the eager kernels' bits, for inputs
+    other than the captured ones too."""
+    cfg = FreeSoloConfig(variant=variant)
+    cases = [_inputs(seed, 1, 4096 + 17, 4, 2, 64) for seed in range(3)]
+    monkeypatch.setenv(graphs.GRAPHS_ENV, "0")
+    with torch.no_grad():
+        want = [freesolo.freesolo_attention(*xs, cfg, backend="triton", check_finite=False) for xs in cases]
+    monkeypatch.setenv(graphs.GRAPHS_ENV, "")
+    with torch.no_grad():
+        for round_ in range(3):
+            for i, xs in enumerate(cases):
+                got = freesolo.freesolo_attention(*xs, cfg, backend="triton", check_finite=False)
+                assert torch.equal(got, want[i]), f"round {round_}, input {i}: the graphed forward differs from eager"
+    assert graphs_on.stats["captures"] == 1 and graphs_on.stats["replays"] == 8, graphs_on.stats
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU: CUDA graphs exist only there")
+@pytest.mark.parametrize("variant", ["fsl", "fs"])
+def test_cuda_graphed_training_of_two_layers_equals_eager(variant, graphs_on, monkeypatch):
+    """Two layers of one shape in flight at once (both forwards, then one backward): outputs and
+    gradients (q, k, v, beta) from the cache equal the eager ones bit for bit, step after step (the
+    replays' outputs are the caller's own tensors, the saved ones of layer 1 survive layer 2)."""
+    cfg = FreeSoloConfig(variant=variant)
+    layers = [_inputs(seed, 2, 2048 + 5, 4, 2, 64) for seed in (11, 12)]
+    betas = [torch.full((4,), 0.5 + i, device="cuda") for i in range(2)]
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    grads = [torch.randn(2, 2048 + 5, 4, 64, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2)]
+
+    def step():
+        leaves = [[x.clone().requires_grad_(True) for x in xs] for xs in layers]
+        bs = [b.clone().requires_grad_(True) for b in betas]
+        outs = [freesolo.freesolo_attention(*xs, cfg, beta=b, backend="triton", check_finite=False) for xs, b in zip(leaves, bs)]
+        loss = sum((o.float() * g.float()).sum() for o, g in zip(outs, grads))
+        loss.backward()
+        flat = [o.detach() for o in outs] + [x.grad for xs in leaves for x in xs] + [b.grad for b in bs]
+        return flat
+
+    monkeypatch.setenv(graphs.GRAPHS_ENV, "0")
+    want = step()
+    monkeypatch.setenv(graphs.GRAPHS_ENV, "")
+    for n in range(4):
+        got = step()
+        for i, (x, y) in enumerate(zip(want, got)):
+            assert torch.equal(x, y), f"step {n}: tensor {i} (outputs, dq/dk/dv per layer, dbeta) differs from eager"
+    # forward: the first call eager, the second captures; backward likewise
+    assert graphs_on.stats["captures"] == 2, graphs_on.stats
+    assert graphs_on.stats["replays"] == 2 * (2 * 4 - 1), graphs_on.stats
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU: CUDA graphs exist only there")
+def test_cuda_graph_cache_steps_aside(graphs_on, monkeypatch):
+    """No graph under sync debug mode "error" (and no error), none inside a caller's capture (whose
+    replay gives the eager bits), none above the token limit."""
+    cfg = FreeSoloConfig(variant="fsl")
+    xs = _inputs(21, 1, 1024 + 3, 4, 2, 64)
+    with torch.no_grad():
+        monkeypatch.setenv(graphs.GRAPHS_ENV, "0")
+        want = freesolo.freesolo_attention(*xs, cfg, backend="triton", check_finite=False)
+        monkeypatch.setenv(graphs.GRAPHS_ENV, "")
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(3):
+                assert torch.equal(freesolo.freesolo_attention(*xs, cfg, backend="triton", check_finite=False), want)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert graphs_on.stats["captures"] == 0, graphs_on.stats
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = freesolo.freesolo_attention(*xs, cfg, backend="triton", check_finite=False)
+        assert graphs_on.stats["captures"] == 0, "the cache captured inside the caller's capture"
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
+        monkeypatch.setenv(graphs.GRAPHS_ENV, "1024")
+        for _ in range(3):
+            assert torch.equal(freesolo.freesolo_attention(*xs, cfg, backend="triton", check_finite=False), want)
+        assert graphs_on.stats["captures"] == 0, "a call above FREESOLO_TRITON_GRAPHS tokens was graphed"
+        monkeypatch.setenv(graphs.GRAPHS_ENV, "")
+        for _ in range(3):
+            assert torch.equal(freesolo.freesolo_attention(*xs, cfg, backend="triton", check_finite=False), want)
+        assert graphs_on.stats["captures"] == 1 and graphs_on.stats["replays"] == 2, graphs_on.stats
