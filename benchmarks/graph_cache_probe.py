@@ -8,7 +8,8 @@ call launches its kernels) and with the default (calls of at most 16384 tokens r
   back, one sync at the end: the host's time when the host is the bottleneck);
 - the capturing call's wall time (the second call of a key) and the GPU memory the cache holds
   (allocated bytes freed by `graphs.clear()`);
-- whether the replayed outputs (and gradients) equal the eager ones bit for bit.
+- whether the replayed outputs (and gradients) equal the eager ones bit for bit;
+- host us per call with the GPU idle at each call's start, and (--profile) the kernels' GPU time.
 
     python benchmarks/graph_cache_probe.py --out $OUT/graph_cache.json    # H200, ~30 s
 Writes the JSON and a PNG beside it (ms per call, both settings).
@@ -59,7 +60,36 @@ def _host_us(fn, calls: int) -> float:
     return 1e6 * host / calls
 
 
-def measure(T: int, mode: str, setting: str, rep_ms: int) -> dict:
+def _idle_host_us(fn, calls: int) -> float:
+    """Mean host microseconds per call with the GPU idle at each call's start (a sync before each):
+    the host's own work, whatever the GPU time."""
+    total = 0.0
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        total += time.perf_counter() - start
+    torch.cuda.synchronize()
+    return 1e6 * total / calls
+
+
+def _kernel_us(fn, calls: int) -> dict:
+    """torch.profiler: CUDA time per call of each kernel / copy name (summed over `calls` calls)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    sums = {}
+    for event in prof.key_averages():
+        us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+        if us > 0:
+            sums[event.key[:90]] = us / calls
+    return dict(sorted(sums.items(), key=lambda kv: -kv[1]))
+
+
+def measure(T: int, mode: str, setting: str, rep_ms: int, profile_kernels: bool) -> dict:
     import triton.testing
 
     os.environ[graphs.GRAPHS_ENV] = SETTINGS[setting]
@@ -83,34 +113,41 @@ def measure(T: int, mode: str, setting: str, rep_ms: int) -> dict:
     equal = all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(first, second, later))
     ms = float(triton.testing.do_bench(fn, warmup=10, rep=rep_ms, return_mode="median"))
     host = [_host_us(fn, 100) for _ in range(3)]
+    idle_host = [_idle_host_us(fn, 50) for _ in range(3)]
+    kernels = _kernel_us(fn, 20) if profile_kernels else {}
     stats = dict(graphs.CACHE.stats)
     held = torch.cuda.memory_allocated()
     graphs.clear()
     torch.cuda.synchronize()
     freed = held - torch.cuda.memory_allocated()
     return {
-        "T": T, "mode": mode, "setting": setting, "ms": ms, "host_us": host, "second_call_ms": second_ms,
+        "T": T, "mode": mode, "setting": setting, "graphs_env": SETTINGS[setting], "ms": ms, "host_us": host,
+        "idle_host_us": idle_host, "kernel_us_per_call": kernels, "kernel_sum_us": sum(kernels.values()),
+        "second_call_ms": second_ms,
         "cache_gib": freed / 2**30, "allocated_by_second_call_gib": (held - held_before) / 2**30,
         "bitwise_equal_to_first_call": equal, "cache_stats": stats,
     }
 
 
 def plot(payload: dict, path: str) -> None:
-    values = {f"{r['mode']} T={r['T']} {r['setting']}": r["ms"] for r in payload["results"]}
+    values = {f"{r['mode']} T={r['T']} {r['setting']} ({r['graphs_env']!r})": r["ms"] for r in payload["results"]}
     plot_bars(values, path, "ms per call (median)", "triton FS-L, CUDA-graph cache of short calls on / off (H16 D64 bf16)")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384])
     ap.add_argument("--rep-ms", type=int, default=30)
+    ap.add_argument("--graphs-env", default="", help="FREESOLO_TRITON_GRAPHS of the graphs setting (default: the backend's)")
+    ap.add_argument("--profile", action="store_true", help="torch.profiler kernel times per call (kernel_us_per_call)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    SETTINGS["graphs"] = args.graphs_env
     results = []
     for T in args.lengths:
         for mode in ("fwd", "fwd+bwd"):
             for setting in SETTINGS:
-                row = measure(T, mode, setting, args.rep_ms)
+                row = measure(T, mode, setting, args.rep_ms, args.profile)
                 print(row, flush=True)
                 results.append(row)
     meta = _versions(torch.device("cuda"))

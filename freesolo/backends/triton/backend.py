@@ -341,8 +341,8 @@ class _EagerAttention(torch.autograd.Function):
     about 130 us of host time per forward on the H200's host (s23 `host_overhead_probe.py`: 885
     us through the op against 756 for its body at 4k). `triton_attention` uses the operators
     while torch.compile traces (one opaque node, fake tensors) and this class otherwise.
-    graphed: the call may run from the backend's CUDA-graph cache (`graphs.eligible`), forward
-    and backward alike (the backward asks `graphs.eligible` again: a capture or the sync debug
+    graphed: the forward may run from the backend's CUDA-graph cache (`graphs.eligible`); the
+    backward asks `graphs.eligible` for itself (its own token limit; a capture or the sync debug
     mode may have started in between)."""
 
     @staticmethod
@@ -358,7 +358,7 @@ class _EagerAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q = ctx.saved_tensors[0]
-        if graphs.eligible(q, ctx.variant, q.shape[0] * q.shape[1]):
+        if graphs.eligible(q, ctx.variant, q.shape[0] * q.shape[1], backward=True):
             grads = _grads(ctx, do, _graphed_backward)
         else:
             grads = _grads(ctx, do, _backward_impl)

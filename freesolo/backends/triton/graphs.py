@@ -8,13 +8,13 @@ module does the same for plain eager calls, inside the backend:
 
 - a call is *eligible* when it runs on CUDA (not under the interpreter), its variant is fs or
   fsl, it holds at most `max_tokens()` tokens (B * T; default 16384: above it the GPU work hides
-  the host work), no CUDA-graph capture is under way on the current stream (the caller's own
+  the host work; a backward counts its tokens twice), no CUDA-graph capture is under way on the current stream (the caller's own
   capture records the kernels as usual) and torch's sync debug mode is off (a capture waits for
   the device once);
 - the first eligible call of a key runs eagerly (it compiles the kernels and leaves one-off
   shapes out of the cache); the second captures the body once into a graph with static copies of
   its inputs, every later one copies its inputs into those buffers, replays the graph on the
-  current stream and returns clones of the graph's outputs (so that calls in flight at once, e.g.
+  current stream and returns copies of the graph's outputs (so that calls in flight at once, e.g.
   the layers of a model before their backward, never share output memory);
 - a key is the body, the shapes and dtypes of the tensors, the device, the non-tensor arguments
   and the FREESOLO_TRITON_* switches that steer the kernels (`KNOB_ENVS`), so a replay runs the
@@ -88,13 +88,15 @@ def max_tokens() -> int:
     return value
 
 
-def eligible(x: torch.Tensor, variant: str, tokens: int) -> bool:
+def eligible(x: torch.Tensor, variant: str, tokens: int, backward: bool = False) -> bool:
     """Whether a call on tensor x (its first input) may be replayed from a graph (module docstring).
-    x: a torch tensor; variant: cfg.variant; tokens: B * T of the call."""
+    x: a torch tensor; variant: cfg.variant; tokens: B * T of the call; backward: a backward call,
+    which counts its tokens twice (it copies ~2.5x the forward's bytes in and out of its graph:
+    by default backwards of at most 8192 tokens are graphed, forwards of at most 16384)."""
     if not x.is_cuda or variant not in ("fs", "fsl") or CACHE.disabled:
         return False
     limit = max_tokens()
-    if tokens > limit:  # (limit 0: off)
+    if tokens * (2 if backward else 1) > limit:  # (limit 0: off)
         return False
     if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
         return False
@@ -125,11 +127,14 @@ class _Graph:
         self.outputs = tuple(outputs)
 
     def __call__(self, tensors: tuple) -> tuple:
-        for static, x in zip(self.inputs, tensors):
-            if static is not None:
-                static.copy_(x)
+        statics = [s for s in self.inputs if s is not None]
+        torch._foreach_copy_(statics, [x for x in tensors if x is not None])  # one call for every input
         self.graph.replay()
-        return tuple(None if out is None else out.clone() for out in self.outputs)
+        outputs = [out for out in self.outputs if out is not None]
+        fresh = [torch.empty_like(out) for out in outputs]
+        torch._foreach_copy_(fresh, outputs)
+        it = iter(fresh)
+        return tuple(None if out is None else next(it) for out in self.outputs)
 
 
 class GraphCache:
@@ -153,9 +158,11 @@ class GraphCache:
                 "evictions": self.evictions, "disabled": self.disabled}
 
     def clear(self) -> None:
-        """Drop every graph (their memory goes back to torch's allocator) and the counts."""
+        """Drop every graph (their memory goes back to torch's allocator), the counts of keys not
+        yet captured and the statistics (captures, replays, evictions; `disabled` stays)."""
         self._graphs.clear()
         self._seen.clear()
+        self.captures = self.replays = self.evictions = 0
 
     def call(self, key, body: Callable, tensors: tuple, args: tuple) -> tuple:
         """body(*tensors, *args) (a tuple of tensors / None), eagerly or from the key's graph."""
@@ -181,10 +188,11 @@ class GraphCache:
                 self._graphs.popitem(last=False)
                 self.evictions += 1
                 if self.evictions >= self.max_evictions:
+                    evictions = self.evictions
                     self.disabled = True
                     self.clear()
                     warnings.warn(
-                        f"freesolo: the triton backend's CUDA-graph cache evicted {self.evictions} graphs (the call "
+                        f"freesolo: the triton backend's CUDA-graph cache evicted {evictions} graphs (the call "
                         f"shapes vary too much for it to pay); it is off for the rest of the process "
                         f"({GRAPHS_ENV}=0 turns it off from the start)",
                         RuntimeWarning,
