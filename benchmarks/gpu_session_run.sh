@@ -237,6 +237,7 @@
 #   s33a_probe   issues 10 / 11: graph_cache_probe.py (FS-L 4k / 16k, cache on / off: ms, host us, memory, bits)
 #   s33b_tests   the CUDA-graph cache's tests (counters reset by clear(), one foreach copy per direction, backward limit)
 #   s33b_probe   graph_cache_probe.py with kernel profiles and idle host time; 16k with the backward graphed (FREESOLO_TRITON_GRAPHS=32768)
+#   s33c_probe   graph_cache_probe.py at 4k with cProfile of the graphed calls (GPU idle at each start)
 #   s33a_attn    issues 10 / 11: gpu_attention.py, triton_fsl / triton_fs with and without the cache vs SDPA, Flex, 4k / 16k / 64k
 #   s33a_train   issue 11: train_step.py eager providers at 4k / 16k (the FS-L model's attention from the cache)
 set -u
@@ -355,6 +356,7 @@ step s32f_fsb_decode 200 python3 benchmarks/fsb_decode_bench.py --contexts 10485
 step s33a_tests 300 bash -c "python3 -m pytest -q -p no:benchmark proofs_tests/test_triton_graphs.py; FREESOLO_TRITON_GRAPHS= python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k 'cuda or gpu' proofs_tests/test_triton_backend.py proofs_tests/test_models.py proofs_tests/test_packed.py proofs_tests/test_row_independence.py"
 step s33a_probe 120 python3 benchmarks/graph_cache_probe.py --out "$W/graph_cache_s33a.json"
 step s33b_tests 120 python3 -m pytest -q -p no:benchmark proofs_tests/test_triton_graphs.py
+step s33c_probe 120 python3 benchmarks/graph_cache_probe.py --profile --lengths 4096 --out $W/graph_cache_s33c.json
 step s33b_probe 200 bash -c "python3 benchmarks/graph_cache_probe.py --profile --out $W/graph_cache_s33b.json && python3 benchmarks/graph_cache_probe.py --lengths 16384 --graphs-env 32768 --out $W/graph_cache_s33b_32k.json"
 step s33a_attn 330 python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fsl_eager triton_fs triton_fs_eager triton_fsl_graph sdpa_causal flex_swa512 --shapes H16-D64 --modes fwd fwd+bwd --lengths 4096 16384 65536 --budget-s 290 --rep-ms 30 --out "$W" --tag _s33a
 step s33a_train 200 python3 benchmarks/train_step.py --lengths 4096 16384 --providers freesolo_fsl_triton sdpa_causal flex_swa512 --out "$W"

@@ -89,6 +89,23 @@ def _kernel_us(fn, calls: int) -> dict:
     return dict(sorted(sums.items(), key=lambda kv: -kv[1]))
 
 
+def _print_cprofile(fn, title: str, calls: int = 50) -> None:
+    """cProfile of `calls` calls with the GPU idle at each call's start: the 30 functions with the
+    most own time, printed."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        profiler.enable()
+        fn()
+        profiler.disable()
+    torch.cuda.synchronize()
+    print(f"=== cProfile {title}: {calls} calls, GPU idle at each start", flush=True)
+    pstats.Stats(profiler, stream=sys.stdout).sort_stats("tottime").print_stats(30)
+
+
 def measure(T: int, mode: str, setting: str, rep_ms: int, profile_kernels: bool) -> dict:
     import triton.testing
 
@@ -115,6 +132,8 @@ def measure(T: int, mode: str, setting: str, rep_ms: int, profile_kernels: bool)
     host = [_host_us(fn, 100) for _ in range(3)]
     idle_host = [_idle_host_us(fn, 50) for _ in range(3)]
     kernels = _kernel_us(fn, 20) if profile_kernels else {}
+    if profile_kernels and setting == "graphs":
+        _print_cprofile(fn, f"T={T} {mode} {setting}")
     stats = dict(graphs.CACHE.stats)
     held = torch.cuda.memory_allocated()
     graphs.clear()
