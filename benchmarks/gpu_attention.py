@@ -10,7 +10,7 @@ shape says; skipped when fla is not importable). `triton_fsl_graph` / `sdpa_caus
 calls (forward, or forward + backward into the inputs' .grad) captured once in a CUDA graph and
 replayed: the GPU time without the per-call host work, what a training loop that captures its step
 gets (peak memory: that of the eager call). The triton providers run with the backend's defaults,
-so calls of at most 16384 tokens replay from its CUDA-graph cache (`freesolo.backends.triton.graphs`);
+so calls of at most 8192 tokens at H 16, D 64 (2^23 query elements) replay from its CUDA-graph cache (`freesolo.backends.triton.graphs`);
 `triton_fsl_eager` / `triton_fs_eager`: the same calls with that cache off (FREESOLO_TRITON_GRAPHS=0).
 
 One run times forward and forward+backward (median of `triton.testing.do_bench`; a provider slower

@@ -358,8 +358,8 @@ step s33a_probe 120 python3 benchmarks/graph_cache_probe.py --out "$W/graph_cach
 step s33b_tests 120 python3 -m pytest -q -p no:benchmark proofs_tests/test_triton_graphs.py
 step s33c_probe 120 python3 benchmarks/graph_cache_probe.py --profile --lengths 4096 --out $W/graph_cache_s33c.json
 step s33b_probe 200 bash -c "python3 benchmarks/graph_cache_probe.py --profile --out $W/graph_cache_s33b.json && python3 benchmarks/graph_cache_probe.py --lengths 16384 --graphs-env 32768 --out $W/graph_cache_s33b_32k.json"
-step s33a_attn 330 python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fsl_eager triton_fs triton_fs_eager triton_fsl_graph sdpa_causal flex_swa512 --shapes H16-D64 --modes fwd fwd+bwd --lengths 4096 16384 65536 --budget-s 290 --rep-ms 30 --out "$W" --tag _s33a
-step s33a_train 200 python3 benchmarks/train_step.py --lengths 4096 16384 --providers freesolo_fsl_triton sdpa_causal flex_swa512 --out "$W"
+step s33a_attn 330 python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fsl_eager triton_fs triton_fs_eager triton_fsl_graph sdpa_causal flex_swa512 --shapes H16-D64 --modes fwd fwd+bwd --lengths 4096 8192 16384 65536 --budget-s 290 --rep-ms 30 --out "$W" --tag _s33a
+step s33a_train 200 python3 benchmarks/train_step.py --lengths 4096 8192 16384 --providers freesolo_fsl_triton sdpa_causal flex_swa512 --out "$W"
 step s31b_attn 330 python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fs sdpa_causal flex_swa512 fla_nsa --shapes H16-D64 --modes fwd fwd+bwd --lengths 4096 16384 65536 131072 --budget-s 290 --rep-ms 30 --out "$W" --tag _s31b
 step s31b_overlap 150 bash -c "python3 benchmarks/forward_overlap_ab.py --lengths 4096 16384 65536 --fs-lengths --configs overlap sorted --out $W/forward_overlap_s31b.json && python3 benchmarks/launch_host_probe.py --T 4096 16384 --idle --no-replay --out $W/launch_host_s31b.json"
 step s30f_rope 90 python3 benchmarks/rope_sweep.py --out "$W/rope_sweep.json"

@@ -2,7 +2,7 @@
 
 For FS-L (B 1, H 16, D 64, bf16, through the API, `check_finite=False`) at each length and in
 each mode (fwd without grad; fwd+bwd into the inputs' .grad), with FREESOLO_TRITON_GRAPHS=0 (every
-call launches its kernels) and with the default (calls of at most 16384 tokens replay a graph):
+call launches its kernels) and with the default (calls of at most 8192 tokens at H 16, D 64 replay a graph):
 
 - ms per call (median of `triton.testing.do_bench`) and host us per call (calls queued back to
   back, one sync at the end: the host's time when the host is the bottleneck);

@@ -5,7 +5,7 @@ replay; LRU eviction; turned off after too many evictions; capture errors raised
 the FREESOLO_TRITON_GRAPHS parsing, the key's parts, and that CPU tensors are never graphed.
 On the H200: a replay gives the eager kernels' bits (forward without grad, forward + backward of
 two layers in flight at once, fs and fsl), new input values after the capture are read, and the
-cache steps aside under a caller's capture, the sync debug mode and above its token limit.
+cache steps aside under a caller's capture, the sync debug mode and above its size limit.
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ class _Stand:
         self.body, self.args = body, args
         _Stand.built.append(args)
 
-    def __call__(self, tensors):
-        return tuple(self.body(*tensors, *self.args))
+    def __call__(self, tensors, n_outputs=None):
+        outs = tuple(self.body(*tensors, *self.args))
+        return outs if n_outputs is None else outs[:n_outputs] + (None,) * (len(outs) - n_outputs)
 
 
 def _body(x, scale):
@@ -90,16 +91,16 @@ def test_cache_raises_a_capture_error_naming_the_switch():
         cache.call("a", _body, (x,), (1.0,))
 
 
-def test_max_tokens_parses_the_switch(monkeypatch):
+def test_max_elements_parses_the_switch(monkeypatch):
     monkeypatch.delenv(graphs.GRAPHS_ENV, raising=False)
-    assert graphs.max_tokens() == graphs.DEFAULT_MAX_TOKENS
-    for text, value in (("", graphs.DEFAULT_MAX_TOKENS), ("0", 0), ("4096", 4096)):
+    assert graphs.max_elements() == graphs.DEFAULT_MAX_ELEMENTS == 8192 * 16 * 64
+    for text, value in (("", graphs.DEFAULT_MAX_ELEMENTS), ("0", 0), ("4096", 4096)):
         monkeypatch.setenv(graphs.GRAPHS_ENV, text)
-        assert graphs.max_tokens() == value
+        assert graphs.max_elements() == value
     for text in ("-1", "yes", "1.5"):
         monkeypatch.setenv(graphs.GRAPHS_ENV, text)
         with pytest.raises(ValueError, match=graphs.GRAPHS_ENV):
-            graphs.max_tokens()
+            graphs.max_elements()
 
 
 def test_cache_key_holds_shapes_dtypes_args_and_the_kernel_switches(monkeypatch):
@@ -138,7 +139,7 @@ def test_knob_list_names_every_triton_switch_of_the_kernels():
 
 def test_cpu_tensors_are_never_graphed(monkeypatch):
     monkeypatch.setenv(graphs.GRAPHS_ENV, "")
-    assert not graphs.eligible(torch.ones(1, 8, 2, 4), "fsl", 8)
+    assert not graphs.eligible(torch.ones(1, 8, 2, 4), "fsl")
 
 
 # ---- CUDA ------------------------------------------------------------------------------------------
@@ -213,7 +214,7 @@ def test_cuda_graphed_training_of_two_layers_equals_eager(variant, graphs_on, mo
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU: CUDA graphs exist only there")
 def test_cuda_graph_cache_steps_aside(graphs_on, monkeypatch):
     """No graph under sync debug mode "error" (and no error), none inside a caller's capture (whose
-    replay gives the eager bits), none above the token limit."""
+    replay gives the eager bits), none above the size limit (FREESOLO_TRITON_GRAPHS query elements)."""
     cfg = FreeSoloConfig(variant="fsl")
     xs = _inputs(21, 1, 1024 + 3, 4, 2, 64)
     with torch.no_grad():
@@ -236,10 +237,12 @@ def test_cuda_graph_cache_steps_aside(graphs_on, monkeypatch):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, want)
-        monkeypatch.setenv(graphs.GRAPHS_ENV, "1024")
+        monkeypatch.setenv(graphs.GRAPHS_ENV, str(xs[0].numel() - 1))
         for _ in range(3):
             assert torch.equal(freesolo.freesolo_attention(*xs, cfg, backend="triton", check_finite=False), want)
-        assert graphs_on.stats["captures"] == 0, "a call above FREESOLO_TRITON_GRAPHS tokens was graphed"
+        assert graphs_on.stats["captures"] == 0, "a call above FREESOLO_TRITON_GRAPHS query elements was graphed"
+        monkeypatch.setenv(graphs.GRAPHS_ENV, str(xs[0].numel()))
+        assert graphs.eligible(xs[0], "fsl") and not graphs.eligible(xs[0], "fsb")
         monkeypatch.setenv(graphs.GRAPHS_ENV, "")
         for _ in range(3):
             assert torch.equal(freesolo.freesolo_attention(*xs, cfg, backend="triton", check_finite=False), want)

@@ -342,8 +342,8 @@ class _EagerAttention(torch.autograd.Function):
     us through the op against 756 for its body at 4k). `triton_attention` uses the operators
     while torch.compile traces (one opaque node, fake tensors) and this class otherwise.
     graphed: the forward may run from the backend's CUDA-graph cache (`graphs.eligible`); the
-    backward asks `graphs.eligible` for itself (its own token limit; a capture or the sync debug
-    mode may have started in between)."""
+    backward asks `graphs.eligible` again (a capture or the sync debug mode may have started in
+    between)."""
 
     @staticmethod
     def forward(ctx, q, k, v, beta, cfg_json, variant, graphed):
@@ -358,7 +358,7 @@ class _EagerAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q = ctx.saved_tensors[0]
-        if graphs.eligible(q, ctx.variant, q.shape[0] * q.shape[1], backward=True):
+        if graphs.eligible(q, ctx.variant):
             grads = _grads(ctx, do, _graphed_backward)
         else:
             grads = _grads(ctx, do, _backward_impl)
@@ -388,12 +388,12 @@ def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: Fre
         o, _idx, _lse_loc, _lse_long, _rstd = torch.ops.freesolo.triton_forward(q, k, v, b, config_to_json(cfg))
         return o
     # short calls are host-bound: replayed from CUDA graphs when `graphs.eligible` (FREESOLO_TRITON_GRAPHS)
-    graphed = graphs.eligible(q, cfg.variant, q.shape[0] * q.shape[1])
+    graphed = graphs.eligible(q, cfg.variant)
     if not (torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, b))):
         # nothing to differentiate: no autograd node, and the backward's statistics are not stored
         # (12 bytes per position and query head; the rotated keys take their room: fewer launches)
         if graphed:
-            return graphs.run(_forward_impl, (q, k, v, b), (config_to_json(cfg), False))[0]
+            return graphs.run(_forward_impl, (q, k, v, b), (config_to_json(cfg), False), n_outputs=1)[0]
         return _forward_impl(q, k, v, b, config_to_json(cfg), save_stats=False)[0]
     return _EagerAttention.apply(q, k, v, b, config_to_json(cfg), cfg.variant, graphed)
 

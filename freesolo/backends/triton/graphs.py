@@ -7,8 +7,10 @@ probes). `torch.compile(mode="reduce-overhead")` removes that host time by CUDA 
 module does the same for plain eager calls, inside the backend:
 
 - a call is *eligible* when it runs on CUDA (not under the interpreter), its variant is fs or
-  fsl, it holds at most `max_tokens()` tokens (B * T; default 16384: above it the GPU work hides
-  the host work; a backward counts its tokens twice), no CUDA-graph capture is under way on the current stream (the caller's own
+  fsl, its queries hold at most `max_elements()` elements (B * T * Hq * D; default 2^23, i.e.
+  8192 tokens at H 16, D 64: on the H200 a replay is faster than the eager call up to 8k tokens
+  there and slower from 16k, where the GPU work hides the host work and the copies in and out of
+  the graph cost more than they save: `benchmarks/graph_cache_probe.py`, s33), no CUDA-graph capture is under way on the current stream (the caller's own
   capture records the kernels as usual) and torch's sync debug mode is off (a capture waits for
   the device once);
 - the first eligible call of a key runs eagerly (it compiles the kernels and leaves one-off
@@ -24,7 +26,7 @@ module does the same for plain eager calls, inside the backend:
   evictions in a process the shapes vary too much for a cache to pay and it turns itself off
   with a warning.
 
-FREESOLO_TRITON_GRAPHS=0 turns the cache off; an integer N > 0 sets `max_tokens()` to N.
+FREESOLO_TRITON_GRAPHS=0 turns the cache off; an integer N > 0 sets `max_elements()` to N.
 Memory: a graph keeps static copies of its inputs and its own pool for the outputs and the
 intermediates, about the size of the call's working set (`GraphCache.stats` counts graphs,
 captures, replays; `clear()` frees them).
@@ -41,11 +43,11 @@ import torch
 
 __all__ = [
     "GRAPHS_ENV",
-    "DEFAULT_MAX_TOKENS",
+    "DEFAULT_MAX_ELEMENTS",
     "KNOB_ENVS",
     "GraphCache",
     "CACHE",
-    "max_tokens",
+    "max_elements",
     "eligible",
     "cache_key",
     "run",
@@ -53,7 +55,7 @@ __all__ = [
 ]
 
 GRAPHS_ENV = "FREESOLO_TRITON_GRAPHS"
-DEFAULT_MAX_TOKENS = 16384
+DEFAULT_MAX_ELEMENTS = 1 << 23  # B * T * Hq * D of the queries: 8192 tokens at H 16, D 64
 MAX_ENTRIES = 16
 MAX_EVICTIONS = 64
 CAPTURE_AFTER = 2  # the call of a key that captures it (the first runs eagerly)
@@ -73,30 +75,27 @@ KNOB_ENVS = (
 )
 
 
-def max_tokens() -> int:
-    """The largest B * T a call may hold to be replayed from a graph (0: the cache is off).
-    FREESOLO_TRITON_GRAPHS: unset or empty = DEFAULT_MAX_TOKENS, "0" = off, N > 0 = N."""
+def max_elements() -> int:
+    """The most query elements (B * T * Hq * D) a call may hold to be replayed from a graph (0: the
+    cache is off). FREESOLO_TRITON_GRAPHS: unset or empty = DEFAULT_MAX_ELEMENTS, "0" = off, N > 0 = N."""
     text = os.environ.get(GRAPHS_ENV, "")
     if text == "":
-        return DEFAULT_MAX_TOKENS
+        return DEFAULT_MAX_ELEMENTS
     try:
         value = int(text)
     except ValueError:
-        raise ValueError(f"{GRAPHS_ENV}={text!r} must be 0 (off) or a positive token count") from None
+        raise ValueError(f"{GRAPHS_ENV}={text!r} must be 0 (off) or a positive count of query elements") from None
     if value < 0:
-        raise ValueError(f"{GRAPHS_ENV}={text!r} must be 0 (off) or a positive token count")
+        raise ValueError(f"{GRAPHS_ENV}={text!r} must be 0 (off) or a positive count of query elements")
     return value
 
 
-def eligible(x: torch.Tensor, variant: str, tokens: int, backward: bool = False) -> bool:
-    """Whether a call on tensor x (its first input) may be replayed from a graph (module docstring).
-    x: a torch tensor; variant: cfg.variant; tokens: B * T of the call; backward: a backward call,
-    which counts its tokens twice (it copies ~2.5x the forward's bytes in and out of its graph:
-    by default backwards of at most 8192 tokens are graphed, forwards of at most 16384)."""
-    if not x.is_cuda or variant not in ("fs", "fsl") or CACHE.disabled:
+def eligible(q: torch.Tensor, variant: str) -> bool:
+    """Whether a call on queries q [B, T, Hq, D] may be replayed from a graph (module docstring);
+    variant: cfg.variant. The forward and the backward of a call ask alike."""
+    if not q.is_cuda or variant not in ("fs", "fsl") or CACHE.disabled:
         return False
-    limit = max_tokens()
-    if tokens * (2 if backward else 1) > limit:  # (limit 0: off)
+    if q.numel() > max_elements():  # (limit 0: off)
         return False
     if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
         return False
@@ -126,15 +125,18 @@ class _Graph:
         current.wait_stream(side)
         self.outputs = tuple(outputs)
 
-    def __call__(self, tensors: tuple) -> tuple:
+    def __call__(self, tensors: tuple, n_outputs: Optional[int] = None) -> tuple:
+        """Copy `tensors` in, replay, return copies of the first `n_outputs` outputs (None: all;
+        the others come back as None)."""
         statics = [s for s in self.inputs if s is not None]
         torch._foreach_copy_(statics, [x for x in tensors if x is not None])  # one call for every input
         self.graph.replay()
-        outputs = [out for out in self.outputs if out is not None]
+        wanted = self.outputs if n_outputs is None else self.outputs[:n_outputs]
+        outputs = [out for out in wanted if out is not None]
         fresh = [torch.empty_like(out) for out in outputs]
         torch._foreach_copy_(fresh, outputs)
         it = iter(fresh)
-        return tuple(None if out is None else next(it) for out in self.outputs)
+        return tuple(None if out is None or i >= len(wanted) else next(it) for i, out in enumerate(self.outputs))
 
 
 class GraphCache:
@@ -164,8 +166,9 @@ class GraphCache:
         self._seen.clear()
         self.captures = self.replays = self.evictions = 0
 
-    def call(self, key, body: Callable, tensors: tuple, args: tuple) -> tuple:
-        """body(*tensors, *args) (a tuple of tensors / None), eagerly or from the key's graph."""
+    def call(self, key, body: Callable, tensors: tuple, args: tuple, n_outputs: Optional[int] = None) -> tuple:
+        """body(*tensors, *args) (a tuple of tensors / None), eagerly or from the key's graph; a
+        replay returns only the first `n_outputs` outputs (None: all), the others as None."""
         graph = self._graphs.get(key)
         if graph is None:
             seen = self._seen.get(key, 0) + 1
@@ -201,7 +204,7 @@ class GraphCache:
         else:
             self._graphs.move_to_end(key)
         self.replays += 1
-        return graph(tensors)
+        return graph(tensors, n_outputs)
 
 
 CACHE = GraphCache()
@@ -220,17 +223,19 @@ def cache_key(body: Callable, tensors: tuple, args: tuple) -> tuple:
     )
 
 
-def run(body: Callable, tensors: tuple, args: tuple) -> tuple:
+def run(body: Callable, tensors: tuple, args: tuple, n_outputs: Optional[int] = None) -> tuple:
     """body(*tensors, *args) through `CACHE` (call it only when `eligible`).
 
-    tensors: torch tensors (or None) on one CUDA device; args: hashable non-tensor arguments.
+    tensors: torch tensors (or None) on one CUDA device; args: hashable non-tensor arguments;
+    n_outputs: how many of body's outputs the caller reads (None: all; a replay copies only those
+    out of the graph and returns None for the others).
     Returns body's tuple of outputs (tensors or None), fresh tensors the caller owns."""
     key = cache_key(body, tensors, args)
     device = key[2]
     if device != torch.cuda.current_device():
         with torch.cuda.device(device):
-            return CACHE.call(key, body, tensors, args)
-    return CACHE.call(key, body, tensors, args)
+            return CACHE.call(key, body, tensors, args, n_outputs)
+    return CACHE.call(key, body, tensors, args, n_outputs)
 
 
 def clear() -> None:
