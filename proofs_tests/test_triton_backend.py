@@ -199,6 +199,26 @@ def test_host_size_helpers_equal_triton():
             assert cdiv(a, b) == triton.cdiv(a, b), (a, b)
 
 
+@pytest.mark.parametrize("variant", ["fsl", "fs"])
+def test_backward_without_beta_grad_gives_the_same_gradients(variant):
+    """A beta that needs no gradient skips dbeta's reduction (`need_dbeta=False`); dq, dk, dv are
+    the same bits as with a beta that needs one, and beta.grad stays None."""
+    B, T, Hq, Hkv, D = 1, 45, 4, 2, 8
+    q, k, v = random_qkv(6, B, T, Hq, Hkv, D)
+    cfg = _cfg(variant, k)
+    do = torch.tensor(np.random.default_rng(7).standard_normal((B, T, Hq, D)), dtype=torch.float32, device=DEVICE)
+    grads = {}
+    for beta_grad in (True, False):
+        qt, kt, vt = _tensors(q, k, v, grad=True)
+        beta = torch.linspace(0.5, 1.5, Hq, device=DEVICE).requires_grad_(beta_grad)
+        freesolo.freesolo_attention(qt, kt, vt, cfg, beta=beta, backend="triton").backward(do)
+        grads[beta_grad] = (qt.grad, kt.grad, vt.grad, beta.grad)
+    assert grads[True][3] is not None and torch.isfinite(grads[True][3]).all()
+    assert grads[False][3] is None
+    for name, x, y in zip(("dq", "dk", "dv"), grads[True][:3], grads[False][:3]):
+        assert torch.equal(x, y), f"{name} depends on whether beta needs a gradient"
+
+
 def test_opcheck_forward():
     """torch.library.opcheck: schema, fake tensor and autograd registration are consistent."""
     from freesolo.backends.triton.backend import config_to_json

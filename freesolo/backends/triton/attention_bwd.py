@@ -1415,7 +1415,8 @@ def attention_backward(
     cfg,
     deterministic: bool = True,
     tiles: BwdTiles | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    need_dbeta: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Gradients of the fused FreeSolo attention (spec §8); a pure function (no autograd.Function).
 
     Args:
@@ -1431,8 +1432,10 @@ def attention_backward(
             False: the long branch's dk / dv by tl.atomic_add into fp32 buffers (default tiles then
             use long_mode="union": one atomic per element of a query tile's cell, not per query).
         tiles: BwdTiles (default `default_bwd_tiles(D, dtype, device)`).
+        need_dbeta: False skips dbeta's reduction (beta needs no gradient: one reduction kernel
+            fewer, ~15 us at 4k on the H200) and returns None for it.
     Returns:
-        dq [B, T, Hq, D] q.dtype; dk, dv [B, T, Hkv, D] k.dtype; dbeta fp32 [Hq].
+        dq [B, T, Hq, D] q.dtype; dk, dv [B, T, Hkv, D] k.dtype; dbeta fp32 [Hq] (None: need_dbeta=False).
     """
     B, T, Hq, D = q.shape
     Hkv = k.shape[2]
@@ -1634,5 +1637,5 @@ def attention_backward(
         do, qr, kr, v, cos, sin, lse_loc, delta_loc, dq_long, idx, dq, T, w, scale,
         BLOCK_M=bm, BLOCK_N=bn, NUM_N=num_n, PREROT=tiles.prerotate, LONG_PARTS=long_parts, **common,
     )
-    dbeta = dbeta_part.sum(dim=(0, 2))  # fixed-order reduction (no atomics)
+    dbeta = dbeta_part.sum(dim=(0, 2)) if need_dbeta else None  # fixed-order reduction (no atomics)
     return dq, dk, dv, dbeta

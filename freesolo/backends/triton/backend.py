@@ -275,8 +275,9 @@ def _forward_fake(q, k, v, beta, cfg_json):
     return o, idx, stat, torch.empty_like(stat), torch.empty_like(stat)
 
 
-def _backward_impl(do, q, k, v, o, idx, beta, lse_loc, lse_long, rstd, cfg_json, deterministic_sum):
-    """The body of ``freesolo::triton_backward`` (also called directly by the eager autograd path)."""
+def _backward_impl(do, q, k, v, o, idx, beta, lse_loc, lse_long, rstd, cfg_json, deterministic_sum, need_dbeta=True):
+    """The body of ``freesolo::triton_backward`` (also called directly by the eager autograd path,
+    which passes need_dbeta=False when beta needs no gradient: dbeta then comes back as None)."""
     from .attention_bwd import attention_backward
 
     cfg = config_from_json(cfg_json)
@@ -284,7 +285,7 @@ def _backward_impl(do, q, k, v, o, idx, beta, lse_loc, lse_long, rstd, cfg_json,
         cos, sin = rope_cos_sin(q.shape[1], q.shape[3], cfg.rope_theta, q.device)
         return attention_backward(
             do.contiguous(), q, k, v, o, idx, beta.to(torch.float32), lse_loc, lse_long, rstd, cos, sin, cfg,
-            deterministic=deterministic_sum,
+            deterministic=deterministic_sum, need_dbeta=need_dbeta,
         )
 
 
@@ -320,12 +321,15 @@ def _setup_context(ctx, inputs, output):
     ctx.deterministic_sum = is_deterministic()
 
 
-def _grads(ctx, do, backward):
+def _grads(ctx, do, backward, *need_dbeta):
     """(dq, dk, dv, dbeta, None) from the tensors `_setup_context` saved; `backward` is the
-    backward operator (traced under torch.compile) or its body `_backward_impl` (eager)."""
+    backward operator (traced under torch.compile) or its body `_backward_impl` (eager, which
+    also takes need_dbeta: False when beta needs no gradient, dbeta then None)."""
     q, k, v, beta, o, idx, lse_loc, lse_long, rstd = ctx.saved_tensors
-    dq, dk, dv, dbeta = backward(do, q, k, v, o, idx, beta, lse_loc, lse_long, rstd, ctx.cfg_json, ctx.deterministic_sum)
-    return dq, dk, dv, dbeta.to(beta.dtype), None
+    dq, dk, dv, dbeta = backward(
+        do, q, k, v, o, idx, beta, lse_loc, lse_long, rstd, ctx.cfg_json, ctx.deterministic_sum, *need_dbeta
+    )
+    return dq, dk, dv, None if dbeta is None else dbeta.to(beta.dtype), None
 
 
 def _backward(ctx, do, _didx, _dlse_loc, _dlse_long, _drstd):
@@ -358,10 +362,8 @@ class _EagerAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q = ctx.saved_tensors[0]
-        if graphs.eligible(q, ctx.variant):
-            grads = _grads(ctx, do, _graphed_backward)
-        else:
-            grads = _grads(ctx, do, _backward_impl)
+        backward = _graphed_backward if graphs.eligible(q, ctx.variant) else _backward_impl
+        grads = _grads(ctx, do, backward, ctx.needs_input_grad[3])
         return (*grads, None, None)
 
 
