@@ -5,6 +5,7 @@ Modules:
 - `attention.py`: fused forward (local RoPE window + sparse NoPE readout + RMSNorm + beta) and backward.
 - `decode.py`: fused decode step over `FreeSoloCache`.
 - `backend.py`: the registry entry, `torch.library.custom_op` registrations.
+- `graphs.py`: CUDA graphs of short eager calls (host-bound at a few thousand tokens), replayed.
 
 `import freesolo` never imports triton; the registry imports this package lazily.
 """
