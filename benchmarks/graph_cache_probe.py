@@ -32,8 +32,7 @@ from gpu_attention import _versions, plot_bars, write_results  # noqa: E402
 import freesolo  # noqa: E402
 from freesolo.backends.triton import graphs  # noqa: E402
 
-# graphs_foreach: the graphs' copies in and out by torch._foreach_copy_ instead of `graphs.copy_pairs` (A/B, s33)
-SETTINGS = {"eager": "0", "graphs": "", "graphs_foreach": ""}
+SETTINGS = {"eager": "0", "graphs": ""}
 
 
 def _call(mode: str, q, k, v, do, cfg):
@@ -111,7 +110,6 @@ def measure(T: int, mode: str, setting: str, rep_ms: int, profile_kernels: bool)
     import triton.testing
 
     os.environ[graphs.GRAPHS_ENV] = SETTINGS[setting]
-    graphs.COPY_WITH_KERNEL = setting != "graphs_foreach"
     graphs.clear()
     cfg = freesolo.FreeSoloConfig(variant="fsl")
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -134,7 +132,7 @@ def measure(T: int, mode: str, setting: str, rep_ms: int, profile_kernels: bool)
     host = [_host_us(fn, 100) for _ in range(3)]
     idle_host = [_idle_host_us(fn, 50) for _ in range(3)]
     kernels = _kernel_us(fn, 20) if profile_kernels else {}
-    if profile_kernels and setting != "eager":
+    if profile_kernels and setting == "graphs":
         _print_cprofile(fn, f"T={T} {mode} {setting}")
     stats = dict(graphs.CACHE.stats)
     held = torch.cuda.memory_allocated()
@@ -163,7 +161,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="torch.profiler kernel times per call (kernel_us_per_call)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    SETTINGS["graphs"] = SETTINGS["graphs_foreach"] = args.graphs_env
+    SETTINGS["graphs"] = args.graphs_env
     results = []
     for T in args.lengths:
         for mode in ("fwd", "fwd+bwd"):

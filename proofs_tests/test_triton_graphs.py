@@ -142,25 +142,6 @@ def test_cpu_tensors_are_never_graphed(monkeypatch):
     assert not graphs.eligible(torch.ones(1, 8, 2, 4), "fsl")
 
 
-def test_copy_pairs_copies_every_pair_in_one_launch_and_the_rest_by_copy():
-    """`copy_pairs` (the graphs' copies in and out; under the interpreter on the CPU): contiguous
-    pairs of any dtype and size (0 included), a non-contiguous source, more pairs than one launch
-    takes; a shape or dtype mismatch raises."""
-    device = "cuda" if CUDA else "cpu"
-    gen = torch.Generator(device=device).manual_seed(3)
-    srcs = [torch.randn(n, device=device, generator=gen) for n in (1, 4095, 4097, 0, 12)]
-    srcs += [torch.arange(77, device=device, dtype=torch.int32), torch.randn(6, 5, device=device, generator=gen).t()]
-    srcs += [torch.randn(3, device=device, generator=gen) for _ in range(graphs.COPY_PAIRS)]
-    dsts = [torch.full(x.shape, -7, dtype=x.dtype, device=device) for x in srcs]
-    graphs.copy_pairs(dsts, srcs)
-    for i, (dst, src) in enumerate(zip(dsts, srcs)):
-        assert torch.equal(dst, src), f"pair {i} ({tuple(src.shape)}, {src.dtype}) not copied"
-    with pytest.raises(ValueError, match="copy_pairs"):
-        graphs.copy_pairs([torch.empty(3, device=device)], [torch.empty(4, device=device)])
-    with pytest.raises(ValueError, match="copy_pairs"):
-        graphs.copy_pairs([torch.empty(3, device=device)], [torch.empty(3, device=device, dtype=torch.int32)])
-
-
 # ---- CUDA ------------------------------------------------------------------------------------------
 
 

@@ -40,13 +40,8 @@ from collections import OrderedDict
 from typing import Callable, Optional
 
 import torch
-import triton
-import triton.language as tl
-
-from ._common import cdiv, launch
 
 __all__ = [
-    "copy_pairs",
     "GRAPHS_ENV",
     "DEFAULT_MAX_ELEMENTS",
     "KNOB_ENVS",
@@ -107,76 +102,6 @@ def eligible(q: torch.Tensor, variant: str) -> bool:
     return torch.cuda.get_sync_debug_mode() == 0
 
 
-# ---- copies in and out of a graph: one launch for all of a call's tensors -------------------------
-
-COPY_PAIRS = 10  # pairs one launch copies (a backward copies 10 tensors in)
-COPY_BLOCK = 4096
-COPY_WITH_KERNEL = True  # False: torch._foreach_copy_ (the A/B of benchmarks/graph_cache_probe.py)
-
-
-@triton.jit
-def _copy_one(SRC, DST, N, offs):
-    mask = offs < N
-    tl.store(DST + offs, tl.load(SRC + offs, mask=mask), mask=mask)
-
-
-@triton.jit
-def _copy_pairs_kernel(
-    S0, D0, N0, S1, D1, N1, S2, D2, N2, S3, D3, N3, S4, D4, N4,
-    S5, D5, N5, S6, D6, N6, S7, D7, N7, S8, D8, N8, S9, D9, N9,
-    BLOCK: tl.constexpr,
-):
-    """dst_p[i] = src_p[i] for i < N_p, pair p = program_id(1) (contiguous tensors, one dtype per
-    pair; a pair with N = 0 copies nothing); program_id(0) picks a block of BLOCK elements."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    pair = tl.program_id(1)
-    if pair == 0:
-        _copy_one(S0, D0, N0, offs)
-    elif pair == 1:
-        _copy_one(S1, D1, N1, offs)
-    elif pair == 2:
-        _copy_one(S2, D2, N2, offs)
-    elif pair == 3:
-        _copy_one(S3, D3, N3, offs)
-    elif pair == 4:
-        _copy_one(S4, D4, N4, offs)
-    elif pair == 5:
-        _copy_one(S5, D5, N5, offs)
-    elif pair == 6:
-        _copy_one(S6, D6, N6, offs)
-    elif pair == 7:
-        _copy_one(S7, D7, N7, offs)
-    elif pair == 8:
-        _copy_one(S8, D8, N8, offs)
-    else:
-        _copy_one(S9, D9, N9, offs)
-
-
-def copy_pairs(dsts: list, srcs: list) -> None:
-    """dst.copy_(src) for each pair, the contiguous pairs in one Triton launch (a few us of host
-    instead of one copy per tensor: the s33 cProfile of a graphed 4k forward + backward found its
-    `torch._foreach_copy_` calls the largest host cost), the others (a non-contiguous source, e.g.
-    an expanded gradient) by `copy_`. dsts: contiguous tensors; srcs: tensors of the same shapes and
-    dtypes on the same device."""
-    args, pairs, largest = [], 0, 0
-    for dst, src in zip(dsts, srcs):
-        if dst.shape != src.shape or dst.dtype != src.dtype:
-            raise ValueError(f"copy_pairs: {tuple(src.shape)} {src.dtype} into {tuple(dst.shape)} {dst.dtype}")
-        if not (COPY_WITH_KERNEL and src.is_contiguous() and dst.is_contiguous()) or pairs == COPY_PAIRS:
-            dst.copy_(src)
-            continue
-        n = src.numel()
-        args += [src, dst, n]
-        pairs += 1
-        largest = max(largest, n)
-    if pairs == 0 or largest == 0:
-        return
-    first = args[0]
-    for _ in range(COPY_PAIRS - pairs):  # unused pairs: copy nothing
-        args += [first, first, 0]
-    launch(_copy_pairs_kernel, (cdiv(largest, COPY_BLOCK), pairs), *args, BLOCK=COPY_BLOCK)
-
-
 class _Graph:
     """One captured body: static inputs, the graph, its static outputs.
 
@@ -204,21 +129,16 @@ class _Graph:
         """Copy `tensors` in, replay, return copies of the first `n_outputs` outputs (None: all;
         the others come back as None)."""
         statics = [s for s in self.inputs if s is not None]
-        _copy(statics, [x for x in tensors if x is not None])
+        # one call for every input (a single Triton launch copying every pair was slower in s33 call6:
+        # 1.11 vs 0.78 ms per graphed 4k forward + backward, the binder's cost for its 30 arguments)
+        torch._foreach_copy_(statics, [x for x in tensors if x is not None])
         self.graph.replay()
         wanted = self.outputs if n_outputs is None else self.outputs[:n_outputs]
         outputs = [out for out in wanted if out is not None]
         fresh = [torch.empty_like(out) for out in outputs]
-        _copy(fresh, outputs)
+        torch._foreach_copy_(fresh, outputs)
         it = iter(fresh)
         return tuple(None if out is None or i >= len(wanted) else next(it) for i, out in enumerate(self.outputs))
-
-
-def _copy(dsts: list, srcs: list) -> None:
-    if COPY_WITH_KERNEL:
-        copy_pairs(dsts, srcs)
-    else:
-        torch._foreach_copy_(dsts, srcs)
 
 
 class GraphCache:
