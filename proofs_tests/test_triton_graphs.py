@@ -137,6 +137,20 @@ def test_knob_list_names_every_triton_switch_of_the_kernels():
     assert named - set(graphs.KNOB_ENVS) == {graphs.GRAPHS_ENV, "FREESOLO_TRITON_FSB_SEARCH"}, named
 
 
+def test_the_deterministic_gather_and_union_backwards_are_not_captured(monkeypatch):
+    """Their inverted selection counts readers with torch.bincount (a host sync): the cache leaves
+    those backwards eager (the default "cell" mode and the atomic modes are captured)."""
+    from freesolo.backends.triton import attention_bwd
+    from freesolo.backends.triton.backend import _capturable_backward
+
+    for mode, deterministic, capturable in (
+        ("", True, True), ("cell", True, True), ("gather", True, False), ("union", True, False),
+        ("legacy", True, False), ("gather", False, True), ("union", False, True), ("legacy", False, True),
+    ):
+        monkeypatch.setenv(attention_bwd.LONG_MODE_ENV, mode)
+        assert _capturable_backward(deterministic) == capturable, (mode, deterministic)
+
+
 def test_cpu_tensors_are_never_graphed(monkeypatch):
     monkeypatch.setenv(graphs.GRAPHS_ENV, "")
     assert not graphs.eligible(torch.ones(1, 8, 2, 4), "fsl")

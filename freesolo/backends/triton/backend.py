@@ -362,9 +362,18 @@ class _EagerAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q = ctx.saved_tensors[0]
-        backward = _graphed_backward if graphs.eligible(q, ctx.variant) else _backward_impl
-        grads = _grads(ctx, do, backward, ctx.needs_input_grad[3])
+        graphed = graphs.eligible(q, ctx.variant) and _capturable_backward(ctx.deterministic_sum)
+        grads = _grads(ctx, do, _graphed_backward if graphed else _backward_impl, ctx.needs_input_grad[3])
         return (*grads, None, None)
+
+
+def _capturable_backward(deterministic_sum: bool) -> bool:
+    """Whether the backward can be captured in a CUDA graph: not in the deterministic "gather" /
+    "union" long modes (FREESOLO_TRITON_BWD_LONG, A/B switches of the pre-issue-11 paths), whose
+    inverted selection counts readers with torch.bincount, a host sync (s33 call8)."""
+    from .attention_bwd import default_long_mode
+
+    return not deterministic_sum or default_long_mode(deterministic_sum) == "cell"
 
 
 def _graphed_backward(*inputs):
