@@ -10,9 +10,10 @@ module does the same for plain eager calls, inside the backend:
   fsl, its queries hold at most `max_elements()` elements (B * T * Hq * D; default 2^23, i.e.
   8192 tokens at H 16, D 64: on the H200 a replay is faster than the eager call up to 8k tokens
   there and slower from 16k, where the GPU work hides the host work and the copies in and out of
-  the graph cost more than they save: `benchmarks/graph_cache_probe.py`, s33), no CUDA-graph capture is under way on the current stream (the caller's own
-  capture records the kernels as usual) and torch's sync debug mode is off (a capture waits for
-  the device once);
+  the graph cost more than they save: `benchmarks/graph_cache_probe.py`, s33), no CUDA-graph
+  capture is under way on the current stream (the caller's own capture records the kernels as
+  usual) and torch's sync debug mode is off (whoever watches for host syncs watches the kernels'
+  own launches);
 - the first eligible call of a key runs eagerly (it compiles the kernels and leaves one-off
   shapes out of the cache); the second captures the body once into a graph with static copies of
   its inputs, every later one copies its inputs into those buffers, replays the graph on the
