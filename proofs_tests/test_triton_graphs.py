@@ -103,13 +103,15 @@ def test_max_elements_parses_the_switch(monkeypatch):
             graphs.max_elements()
 
 
-def test_cache_key_holds_shapes_dtypes_args_and_the_kernel_switches(monkeypatch):
+def test_cache_key_holds_shapes_dtypes_args_the_kernel_switches_and_inference_mode(monkeypatch):
     x, y = torch.ones(2, 3), torch.ones(2, 3, dtype=torch.float64)
     base = graphs.cache_key(_body, (x, None), ("cfg", True))
     assert base == graphs.cache_key(_body, (torch.zeros(2, 3), None), ("cfg", True)), "values must not change the key"
     assert base != graphs.cache_key(_body, (torch.ones(3, 2), None), ("cfg", True))
     assert base != graphs.cache_key(_body, (y, None), ("cfg", True))
     assert base != graphs.cache_key(_body, (x, None), ("cfg", False))
+    with torch.inference_mode():
+        assert graphs.cache_key(_body, (x, None), ("cfg", True)) != base, "inference mode is not part of the key"
     for name in graphs.KNOB_ENVS:
         monkeypatch.setenv(name, "7")
         assert graphs.cache_key(_body, (x, None), ("cfg", True)) != base, f"{name} is not part of the key"
@@ -261,3 +263,23 @@ def test_cuda_graph_cache_steps_aside(graphs_on, monkeypatch):
         for _ in range(3):
             assert torch.equal(freesolo.freesolo_attention(*xs, cfg, backend="triton", check_finite=False), want)
         assert graphs_on.stats["captures"] == 1 and graphs_on.stats["replays"] == 2, graphs_on.stats
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU: CUDA graphs exist only there")
+def test_cuda_graphs_of_inference_mode_and_no_grad_calls_are_kept_apart(graphs_on, monkeypatch):
+    """A graph captured under torch.inference_mode holds inference tensors; the same call under
+    torch.no_grad gets a graph of its own (the key holds the mode) and both give the eager bits."""
+    cfg = FreeSoloConfig(variant="fsl")
+    xs = _inputs(31, 1, 2048 + 9, 4, 2, 64)
+    monkeypatch.setenv(graphs.GRAPHS_ENV, "0")
+    with torch.no_grad():
+        want = freesolo.freesolo_attention(*xs, cfg, backend="triton", check_finite=False)
+    monkeypatch.setenv(graphs.GRAPHS_ENV, "")
+    for _ in range(3):
+        with torch.inference_mode():
+            got = freesolo.freesolo_attention(*xs, cfg, backend="triton", check_finite=False)
+        assert torch.equal(got, want)
+        with torch.no_grad():
+            got = freesolo.freesolo_attention(*xs, cfg, backend="triton", check_finite=False)
+        assert torch.equal(got, want)
+    assert graphs_on.stats["captures"] == 2 and graphs_on.stats["replays"] == 4, graphs_on.stats

@@ -217,7 +217,9 @@ CACHE = GraphCache()
 
 def cache_key(body: Callable, tensors: tuple, args: tuple) -> tuple:
     """The key of a call (module docstring): body, (shape, dtype) of each tensor (None kept), the
-    device index of the first tensor, args, and the values of the `KNOB_ENVS` switches."""
+    device index of the first tensor, args, the values of the `KNOB_ENVS` switches, and whether
+    inference mode is on (a graph captured in it holds inference tensors, which a call outside it
+    may not copy into)."""
     first = next(x for x in tensors if x is not None)
     return (
         body,
@@ -225,6 +227,7 @@ def cache_key(body: Callable, tensors: tuple, args: tuple) -> tuple:
         first.device.index,
         args,
         tuple(os.environ.get(name) for name in KNOB_ENVS),
+        torch.is_inference_mode_enabled(),
     )
 
 
