@@ -283,3 +283,28 @@ def test_cuda_graphs_of_inference_mode_and_no_grad_calls_are_kept_apart(graphs_o
             got = freesolo.freesolo_attention(*xs, cfg, backend="triton", check_finite=False)
         assert torch.equal(got, want)
     assert graphs_on.stats["captures"] == 2 and graphs_on.stats["replays"] == 4, graphs_on.stats
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU: CUDA graphs exist only there")
+def test_cuda_gather_backward_stays_eager_under_the_cache(graphs_on, monkeypatch):
+    """FREESOLO_TRITON_BWD_LONG=gather (deterministic): its backward cannot be captured (a host
+    sync); with the cache on, forwards replay, backwards run eagerly, gradients equal the eager ones."""
+    from freesolo.backends.triton import attention_bwd
+
+    monkeypatch.setenv(attention_bwd.LONG_MODE_ENV, "gather")
+    cfg = FreeSoloConfig(variant="fsl")
+    xs = _inputs(41, 1, 1024 + 7, 4, 2, 64)
+    do = torch.randn(1, 1024 + 7, 4, 64, device="cuda", dtype=torch.bfloat16, generator=torch.Generator(device="cuda").manual_seed(42))
+
+    def step():
+        leaves = [x.clone().requires_grad_(True) for x in xs]
+        o = freesolo.freesolo_attention(*leaves, cfg, backend="triton", check_finite=False)
+        o.backward(do)
+        return [o.detach()] + [x.grad for x in leaves]
+
+    monkeypatch.setenv(graphs.GRAPHS_ENV, "0")
+    want = step()
+    monkeypatch.setenv(graphs.GRAPHS_ENV, "")
+    for _ in range(3):
+        assert all(torch.equal(a, b) for a, b in zip(step(), want))
+    assert graphs_on.stats["captures"] == 1 and graphs_on.stats["replays"] == 2, graphs_on.stats
