@@ -28,6 +28,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from gpu_attention import _versions, plot_bars, write_results  # noqa: E402
+from host_overhead_probe import host_us  # noqa: E402 (calls queued back to back)
+from launch_host_probe import idle_host_us  # noqa: E402 (GPU idle at each call's start)
 
 import freesolo  # noqa: E402
 from freesolo.backends.triton import graphs  # noqa: E402
@@ -48,29 +50,6 @@ def _call(mode: str, q, k, v, do, cfg):
         return [o.detach(), q.grad, k.grad, v.grad]
 
     return fwd if mode == "fwd" else fwd_bwd
-
-
-def _host_us(fn, calls: int) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    host = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return 1e6 * host / calls
-
-
-def _idle_host_us(fn, calls: int) -> float:
-    """Mean host microseconds per call with the GPU idle at each call's start (a sync before each):
-    the host's own work, whatever the GPU time."""
-    total = 0.0
-    for _ in range(calls):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        total += time.perf_counter() - start
-    torch.cuda.synchronize()
-    return 1e6 * total / calls
 
 
 def _kernel_us(fn, calls: int) -> dict:
@@ -129,8 +108,8 @@ def measure(T: int, mode: str, setting: str, rep_ms: int, profile_kernels: bool)
     torch.cuda.synchronize()
     equal = all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(first, second, later))
     ms = float(triton.testing.do_bench(fn, warmup=10, rep=rep_ms, return_mode="median"))
-    host = [_host_us(fn, 100) for _ in range(3)]
-    idle_host = [_idle_host_us(fn, 50) for _ in range(3)]
+    host = [host_us(fn, 100) for _ in range(3)]
+    idle_host = [idle_host_us(fn, 50) for _ in range(3)]
     kernels = _kernel_us(fn, 20) if profile_kernels else {}
     if profile_kernels and setting == "graphs":
         _print_cprofile(fn, f"T={T} {mode} {setting}")
