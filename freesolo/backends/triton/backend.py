@@ -351,10 +351,7 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, beta, cfg_json, variant, graphed):
-        if graphed:
-            output = graphs.run(_forward_impl, (q, k, v, beta), (cfg_json, True))
-        else:
-            output = _forward_impl(q, k, v, beta, cfg_json)
+        output = _forward_call(q, k, v, beta, cfg_json, True, graphed)
         _setup_context(ctx, (q, k, v, beta, cfg_json), output)
         ctx.variant = variant
         return output[0]
@@ -367,6 +364,14 @@ class _EagerAttention(torch.autograd.Function):
         return (*grads, None, None)
 
 
+def _forward_call(q, k, v, beta, cfg_json, save_stats: bool, graphed: bool):
+    """`_forward_impl`'s outputs, from the CUDA-graph cache when `graphed` (a forward without
+    statistics copies only o out of its graph; the others come back as None, as they do eagerly)."""
+    if graphed:
+        return graphs.run(_forward_impl, (q, k, v, beta), (cfg_json, save_stats), n_outputs=None if save_stats else 1)
+    return _forward_impl(q, k, v, beta, cfg_json, save_stats=save_stats)
+
+
 def _capturable_backward(deterministic_sum: bool) -> bool:
     """Whether the backward can be captured in a CUDA graph: not in the deterministic "gather" /
     "union" long modes (FREESOLO_TRITON_BWD_LONG, A/B switches of the pre-issue-11 paths), whose
@@ -377,7 +382,8 @@ def _capturable_backward(deterministic_sum: bool) -> bool:
 
 
 def _graphed_backward(*inputs):
-    """`_backward_impl`'s signature, run through the CUDA-graph cache."""
+    """`_backward_impl`'s signature, run through the CUDA-graph cache: its 10 tensors (do ... rstd)
+    are the graph's inputs, cfg_json, deterministic_sum and need_dbeta are part of the key."""
     return graphs.run(_backward_impl, inputs[:10], inputs[10:])
 
 
@@ -403,9 +409,7 @@ def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: Fre
     if not (torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, b))):
         # nothing to differentiate: no autograd node, and the backward's statistics are not stored
         # (12 bytes per position and query head; the rotated keys take their room: fewer launches)
-        if graphed:
-            return graphs.run(_forward_impl, (q, k, v, b), (config_to_json(cfg), False), n_outputs=1)[0]
-        return _forward_impl(q, k, v, b, config_to_json(cfg), save_stats=False)[0]
+        return _forward_call(q, k, v, b, config_to_json(cfg), False, graphed)[0]
     return _EagerAttention.apply(q, k, v, b, config_to_json(cfg), cfg.variant, graphed)
 
 
