@@ -29,11 +29,11 @@ class _Stand:
 
     built: list = []
 
-    def __init__(self, body, tensors, args):
+    def __init__(self, body, tensors, args, fixed=None):
         self.body, self.args = body, args
         _Stand.built.append(args)
 
-    def __call__(self, tensors, n_outputs=None):
+    def __call__(self, tensors, n_outputs=None, prepare=None):
         outs = tuple(self.body(*tensors, *self.args))
         return outs if n_outputs is None else outs[:n_outputs] + (None,) * (len(outs) - n_outputs)
 
@@ -46,11 +46,13 @@ def test_cache_runs_the_first_call_eagerly_captures_the_second_and_replays_after
     _Stand.built = []
     cache = graphs.GraphCache(capture=_Stand)
     x = torch.arange(4.0)
-    out = cache.call("a", _body, (x,), (2.0,))
-    assert cache.stats == {"graphs": 0, "captures": 0, "replays": 0, "evictions": 0, "disabled": False}
+    out, graph = cache.call("a", _body, (x,), (2.0,))
+    assert graph is None, "an eager call named a graph"
+    assert cache.stats == {"graphs": 0, "captures": 0, "replays": 0, "evictions": 0, "refreshes": 0, "disabled": False}
     assert torch.equal(out[0], x * 2) and out[1] is None
     for replays in (1, 2, 3):
-        out = cache.call("a", _body, (x + replays,), (2.0,))
+        out, graph = cache.call("a", _body, (x + replays,), (2.0,))
+        assert isinstance(graph, _Stand)
         assert torch.equal(out[0], (x + replays) * 2), "a replay did not read the call's inputs"
         assert cache.stats["captures"] == 1 and cache.stats["replays"] == replays
     assert _Stand.built == [(2.0,)]
@@ -76,7 +78,7 @@ def test_cache_evicts_the_least_recently_used_graph_and_turns_off_after_too_many
     assert any("CUDA-graph cache" in str(w.message) for w in caught), "turning itself off was not warned"
     replays = cache.replays
     for _ in range(3):
-        assert torch.equal(cache.call("f", _body, (x,), (3.0,))[0], x * 3)
+        assert torch.equal(cache.call("f", _body, (x,), (3.0,))[0][0], x * 3)
     assert cache.replays == replays and cache.stats["graphs"] == 0, "a disabled cache captured or replayed"
 
 
@@ -89,6 +91,81 @@ def test_cache_raises_a_capture_error_naming_the_switch():
     cache.call("a", _body, (x,), (1.0,))
     with pytest.raises(RuntimeError, match=graphs.GRAPHS_ENV):
         cache.call("a", _body, (x,), (1.0,))
+
+
+class _Emulated(graphs._Graph):
+    """`graphs._Graph` with its CUDA graph emulated on the CPU: the capture runs body once on the
+    static inputs (its results become the static outputs), a replay runs it again on them and writes
+    the results into the static outputs, so copies in / out, fixed buffers and bindings are the real code's."""
+
+    def _capture(self, body, args):
+        self._run = lambda: body(*self.inputs, *args)
+        return self._run()
+
+    def _replay(self):
+        for static, new in zip(self.outputs, self._run()):
+            if static is not None:
+                static.copy_(new)
+
+
+def _fwd_body(x, w, tag):
+    return (x * w, x.sum(dim=-1))
+
+
+def _bwd_body(g, x, w, y, s, tag):
+    return (g * w + y * s[:, None] - x,)
+
+
+def test_a_bound_backward_reads_its_forwards_buffers_in_place_and_refreshes_them_when_stale(monkeypatch):
+    """`run_forward` / `run_bound` on emulated graphs: a bound graph reads the forward graph's buffers
+    (no copies of its own); with the forward's binding current it copies in only the fresh tensor (g),
+    after later forwards it first copies the saved tensors back (`refreshes`); every result equals the
+    direct computation, calls in flight in any order (three forwards, backwards in reverse and
+    forward order, a repeated backward)."""
+    cache = graphs.GraphCache(capture=_Emulated)
+    monkeypatch.setattr(graphs, "CACHE", cache)
+    w = torch.tensor([1.5, -2.0, 0.25])
+    xs = [torch.randn(4, 3, generator=torch.Generator().manual_seed(i)) for i in range(6)]
+    gs = [torch.randn(4, 3, generator=torch.Generator().manual_seed(10 + i)) for i in range(6)]
+
+    def forward(x):
+        (y, s), binding = graphs.run_forward(_fwd_body, (x, w), ("t",))
+        return y, s, binding
+
+    def backward(i, y, s, binding):
+        tensors = (gs[i], xs[i], w, y, s)
+        if binding is None:
+            return _bwd_body(*tensors, "t")[0]
+        fixed = (None, binding.graph.inputs[0], binding.graph.inputs[1], *binding.graph.outputs)
+        return graphs.run_bound(_bwd_body, tensors, ("t",), binding, fixed)[0]
+
+    def want(i):
+        y, s = _fwd_body(xs[i], w, "t")
+        return y, s, _bwd_body(gs[i], xs[i], w, y, s, "t")[0]
+
+    first = forward(xs[0])
+    assert first[2] is None, "the first (eager) call of a key got a binding"
+    calls = [forward(x) for x in xs[1:4]]  # the second captures: bindings 1, 2, 3 to one graph
+    graph = calls[0][2].graph
+    assert all(c[2].graph is graph for c in calls) and calls[2][2].current() and not calls[0][2].current()
+    for i, (y, s, _) in enumerate(calls, start=1):
+        assert torch.equal(y, want(i)[0]) and torch.equal(s, want(i)[1])
+    assert torch.equal(backward(0, *first), want(0)[2])
+    refreshes = []
+    for i in (3, 2, 1, 1):  # reverse order (3 is current), then 1 twice (current after its refresh)
+        got = backward(i, *calls[i - 1])
+        assert torch.equal(got, want(i)[2]), f"backward of call {i}"
+        refreshes.append(cache.refreshes)
+    # the bound key's first call runs eagerly, the second captures (binding 2: stale, refreshed), ...
+    assert refreshes == [0, 1, 2, 2], refreshes
+    bound = [g for g in cache._graphs.values() if g is not graph]
+    assert len(bound) == 1 and bound[0].inputs[1] is graph.inputs[0] and bound[0].inputs[3] is graph.outputs[0]
+    assert bound[0]._copied_in == (0,), "a bound graph copies in more than its fresh tensor"
+    assert calls[0][2].current(), "a refresh did not make its binding current"
+    later = forward(xs[4])
+    assert not calls[0][2].current() and later[2].current()
+    assert torch.equal(backward(1, *calls[0]), want(1)[2]) and cache.refreshes == 3
+    assert torch.equal(backward(4, *later), want(4)[2]) and cache.refreshes == 4
 
 
 def test_max_elements_parses_the_switch(monkeypatch):
@@ -222,9 +299,12 @@ def test_cuda_graphed_training_of_two_layers_equals_eager(variant, graphs_on, mo
         got = step()
         for i, (x, y) in enumerate(zip(want, got)):
             assert torch.equal(x, y), f"step {n}: tensor {i} (outputs, dq/dk/dv per layer, dbeta) differs from eager"
-    # forward: the first call eager, the second captures; backward likewise
+    # forward: the first call eager, the second captures (layer 2 of step 0); backward likewise, bound to
+    # the forward's graph from step 1 on (autograd runs layer 2's backward first: its binding is current,
+    # layer 1's is stale and refreshed once per step)
     assert graphs_on.stats["captures"] == 2, graphs_on.stats
-    assert graphs_on.stats["replays"] == 2 * (2 * 4 - 1), graphs_on.stats
+    assert graphs_on.stats["replays"] == (2 * 4 - 1) + 2 * 3, graphs_on.stats
+    assert graphs_on.stats["refreshes"] == 3, graphs_on.stats
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU: CUDA graphs exist only there")
@@ -308,3 +388,41 @@ def test_cuda_gather_backward_stays_eager_under_the_cache(graphs_on, monkeypatch
     for _ in range(3):
         assert all(torch.equal(a, b) for a, b in zip(step(), want))
     assert graphs_on.stats["captures"] == 1 and graphs_on.stats["replays"] == 2, graphs_on.stats
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU: CUDA graphs exist only there")
+def test_cuda_bound_backward_reads_the_forward_graph_in_place_and_refreshes_a_stale_one(graphs_on, monkeypatch):
+    """One layer trained step after step: the backward's graph reads the forward graph's buffers (q, k,
+    v, beta, o, statistics: no copies of its own, no refresh) and its gradients equal the eager ones bit
+    for bit; with another forward of the shape between two backwards of one call (retain_graph) the
+    second refreshes the buffers and gives the same gradients again."""
+    cfg = FreeSoloConfig(variant="fsl")
+    xs = _inputs(51, 1, 4096 + 11, 4, 2, 64)
+    beta = torch.full((4,), 0.75, device="cuda")
+    do = torch.randn(1, 4096 + 11, 4, 64, device="cuda", dtype=torch.bfloat16, generator=torch.Generator(device="cuda").manual_seed(52))
+
+    def forward():
+        leaves = [x.clone().requires_grad_(True) for x in xs] + [beta.clone().requires_grad_(True)]
+        return leaves, freesolo.freesolo_attention(*leaves[:3], cfg, beta=leaves[3], backend="triton", check_finite=False)
+
+    def step():
+        leaves, o = forward()
+        return [o.detach(), *torch.autograd.grad(o, leaves, do)]
+
+    monkeypatch.setenv(graphs.GRAPHS_ENV, "0")
+    want = step()
+    monkeypatch.setenv(graphs.GRAPHS_ENV, "")
+    for n in range(5):
+        got = step()
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), f"step {n} differs from eager"
+    stats = graphs_on.stats
+    assert stats["captures"] == 2 and stats["replays"] == 4 + 3 and stats["refreshes"] == 0, stats
+    fwd, bwd = list(graphs_on._graphs.values())
+    assert bwd.inputs[1] is fwd.inputs[0] and bwd.inputs[4] is fwd.outputs[0] and bwd._copied_in == (0,)
+    leaves, o = forward()
+    first = torch.autograd.grad(o, leaves, do, retain_graph=True)
+    _, o_other = forward()  # replays the forward graph with this call's inputs: the first binding goes stale
+    second = torch.autograd.grad(o, leaves, do)
+    assert graphs_on.stats["refreshes"] == 1, graphs_on.stats
+    assert all(torch.equal(a, b) for a, b in zip(first, want[1:])) and all(torch.equal(a, b) for a, b in zip(second, want[1:]))
+    assert torch.equal(o_other.detach(), want[0])

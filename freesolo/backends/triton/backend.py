@@ -351,7 +351,10 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, beta, cfg_json, variant, graphed):
-        output = _forward_call(q, k, v, beta, cfg_json, True, graphed)
+        if graphed:
+            output, ctx.binding = graphs.run_forward(_forward_impl, (q, k, v, beta), (cfg_json, True))
+        else:
+            output, ctx.binding = _forward_impl(q, k, v, beta, cfg_json), None
         _setup_context(ctx, (q, k, v, beta, cfg_json), output)
         ctx.variant = variant
         return output[0]
@@ -359,8 +362,11 @@ class _EagerAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q = ctx.saved_tensors[0]
-        graphed = graphs.eligible(q, ctx.variant) and _capturable_backward(ctx.deterministic_sum)
-        grads = _grads(ctx, do, _graphed_backward if graphed else _backward_impl, ctx.needs_input_grad[3])
+        if graphs.eligible(q, ctx.variant) and _capturable_backward(ctx.deterministic_sum):
+            backward = _graphed_backward if ctx.binding is None else _bound_backward(ctx.binding)
+        else:
+            backward = _backward_impl
+        grads = _grads(ctx, do, backward, ctx.needs_input_grad[3])
         return (*grads, None, None)
 
 
@@ -385,6 +391,21 @@ def _graphed_backward(*inputs):
     """`_backward_impl`'s signature, run through the CUDA-graph cache: its 10 tensors (do ... rstd)
     are the graph's inputs, cfg_json, deterministic_sum and need_dbeta are part of the key."""
     return graphs.run(_backward_impl, inputs[:10], inputs[10:])
+
+
+def _bound_backward(binding: graphs.Binding):
+    """`_graphed_backward` for a forward replayed from a graph (`graphs.run_forward`): the backward's
+    graph reads q, k, v, beta, o and the statistics from the forward graph's buffers (`graphs.run_bound`:
+    in place while no other call replayed the forward graph, copied back in otherwise); only do is
+    copied in."""
+    q, k, v, beta = binding.graph.inputs
+    o, idx, lse_loc, lse_long, rstd = binding.graph.outputs
+    fixed = (None, q, k, v, o, idx, beta, lse_loc, lse_long, rstd)  # `_backward_impl`'s tensor order
+
+    def backward(*inputs):
+        return graphs.run_bound(_backward_impl, inputs[:10], inputs[10:], binding, fixed)
+
+    return backward
 
 
 # ---- public functions ----------------------------------------------------------------------------

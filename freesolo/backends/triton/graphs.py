@@ -53,7 +53,10 @@ __all__ = [
     "max_elements",
     "eligible",
     "cache_key",
+    "Binding",
     "run",
+    "run_forward",
+    "run_bound",
     "clear",
 ]
 
@@ -109,12 +112,26 @@ class _Graph:
     """One captured body: static inputs, the graph, its static outputs.
 
     tensors: the call's tensor arguments (None allowed), copied into contiguous static buffers;
-    body(*static_tensors, *args) is captured on a side stream of the tensors' device."""
+    fixed: None or, per tensor, None (a static copy, refreshed at every replay) or a static buffer
+    of another graph that the body reads as it is (a bound backward reads its forward's buffers:
+    never copied in by this graph; `run_bound` refreshes them when they hold another call's values).
+    body(*static_tensors, *args) is captured on a side stream of the tensors' device.
+    owner: the `Binding` of the call whose values the static buffers hold (None: no call's, or a
+    call that took no binding)."""
 
-    def __init__(self, body: Callable, tensors: tuple, args: tuple):
-        first = next(x for x in tensors if x is not None)
+    def __init__(self, body: Callable, tensors: tuple, args: tuple, fixed: Optional[tuple] = None):
+        fixed = (None,) * len(tensors) if fixed is None else fixed
+        self.inputs = tuple(
+            f if f is not None else (None if x is None else x.detach().clone(memory_format=torch.contiguous_format))
+            for x, f in zip(tensors, fixed)
+        )
+        self._copied_in = tuple(i for i, (x, f) in enumerate(zip(tensors, fixed)) if x is not None and f is None)
+        self.owner: Optional[Binding] = None
+        self.outputs = tuple(self._capture(body, args))
+
+    def _capture(self, body: Callable, args: tuple) -> tuple:
+        first = next(x for x in self.inputs if x is not None)
         device = first.device
-        self.inputs = tuple(None if x is None else x.detach().clone(memory_format=torch.contiguous_format) for x in tensors)
         self.graph = torch.cuda.CUDAGraph()
         current = torch.cuda.current_stream(device)
         side = torch.cuda.Stream(device=device)
@@ -126,22 +143,46 @@ class _Graph:
             finally:
                 self.graph.capture_end()
         current.wait_stream(side)
-        self.outputs = tuple(outputs)
+        return outputs
 
-    def __call__(self, tensors: tuple, n_outputs: Optional[int] = None) -> tuple:
-        """Copy `tensors` in, replay, return copies of the first `n_outputs` outputs (None: all;
-        the others come back as None)."""
-        statics = [s for s in self.inputs if s is not None]
+    def _replay(self) -> None:
+        self.graph.replay()
+
+    def __call__(self, tensors: tuple, n_outputs: Optional[int] = None, prepare: Optional[Callable] = None) -> tuple:
+        """prepare() (refreshes the fixed buffers, `run_bound`), copy `tensors` in (the positions
+        not fixed), replay, return copies of the first `n_outputs` outputs (None: all; the others
+        come back as None)."""
+        if prepare is not None:
+            prepare()
+        self.owner = None  # the buffers now hold this call's values: a binding is given by `run_forward`
         # one call for every input (a single Triton launch copying every pair was slower in s33 call6:
         # 1.11 vs 0.78 ms per graphed 4k forward + backward, the binder's cost for its 30 arguments)
-        torch._foreach_copy_(statics, [x for x in tensors if x is not None])
-        self.graph.replay()
+        torch._foreach_copy_([self.inputs[i] for i in self._copied_in], [tensors[i] for i in self._copied_in])
+        self._replay()
         wanted = self.outputs if n_outputs is None else self.outputs[:n_outputs]
         outputs = [out for out in wanted if out is not None]
         fresh = [torch.empty_like(out) for out in outputs]
         torch._foreach_copy_(fresh, outputs)
         it = iter(fresh)
         return tuple(None if out is None or i >= len(wanted) else next(it) for i, out in enumerate(self.outputs))
+
+
+class Binding:
+    """A graphed forward call's claim on its graph's static buffers (inputs and outputs).
+
+    While `current()` (no later call replayed that graph or refreshed its buffers) the buffers hold
+    exactly this call's inputs and outputs, so its backward's graph reads them in place instead of
+    copying the saved tensors in again (at 4k, H 16, D 64, bf16: q, k, v, o and the statistics,
+    ~34 MB, and 9 copy launches of host time). Otherwise `run_bound` copies the saved tensors back
+    into the buffers first (the copies every replay made before this binding existed)."""
+
+    __slots__ = ("graph",)
+
+    def __init__(self, graph: "_Graph"):
+        self.graph = graph
+
+    def current(self) -> bool:
+        return self.graph.owner is self
 
 
 class GraphCache:
@@ -157,23 +198,29 @@ class GraphCache:
         self.captures = 0
         self.replays = 0
         self.evictions = 0
+        self.refreshes = 0  # `run_bound` replays that first copied saved tensors back into a forward's buffers
         self.disabled = False
 
     @property
     def stats(self) -> dict:
         return {"graphs": len(self._graphs), "captures": self.captures, "replays": self.replays,
-                "evictions": self.evictions, "disabled": self.disabled}
+                "evictions": self.evictions, "refreshes": self.refreshes, "disabled": self.disabled}
 
     def clear(self) -> None:
-        """Drop every graph (their memory goes back to torch's allocator), the counts of keys not
-        yet captured and the statistics (captures, replays, evictions; `disabled` stays)."""
+        """Drop every graph (their memory goes back to torch's allocator once no `Binding` holds it),
+        the counts of keys not yet captured and the statistics (`disabled` stays)."""
         self._graphs.clear()
         self._seen.clear()
-        self.captures = self.replays = self.evictions = 0
+        self.captures = self.replays = self.evictions = self.refreshes = 0
 
-    def call(self, key, body: Callable, tensors: tuple, args: tuple, n_outputs: Optional[int] = None) -> tuple:
-        """body(*tensors, *args) (a tuple of tensors / None), eagerly or from the key's graph; a
-        replay returns only the first `n_outputs` outputs (None: all), the others as None."""
+    def call(
+        self, key, body: Callable, tensors: tuple, args: tuple, n_outputs: Optional[int] = None,
+        fixed: Optional[tuple] = None, prepare: Optional[Callable] = None,
+    ) -> tuple:
+        """(outputs, graph): body(*tensors, *args) (a tuple of tensors / None), eagerly (graph None)
+        or from the key's graph (the `_Graph` replayed); a replay returns only the first `n_outputs`
+        outputs (None: all), the others as None. fixed, prepare: as `_Graph` (a capture's fixed
+        buffers; prepare() runs before each replay, never before an eager call)."""
         graph = self._graphs.get(key)
         if graph is None:
             seen = self._seen.get(key, 0) + 1
@@ -181,10 +228,10 @@ class GraphCache:
                 if len(self._seen) >= MAX_SEEN:
                     self._seen.clear()
                 self._seen[key] = seen
-                return tuple(body(*tensors, *args))
+                return tuple(body(*tensors, *args)), None
             self._seen.pop(key, None)
             try:
-                graph = self._capture(body, tensors, args)
+                graph = self._capture(body, tensors, args, fixed)
             except Exception as error:
                 raise RuntimeError(
                     f"freesolo: capturing a triton call in a CUDA graph failed ({error}); "
@@ -209,7 +256,7 @@ class GraphCache:
         else:
             self._graphs.move_to_end(key)
         self.replays += 1
-        return graph(tensors, n_outputs)
+        return graph(tensors, n_outputs, prepare), graph
 
 
 CACHE = GraphCache()
@@ -231,6 +278,14 @@ def cache_key(body: Callable, tensors: tuple, args: tuple) -> tuple:
     )
 
 
+def _on_device(device: Optional[int], fn: Callable, *a):
+    """fn(*a) with `device` (a CUDA index; None: a CPU tensor, the tests' emulated graphs) current."""
+    if device is not None and device != torch.cuda.current_device():
+        with torch.cuda.device(device):
+            return fn(*a)
+    return fn(*a)
+
+
 def run(body: Callable, tensors: tuple, args: tuple, n_outputs: Optional[int] = None) -> tuple:
     """body(*tensors, *args) through `CACHE` (call it only when `eligible`).
 
@@ -239,11 +294,39 @@ def run(body: Callable, tensors: tuple, args: tuple, n_outputs: Optional[int] = 
     out of the graph and returns None for the others).
     Returns body's tuple of outputs (tensors or None), fresh tensors the caller owns."""
     key = cache_key(body, tensors, args)
-    device = key[2]
-    if device != torch.cuda.current_device():
-        with torch.cuda.device(device):
-            return CACHE.call(key, body, tensors, args, n_outputs)
-    return CACHE.call(key, body, tensors, args, n_outputs)
+    return _on_device(key[2], CACHE.call, key, body, tensors, args, n_outputs)[0]
+
+
+def run_forward(body: Callable, tensors: tuple, args: tuple) -> tuple:
+    """`run` (every output copied out) and the call's `Binding` to its graph's buffers (None when the
+    call ran eagerly), for `run_bound` to read them in place."""
+    key = cache_key(body, tensors, args)
+    outputs, graph = _on_device(key[2], CACHE.call, key, body, tensors, args)
+    if graph is None:
+        return outputs, None
+    binding = graph.owner = Binding(graph)
+    return outputs, binding
+
+
+def run_bound(body: Callable, tensors: tuple, args: tuple, binding: Binding, fixed: tuple) -> tuple:
+    """body(*tensors, *args) through `CACHE`, as `run`, for a graph that reads buffers of the graph of
+    `binding` (the forward call whose saved tensors are among `tensors`) in place.
+
+    fixed: per tensor, None (copied into this graph at each replay, e.g. the output gradient) or the
+    buffer of `binding.graph` that holds its value while `binding.current()`. Before a replay with
+    the binding no longer current (another call replayed that graph since), `tensors` are copied
+    into the fixed buffers and the binding becomes current again. The key holds `binding.graph`: a
+    graph is bound to the buffers of one forward graph."""
+    key = cache_key(body, tensors, args) + (binding.graph,)
+    pairs = [(f, x) for f, x in zip(fixed, tensors) if f is not None]
+
+    def refresh():
+        if not binding.current():
+            torch._foreach_copy_([f for f, _ in pairs], [x for _, x in pairs])
+            binding.graph.owner = binding
+            CACHE.refreshes += 1
+
+    return _on_device(key[2], CACHE.call, key, body, tensors, args, None, fixed, refresh)[0]
 
 
 def clear() -> None:
