@@ -248,6 +248,9 @@
 #   s33h_gpu_modes GPU time (one user CUDA graph of fwd+bwd) per backward mode: deterministic cell, cell / union / gather with atomics
 #   s33i_tests   the graph cache's tests at the final HEAD (inference mode in the key; the gather backward stays eager)
 #   s33a_attn    issues 10 / 11: gpu_attention.py, triton_fsl / triton_fs with and without the cache vs SDPA, Flex, 4k / 16k / 64k
+#   s34a_tests   bound backward graphs (read the forward graph's buffers), int16 sort keys of the cell plan: the cache's tests, backward CUDA / cell-plan tests, backend / models / packed / L12 with the cache on
+#   s34a_probe   graph_cache_probe.py 4k / 8k with kernel profiles (bound backward, int16 keys)
+#   s34a_attn    gpu_attention.py 4k / 8k / 16k, fwd and fwd+bwd (FS-L, FS, cache off, one user graph, SDPA, Flex), same run
 #   s33a_train   issue 11: train_step.py eager providers at 4k / 16k (the FS-L model's attention from the cache)
 set -u
 OUT=${OUT:-/tmp/session_out}
@@ -376,6 +379,9 @@ step s33f_final 330 bash -c "python3 -m pytest -q -p no:benchmark proofs_tests/t
 step s33g_modes 240 bash -c "for m in cell gather; do FREESOLO_TRITON_BWD_LONG=\$m python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fs triton_fsl_eager sdpa_causal --shapes H16-D64 --modes fwd+bwd --lengths 4096 8192 --budget-s 60 --rep-ms 30 --out $W --tag _s33g_\$m; done; FREESOLO_DETERMINISTIC=0 python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fs triton_fsl_eager sdpa_causal --shapes H16-D64 --modes fwd+bwd --lengths 4096 8192 --budget-s 60 --rep-ms 30 --out $W --tag _s33g_atomic"
 step s33h_gpu_modes 200 bash -c "for e in FREESOLO_DETERMINISTIC=1 FREESOLO_DETERMINISTIC=0 'FREESOLO_DETERMINISTIC=0 FREESOLO_TRITON_BWD_LONG=union' 'FREESOLO_DETERMINISTIC=0 FREESOLO_TRITON_BWD_LONG=gather'; do tag=\$(echo \$e | tr ' =' '__'); env \$e python3 benchmarks/gpu_attention.py --providers triton_fsl_graph triton_fsl sdpa_causal --shapes H16-D64 --modes fwd+bwd --lengths 4096 8192 --budget-s 40 --rep-ms 30 --out $W --tag _s33h_\$tag; done"
 step s33i_tests 120 python3 -m pytest -q -p no:benchmark proofs_tests/test_triton_graphs.py
+step s34a_tests 330 bash -c "python3 -m pytest -q -p no:benchmark proofs_tests/test_triton_graphs.py; python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k 'cuda or gpu or cell_plan' proofs_tests/test_triton_backward.py; FREESOLO_TRITON_GRAPHS= python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k 'cuda or gpu' proofs_tests/test_triton_backend.py proofs_tests/test_models.py proofs_tests/test_packed.py proofs_tests/test_row_independence.py"
+step s34a_probe 150 python3 benchmarks/graph_cache_probe.py --profile --lengths 4096 8192 --out "$W/graph_cache_s34a.json"
+step s34a_attn 200 python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fs triton_fsl_eager triton_fsl_graph sdpa_causal flex_swa512 --shapes H16-D64 --modes fwd fwd+bwd --lengths 4096 8192 16384 --budget-s 160 --rep-ms 30 --out "$W" --tag _s34a
 step s33a_attn 330 python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fsl_eager triton_fs triton_fs_eager triton_fsl_graph sdpa_causal flex_swa512 --shapes H16-D64 --modes fwd fwd+bwd --lengths 4096 8192 16384 65536 --budget-s 290 --rep-ms 30 --out "$W" --tag _s33a
 step s33a_train 200 python3 benchmarks/train_step.py --lengths 4096 8192 16384 --providers freesolo_fsl_triton sdpa_causal flex_swa512 --out "$W"
 step s31b_attn 330 python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fs sdpa_causal flex_swa512 fla_nsa --shapes H16-D64 --modes fwd fwd+bwd --lengths 4096 16384 65536 131072 --budget-s 290 --rep-ms 30 --out "$W" --tag _s31b

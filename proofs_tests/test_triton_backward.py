@@ -352,6 +352,7 @@ def test_hot_cells_split_into_segments(nan_poison):
         (1, 40, 4, 4, 4, 9, 0, 40, 8, 0, torch.int64),  # unread cells get no work item (min_seg 0)
         (3, 17, 2, 1, 2, 1, 0, 17, 16, 1, torch.int32),  # one cell per kv head
         (1, 300, 8, 2, 4, 70, 0, 300, 32, 1, torch.int32),  # more than one block of 1024 entries / cells
+        (1, 12, 2, 1, 2, 33000, 0, 12, 4, 1, torch.int32),  # 33000 cells: int32 sort keys (int16 up to 32767)
     ],
 )
 def test_cell_plan_equals_the_torch_references(B, T, Hq, Hkv, K, C, t0, tc, seg, min_seg, dtype):

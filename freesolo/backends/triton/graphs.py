@@ -19,6 +19,12 @@ module does the same for plain eager calls, inside the backend:
   its inputs, every later one copies its inputs into those buffers, replays the graph on the
   current stream and returns copies of the graph's outputs (so that calls in flight at once, e.g.
   the layers of a model before their backward, never share output memory);
+- the backward of a replayed forward is a graph *bound* to that forward's graph (`run_forward`,
+  `run_bound`, `Binding`): it reads q, k, v, beta, o and the statistics from the forward graph's
+  buffers instead of copies of its own, and only the output gradient is copied in; when another
+  call replayed the forward graph in between (the layers of a model of one shape), the saved
+  tensors are first copied back into those buffers (`refreshes`), the copies every backward made
+  before s34, so a bound backward never copies more than a free one;
 - a key is the body, the shapes and dtypes of the tensors, the device, the non-tensor arguments
   and the FREESOLO_TRITON_* switches that steer the kernels (`KNOB_ENVS`), so a replay runs the
   kernels the eager call would run, on the same values: the outputs are the same bits (tested on
