@@ -96,7 +96,8 @@ def test_cache_raises_a_capture_error_naming_the_switch():
 class _Emulated(graphs._Graph):
     """`graphs._Graph` with its CUDA graph emulated on the CPU: the capture runs body once on the
     static inputs (its results become the static outputs), a replay runs it again on them and writes
-    the results into the static outputs, so copies in / out, fixed buffers and bindings are the real code's."""
+    the results into the static outputs, so copies in / out, fixed buffers and bindings are the real
+    code's (one stream: no stream ordering)."""
 
     def _capture(self, body, args):
         self._run = lambda: body(*self.inputs, *args)
@@ -106,6 +107,9 @@ class _Emulated(graphs._Graph):
         for static, new in zip(self.outputs, self._run()):
             if static is not None:
                 static.copy_(new)
+
+    def enter_stream(self):
+        pass
 
 
 def _fwd_body(x, w, tag):
@@ -117,55 +121,67 @@ def _bwd_body(g, x, w, y, s, tag):
 
 
 def test_a_bound_backward_reads_its_forwards_buffers_in_place_and_refreshes_them_when_stale(monkeypatch):
-    """`run_forward` / `run_bound` on emulated graphs: a bound graph reads the forward graph's buffers
-    (no copies of its own); with the forward's binding current it copies in only the fresh tensor (g),
-    after later forwards it first copies the saved tensors back (`refreshes`); every result equals the
-    direct computation, calls in flight in any order (three forwards, backwards in reverse and
-    forward order, a repeated backward)."""
+    """`run_forward` / `run_bound` on emulated graphs: the forward copies out its first output and lends
+    the second (the graph's own buffer while its binding is current, a copy after a later replay, a
+    recomputation once its backward ran); a bound graph reads the forward graph's buffers (no copies of
+    its own), copies in only the fresh tensor (g) while the binding is current and first copies the
+    saved tensors back after later forwards (`refreshes`); every result equals the direct computation,
+    calls in flight in any order (forwards, backwards in reverse and forward order, repeated ones)."""
     cache = graphs.GraphCache(capture=_Emulated)
     monkeypatch.setattr(graphs, "CACHE", cache)
     w = torch.tensor([1.5, -2.0, 0.25])
     xs = [torch.randn(4, 3, generator=torch.Generator().manual_seed(i)) for i in range(6)]
     gs = [torch.randn(4, 3, generator=torch.Generator().manual_seed(10 + i)) for i in range(6)]
+    recomputed = []
 
-    def forward(x):
-        (y, s), binding = graphs.run_forward(_fwd_body, (x, w), ("t",))
+    def forward(i):
+        (y, s), binding = graphs.run_forward(_fwd_body, (xs[i], w), ("t",), n_copied=1)
+        assert (s is None) == (binding is not None), "a bound forward copied its lent output out"
         return y, s, binding
 
     def backward(i, y, s, binding):
+        if binding is not None:
+            def recompute():
+                recomputed.append(i)
+                return _fwd_body(xs[i], w, "t")[1:]
+
+            (s,) = binding.lent_tensors(recompute)
         tensors = (gs[i], xs[i], w, y, s)
         if binding is None:
             return _bwd_body(*tensors, "t")[0]
         fixed = (None, binding.graph.inputs[0], binding.graph.inputs[1], *binding.graph.outputs)
-        return graphs.run_bound(_bwd_body, tensors, ("t",), binding, fixed)[0]
+        got = graphs.run_bound(_bwd_body, tensors, ("t",), binding, fixed)[0]
+        binding.spent = True
+        return got
 
     def want(i):
         y, s = _fwd_body(xs[i], w, "t")
-        return y, s, _bwd_body(gs[i], xs[i], w, y, s, "t")[0]
+        return y, _bwd_body(gs[i], xs[i], w, y, s, "t")[0]
 
-    first = forward(xs[0])
+    first = forward(0)
     assert first[2] is None, "the first (eager) call of a key got a binding"
-    calls = [forward(x) for x in xs[1:4]]  # the second captures: bindings 1, 2, 3 to one graph
-    graph = calls[0][2].graph
-    assert all(c[2].graph is graph for c in calls) and calls[2][2].current() and not calls[0][2].current()
-    for i, (y, s, _) in enumerate(calls, start=1):
-        assert torch.equal(y, want(i)[0]) and torch.equal(s, want(i)[1])
-    assert torch.equal(backward(0, *first), want(0)[2])
+    calls = {i: forward(i) for i in (1, 2, 3)}  # the second call captures: bindings 1, 2, 3 to one graph
+    graph = calls[1][2].graph
+    assert all(c[2].graph is graph for c in calls.values()) and calls[3][2].current() and not calls[1][2].current()
+    assert calls[3][2].lent[0] is graph.outputs[1] and calls[1][2].lent[0] is not graph.outputs[1]
+    for i, (y, _, _) in calls.items():
+        assert torch.equal(y, want(i)[0])
+    assert torch.equal(backward(0, *first), want(0)[1])
     refreshes = []
     for i in (3, 2, 1, 1):  # reverse order (3 is current), then 1 twice (current after its refresh)
-        got = backward(i, *calls[i - 1])
-        assert torch.equal(got, want(i)[2]), f"backward of call {i}"
+        assert torch.equal(backward(i, *calls[i]), want(i)[1]), f"backward of call {i}"
         refreshes.append(cache.refreshes)
     # the bound key's first call runs eagerly, the second captures (binding 2: stale, refreshed), ...
     assert refreshes == [0, 1, 2, 2], refreshes
     bound = [g for g in cache._graphs.values() if g is not graph]
     assert len(bound) == 1 and bound[0].inputs[1] is graph.inputs[0] and bound[0].inputs[3] is graph.outputs[0]
     assert bound[0]._copied_in == (0,), "a bound graph copies in more than its fresh tensor"
-    assert calls[0][2].current(), "a refresh did not make its binding current"
-    later = forward(xs[4])
-    assert not calls[0][2].current() and later[2].current()
-    assert torch.equal(backward(1, *calls[0]), want(1)[2]) and cache.refreshes == 3
-    assert torch.equal(backward(4, *later), want(4)[2]) and cache.refreshes == 4
+    assert calls[1][2].current(), "a refresh did not make its binding current"
+    later = forward(4)  # binding 1 was spent: the replay drops its lent output, a backward recomputes it
+    assert not calls[1][2].current() and calls[1][2].lent is None and later[2].current()
+    assert torch.equal(backward(1, *calls[1]), want(1)[1]) and cache.refreshes == 3 and recomputed == [1]
+    assert torch.equal(backward(4, *later), want(4)[1]) and cache.refreshes == 4 and recomputed == [1]
+    assert torch.equal(later[0], want(4)[0]), "a copied-out output changed under later replays"
 
 
 def test_max_elements_parses_the_switch(monkeypatch):

@@ -321,11 +321,25 @@ def _setup_context(ctx, inputs, output):
     ctx.deterministic_sum = is_deterministic()
 
 
+def _saved(ctx) -> tuple:
+    """(q, k, v, beta, o, idx, lse_loc, lse_long, rstd) of the forward: all saved by `_setup_context`,
+    or (a forward replayed from a graph, `_EagerAttention`) the first five saved and the statistics
+    lent by the call's `graphs.Binding` (recomputed by the eager forward if the graph's buffers were
+    overwritten after a backward already ran: retain_graph)."""
+    saved = ctx.saved_tensors
+    binding = getattr(ctx, "binding", None)
+    if binding is None:
+        return saved
+    q, k, v, beta, o = saved
+    stats = binding.lent_tensors(lambda: _forward_impl(q, k, v, beta, ctx.cfg_json)[1:])
+    return (q, k, v, beta, o, *stats)
+
+
 def _grads(ctx, do, backward, *need_dbeta):
-    """(dq, dk, dv, dbeta, None) from the tensors `_setup_context` saved; `backward` is the
+    """(dq, dk, dv, dbeta, None) from the forward's tensors (`_saved`); `backward` is the
     backward operator (traced under torch.compile) or its body `_backward_impl` (eager, which
     also takes need_dbeta: False when beta needs no gradient, dbeta then None)."""
-    q, k, v, beta, o, idx, lse_loc, lse_long, rstd = ctx.saved_tensors
+    q, k, v, beta, o, idx, lse_loc, lse_long, rstd = _saved(ctx)
     dq, dk, dv, dbeta = backward(
         do, q, k, v, o, idx, beta, lse_loc, lse_long, rstd, ctx.cfg_json, ctx.deterministic_sum, *need_dbeta
     )
@@ -351,12 +365,18 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, beta, cfg_json, variant, graphed):
+        ctx.variant = variant
         if graphed:
-            output, ctx.binding = graphs.run_forward(_forward_impl, (q, k, v, beta), (cfg_json, True))
+            # o copied out of the graph, the statistics lent by the binding until the graph's next replay
+            output, ctx.binding = graphs.run_forward(_forward_impl, (q, k, v, beta), (cfg_json, True), n_copied=1)
         else:
             output, ctx.binding = _forward_impl(q, k, v, beta, cfg_json), None
-        _setup_context(ctx, (q, k, v, beta, cfg_json), output)
-        ctx.variant = variant
+        if ctx.binding is None:
+            _setup_context(ctx, (q, k, v, beta, cfg_json), output)
+        else:
+            ctx.save_for_backward(q, k, v, beta, output[0])
+            ctx.cfg_json = cfg_json
+            ctx.deterministic_sum = is_deterministic()
         return output[0]
 
     @staticmethod
@@ -367,6 +387,8 @@ class _EagerAttention(torch.autograd.Function):
         else:
             backward = _backward_impl
         grads = _grads(ctx, do, backward, ctx.needs_input_grad[3])
+        if ctx.binding is not None:
+            ctx.binding.spent = True  # a replay may drop the lent statistics (retain_graph: recomputed)
         return (*grads, None, None)
 
 

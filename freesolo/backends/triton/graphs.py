@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import os
 import warnings
+import weakref
 from collections import OrderedDict
 from typing import Callable, Optional
 
@@ -122,8 +123,7 @@ class _Graph:
     of another graph that the body reads as it is (a bound backward reads its forward's buffers:
     never copied in by this graph; `run_bound` refreshes them when they hold another call's values).
     body(*static_tensors, *args) is captured on a side stream of the tensors' device.
-    owner: the `Binding` of the call whose values the static buffers hold (None: no call's, or a
-    call that took no binding)."""
+    owner: a weak reference to the `Binding` whose values the buffers hold (None: no binding's)."""
 
     def __init__(self, body: Callable, tensors: tuple, args: tuple, fixed: Optional[tuple] = None):
         fixed = (None,) * len(tensors) if fixed is None else fixed
@@ -132,7 +132,8 @@ class _Graph:
             for x, f in zip(tensors, fixed)
         )
         self._copied_in = tuple(i for i, (x, f) in enumerate(zip(tensors, fixed)) if x is not None and f is None)
-        self.owner: Optional[Binding] = None
+        self.owner: Optional[weakref.ref] = None
+        self._stream = None  # the stream of the buffers' last use
         self.outputs = tuple(self._capture(body, args))
 
     def _capture(self, body: Callable, args: tuple) -> tuple:
@@ -154,41 +155,72 @@ class _Graph:
     def _replay(self) -> None:
         self.graph.replay()
 
+    def enter_stream(self) -> None:
+        """Order this use of the buffers (on the current stream) after their last use on another one."""
+        stream = torch.cuda.current_stream()
+        if self._stream is not None and self._stream != stream:
+            stream.wait_stream(self._stream)
+        self._stream = stream
+
+    def release_owner(self) -> None:
+        """Before the buffers are overwritten: the owning binding, if its call is alive, takes copies of
+        its lent outputs (none if its backward already ran: a later one recomputes them)."""
+        ref, self.owner = self.owner, None
+        holder = None if ref is None else ref()
+        if holder is not None:
+            holder.lent = None if holder.spent else tuple(None if t is None else t.clone() for t in holder.lent)
+
     def __call__(self, tensors: tuple, n_outputs: Optional[int] = None, prepare: Optional[Callable] = None) -> tuple:
         """prepare() (refreshes the fixed buffers, `run_bound`), copy `tensors` in (the positions
         not fixed), replay, return copies of the first `n_outputs` outputs (None: all; the others
         come back as None)."""
+        self.enter_stream()
         if prepare is not None:
             prepare()
-        self.owner = None  # the buffers now hold this call's values: a binding is given by `run_forward`
-        # one call for every input (a single Triton launch copying every pair was slower in s33 call6:
-        # 1.11 vs 0.78 ms per graphed 4k forward + backward, the binder's cost for its 30 arguments)
-        torch._foreach_copy_([self.inputs[i] for i in self._copied_in], [tensors[i] for i in self._copied_in])
+        self.release_owner()
+        # one copy (a DtoD memcpy) per tensor: torch._foreach_copy_ of one dtype takes its multi-tensor
+        # kernel, 1.8x slower than the memcpy on the H200 (s34 call1), and one Triton launch for every
+        # pair was slower still (s33 call6: its binder's cost for 30 arguments)
+        for i in self._copied_in:
+            self.inputs[i].copy_(tensors[i])
         self._replay()
-        wanted = self.outputs if n_outputs is None else self.outputs[:n_outputs]
-        outputs = [out for out in wanted if out is not None]
-        fresh = [torch.empty_like(out) for out in outputs]
-        torch._foreach_copy_(fresh, outputs)
-        it = iter(fresh)
-        return tuple(None if out is None or i >= len(wanted) else next(it) for i, out in enumerate(self.outputs))
+        n = len(self.outputs) if n_outputs is None else n_outputs
+        return tuple(None if out is None or i >= n else out.clone() for i, out in enumerate(self.outputs))
 
 
 class Binding:
-    """A graphed forward call's claim on its graph's static buffers (inputs and outputs).
+    """A graphed forward call's claim on its graph's static buffers (`run_forward`).
 
-    While `current()` (no later call replayed that graph or refreshed its buffers) the buffers hold
-    exactly this call's inputs and outputs, so its backward's graph reads them in place instead of
-    copying the saved tensors in again (at 4k, H 16, D 64, bf16: q, k, v, o and the statistics,
-    ~34 MB, and 9 copy launches of host time). Otherwise `run_bound` copies the saved tensors back
-    into the buffers first (the copies every replay made before this binding existed)."""
+    lent: the outputs the call did not copy out (the backward's statistics): the graph's own buffers
+    while `current()`, i.e. while no later call replayed the graph or refreshed its buffers; the
+    replay that overwrites them first gives the binding copies (`_Graph.release_owner`), or nothing
+    once `spent` (its backward ran: were it run again, retain_graph, `lent_tensors` recomputes them).
+    While current, the backward's graph reads q, k, v, beta, o and the statistics in place (`run_bound`)
+    instead of copies of its own: at 4k, H 16, D 64, bf16 ~34 MB and 13 copies fewer per forward +
+    backward than copying everything in and out (s33)."""
 
-    __slots__ = ("graph",)
+    __slots__ = ("graph", "first_lent", "lent", "spent", "__weakref__")
 
-    def __init__(self, graph: "_Graph"):
+    def __init__(self, graph: "_Graph", first_lent: int):
         self.graph = graph
+        self.first_lent = first_lent
+        self.lent: Optional[tuple] = graph.outputs[first_lent:]
+        self.spent = False
+        graph.owner = weakref.ref(self)
 
     def current(self) -> bool:
-        return self.graph.owner is self
+        ref = self.graph.owner
+        return ref is not None and ref() is self
+
+    def lent_tensors(self, recompute: Callable) -> tuple:
+        """The lent outputs: the graph's buffers while current, else their copies, else recompute()
+        (the same bits: the eager body of the captured kernels, on the call's saved inputs)."""
+        if self.current():
+            self.graph.enter_stream()
+            return self.lent
+        if self.lent is None:
+            self.lent = tuple(recompute())
+        return self.lent
 
 
 class GraphCache:
@@ -279,9 +311,22 @@ def cache_key(body: Callable, tensors: tuple, args: tuple) -> tuple:
         tuple(None if x is None else (x.shape, x.dtype) for x in tensors),
         first.device.index,
         args,
-        tuple(os.environ.get(name) for name in KNOB_ENVS),
+        _knob_values(),
         torch.is_inference_mode_enabled(),
     )
+
+
+# os.environ.get costs ~1 us per name (str encoding both ways): POSIX's os.environ keeps the encoded
+# variables in a dict, which its own setitem / delitem update; read from it directly (~0.1 us)
+_ENV_DATA = getattr(os.environ, "_data", None) if os.name == "posix" else None
+_KNOB_KEYS = tuple(os.fsencode(name) for name in KNOB_ENVS)
+
+
+def _knob_values() -> tuple:
+    """The values of the `KNOB_ENVS` switches (None: unset), encoded or not by the platform."""
+    if isinstance(_ENV_DATA, dict):
+        return tuple(map(_ENV_DATA.get, _KNOB_KEYS))
+    return tuple(os.environ.get(name) for name in KNOB_ENVS)
 
 
 def _on_device(device: Optional[int], fn: Callable, *a):
@@ -303,15 +348,14 @@ def run(body: Callable, tensors: tuple, args: tuple, n_outputs: Optional[int] = 
     return _on_device(key[2], CACHE.call, key, body, tensors, args, n_outputs)[0]
 
 
-def run_forward(body: Callable, tensors: tuple, args: tuple) -> tuple:
-    """`run` (every output copied out) and the call's `Binding` to its graph's buffers (None when the
-    call ran eagerly), for `run_bound` to read them in place."""
+def run_forward(body: Callable, tensors: tuple, args: tuple, n_copied: int) -> tuple:
+    """`run` for a forward whose later outputs stay in the graph: (outputs, binding).
+
+    Eagerly (the first call of a key): body's outputs, binding None. From a graph: copies of the first
+    `n_copied` outputs, None for the others, which the returned `Binding` lends (`lent_tensors`)."""
     key = cache_key(body, tensors, args)
-    outputs, graph = _on_device(key[2], CACHE.call, key, body, tensors, args)
-    if graph is None:
-        return outputs, None
-    binding = graph.owner = Binding(graph)
-    return outputs, binding
+    outputs, graph = _on_device(key[2], CACHE.call, key, body, tensors, args, n_copied)
+    return outputs, None if graph is None else Binding(graph, n_copied)
 
 
 def run_bound(body: Callable, tensors: tuple, args: tuple, binding: Binding, fixed: tuple) -> tuple:
@@ -320,16 +364,21 @@ def run_bound(body: Callable, tensors: tuple, args: tuple, binding: Binding, fix
 
     fixed: per tensor, None (copied into this graph at each replay, e.g. the output gradient) or the
     buffer of `binding.graph` that holds its value while `binding.current()`. Before a replay with
-    the binding no longer current (another call replayed that graph since), `tensors` are copied
-    into the fixed buffers and the binding becomes current again. The key holds `binding.graph`: a
-    graph is bound to the buffers of one forward graph."""
+    the binding no longer current (another call replayed that graph since), the buffers' owner gets
+    its copies, `tensors` are copied into the fixed buffers and the binding is current again. The
+    key holds `binding.graph`: a graph is bound to the buffers of one forward graph."""
     key = cache_key(body, tensors, args) + (binding.graph,)
-    pairs = [(f, x) for f, x in zip(fixed, tensors) if f is not None]
 
     def refresh():
+        graph = binding.graph
+        graph.enter_stream()
         if not binding.current():
-            torch._foreach_copy_([f for f, _ in pairs], [x for _, x in pairs])
-            binding.graph.owner = binding
+            graph.release_owner()
+            for f, x in zip(fixed, tensors):
+                if f is not None:
+                    f.copy_(x)
+            binding.lent = graph.outputs[binding.first_lent :]
+            graph.owner = weakref.ref(binding)
             CACHE.refreshes += 1
 
     return _on_device(key[2], CACHE.call, key, body, tensors, args, None, fixed, refresh)[0]
