@@ -251,6 +251,11 @@
 #   s34a_tests   bound backward graphs (read the forward graph's buffers), int16 sort keys of the cell plan: the cache's tests, backward CUDA / cell-plan tests, backend / models / packed / L12 with the cache on
 #   s34a_probe   graph_cache_probe.py 4k / 8k with kernel profiles (bound backward, int16 keys)
 #   s34a_attn    gpu_attention.py 4k / 8k / 16k, fwd and fwd+bwd (FS-L, FS, cache off, one user graph, SDPA, Flex), same run
+#   s34b_tests   lent statistics (copied only before the forward graph's next replay), constant beta, one memcpy per copy: the cache's tests, backend / models / packed / L12 with the cache on
+#   s34b_memcheck memcheck of the forward / backward kernels (int16 keys of the cell plan)
+#   s34b_probe   graph_cache_probe.py 4k / 8k with kernel profiles and cProfile
+#   s34b_attn    gpu_attention.py 4k / 8k / 16k, fwd and fwd+bwd, same run
+#   s34b_train   train_step.py 4k / 8k / 16k (4 layers of one shape: stale bindings refreshed) with the cache
 #   s33a_train   issue 11: train_step.py eager providers at 4k / 16k (the FS-L model's attention from the cache)
 set -u
 OUT=${OUT:-/tmp/session_out}
@@ -382,6 +387,11 @@ step s33i_tests 120 python3 -m pytest -q -p no:benchmark proofs_tests/test_trito
 step s34a_tests 330 bash -c "python3 -m pytest -q -p no:benchmark proofs_tests/test_triton_graphs.py; python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k 'cuda or gpu or cell_plan' proofs_tests/test_triton_backward.py; FREESOLO_TRITON_GRAPHS= python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k 'cuda or gpu' proofs_tests/test_triton_backend.py proofs_tests/test_models.py proofs_tests/test_packed.py proofs_tests/test_row_independence.py"
 step s34a_probe 150 python3 benchmarks/graph_cache_probe.py --profile --lengths 4096 8192 --out "$W/graph_cache_s34a.json"
 step s34a_attn 200 python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fs triton_fsl_eager triton_fsl_graph sdpa_causal flex_swa512 --shapes H16-D64 --modes fwd fwd+bwd --lengths 4096 8192 16384 --budget-s 160 --rep-ms 30 --out "$W" --tag _s34a
+step s34b_tests 300 bash -c "python3 -m pytest -q -p no:benchmark proofs_tests/test_triton_graphs.py; FREESOLO_TRITON_GRAPHS= python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k 'cuda or gpu' proofs_tests/test_triton_backend.py proofs_tests/test_models.py proofs_tests/test_packed.py proofs_tests/test_row_independence.py"
+step s34b_memcheck 150 compute-sanitizer --tool memcheck python3 benchmarks/sanitize_triton.py forward_backward
+step s34b_probe 150 python3 benchmarks/graph_cache_probe.py --profile --lengths 4096 8192 --out "$W/graph_cache_s34b.json"
+step s34b_attn 200 python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fs triton_fsl_eager triton_fsl_graph sdpa_causal flex_swa512 --shapes H16-D64 --modes fwd fwd+bwd --lengths 4096 8192 16384 --budget-s 160 --rep-ms 30 --out "$W" --tag _s34b
+step s34b_train 150 python3 benchmarks/train_step.py --lengths 4096 8192 16384 --providers freesolo_fsl_triton sdpa_causal flex_swa512 --out "$W"
 step s33a_attn 330 python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fsl_eager triton_fs triton_fs_eager triton_fsl_graph sdpa_causal flex_swa512 --shapes H16-D64 --modes fwd fwd+bwd --lengths 4096 8192 16384 65536 --budget-s 290 --rep-ms 30 --out "$W" --tag _s33a
 step s33a_train 200 python3 benchmarks/train_step.py --lengths 4096 8192 16384 --providers freesolo_fsl_triton sdpa_causal flex_swa512 --out "$W"
 step s31b_attn 330 python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fs sdpa_causal flex_swa512 fla_nsa --shapes H16-D64 --modes fwd fwd+bwd --lengths 4096 16384 65536 131072 --budget-s 290 --rep-ms 30 --out "$W" --tag _s31b

@@ -184,6 +184,23 @@ def test_a_bound_backward_reads_its_forwards_buffers_in_place_and_refreshes_them
     assert torch.equal(later[0], want(4)[0]), "a copied-out output changed under later replays"
 
 
+def test_a_constant_input_is_read_in_place_and_keyed_by_its_identity(monkeypatch):
+    """`run_forward(..., constant=...)`: the graph reads that tensor itself (no static copy, no copy in);
+    the same call with another tensor of that shape and dtype gets a graph of its own."""
+    cache = graphs.GraphCache(capture=_Emulated)
+    monkeypatch.setattr(graphs, "CACHE", cache)
+    x, w = torch.randn(4, 3), torch.tensor([1.5, -2.0, 0.25])
+    for _ in range(3):
+        (y, _), binding = graphs.run_forward(_fwd_body, (x, w), ("t",), 1, constant=(1,))
+    (graph,) = cache._graphs.values()
+    assert graph.inputs[1] is w and graph._copied_in == (0,) and binding.graph is graph
+    assert torch.equal(y, x * w)
+    other = w * 2
+    for _ in range(3):
+        (y, _), _ = graphs.run_forward(_fwd_body, (x, other), ("t",), 1)
+    assert cache.captures == 2 and torch.equal(y, x * other), "a copied input shared the constant's graph"
+
+
 def test_max_elements_parses_the_switch(monkeypatch):
     monkeypatch.delenv(graphs.GRAPHS_ENV, raising=False)
     assert graphs.max_elements() == graphs.DEFAULT_MAX_ELEMENTS == 8192 * 16 * 64

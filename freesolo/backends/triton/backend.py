@@ -236,6 +236,11 @@ def _beta32(beta: Optional[torch.Tensor], Hq: int, device) -> torch.Tensor:
     return beta.to(torch.float32)
 
 
+def _is_cached_ones(beta: torch.Tensor) -> bool:
+    """Whether beta is one of `_beta32`'s cached ones vectors (never written, never evicted)."""
+    return any(beta is ones for ones in _ONES.values())
+
+
 # ---- operators -----------------------------------------------------------------------------------
 
 
@@ -368,7 +373,10 @@ class _EagerAttention(torch.autograd.Function):
         ctx.variant = variant
         if graphed:
             # o copied out of the graph, the statistics lent by the binding until the graph's next replay
-            output, ctx.binding = graphs.run_forward(_forward_impl, (q, k, v, beta), (cfg_json, True), n_copied=1)
+            constant = (3,) if _is_cached_ones(beta) else ()  # beta = None: the graph reads the ones in place
+            output, ctx.binding = graphs.run_forward(
+                _forward_impl, (q, k, v, beta), (cfg_json, True), n_copied=1, constant=constant
+            )
         else:
             output, ctx.binding = _forward_impl(q, k, v, beta, cfg_json), None
         if ctx.binding is None:

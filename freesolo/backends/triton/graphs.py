@@ -348,13 +348,19 @@ def run(body: Callable, tensors: tuple, args: tuple, n_outputs: Optional[int] = 
     return _on_device(key[2], CACHE.call, key, body, tensors, args, n_outputs)[0]
 
 
-def run_forward(body: Callable, tensors: tuple, args: tuple, n_copied: int) -> tuple:
+def run_forward(body: Callable, tensors: tuple, args: tuple, n_copied: int, constant: tuple = ()) -> tuple:
     """`run` for a forward whose later outputs stay in the graph: (outputs, binding).
 
     Eagerly (the first call of a key): body's outputs, binding None. From a graph: copies of the first
-    `n_copied` outputs, None for the others, which the returned `Binding` lends (`lent_tensors`)."""
+    `n_copied` outputs, None for the others, which the returned `Binding` lends (`lent_tensors`).
+    constant: positions of `tensors` that hold tensors nobody writes (the backend's cached ones
+    vector of beta = None): the graph reads them in place, never copies them in; the key holds them."""
+    fixed = None
     key = cache_key(body, tensors, args)
-    outputs, graph = _on_device(key[2], CACHE.call, key, body, tensors, args, n_copied)
+    if constant:
+        fixed = tuple(x if i in constant else None for i, x in enumerate(tensors))
+        key += tuple(tensors[i] for i in constant)  # by identity (torch.Tensor hashes by id)
+    outputs, graph = _on_device(key[2], CACHE.call, key, body, tensors, args, n_copied, fixed)
     return outputs, None if graph is None else Binding(graph, n_copied)
 
 
@@ -375,7 +381,7 @@ def run_bound(body: Callable, tensors: tuple, args: tuple, binding: Binding, fix
         if not binding.current():
             graph.release_owner()
             for f, x in zip(fixed, tensors):
-                if f is not None:
+                if f is not None and f is not x:  # (a constant input is its own buffer)
                     f.copy_(x)
             binding.lent = graph.outputs[binding.first_lent :]
             graph.owner = weakref.ref(binding)
