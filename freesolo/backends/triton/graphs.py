@@ -134,11 +134,11 @@ class _Graph:
         self._copied_in = tuple(i for i, (x, f) in enumerate(zip(tensors, fixed)) if x is not None and f is None)
         self.owner: Optional[weakref.ref] = None
         self._stream = None  # the stream of the buffers' last use
+        self._device = next(x for x in self.inputs if x is not None).device
         self.outputs = tuple(self._capture(body, args))
 
     def _capture(self, body: Callable, args: tuple) -> tuple:
-        first = next(x for x in self.inputs if x is not None)
-        device = first.device
+        device = self._device
         self.graph = torch.cuda.CUDAGraph()
         current = torch.cuda.current_stream(device)
         side = torch.cuda.Stream(device=device)
@@ -157,7 +157,7 @@ class _Graph:
 
     def enter_stream(self) -> None:
         """Order this use of the buffers (on the current stream) after their last use on another one."""
-        stream = torch.cuda.current_stream()
+        stream = torch.cuda.current_stream(self._device)
         if self._stream is not None and self._stream != stream:
             stream.wait_stream(self._stream)
         self._stream = stream
