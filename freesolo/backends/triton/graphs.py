@@ -35,9 +35,10 @@ module does the same for plain eager calls, inside the backend:
 
 FREESOLO_TRITON_GRAPHS=0 turns the cache off; an integer N > 0 sets `max_elements()` to N.
 Memory: a graph keeps static copies of its inputs and its own pool for the outputs and the
-intermediates, about the size of the call's working set: at H 16, D 64, bf16 (s33 probe) 0.03 /
-0.10 GiB per 4k-token forward / forward + backward, 0.06 / 0.19 GiB at 8k, so at most ~1.1 GiB
-for the 8 graphs of 4 shapes at the limit (`GraphCache.stats` counts graphs, captures, replays;
+intermediates, about the size of the call's working set (a bound backward has no input copies but
+the output gradient): at H 16, D 64, bf16 (s34 probe) 0.03 / 0.06 GiB per 4k-token forward /
+forward + backward, 0.06 / 0.13 GiB at 8k, so at most ~0.7 GiB for the 8 graphs of 4 shapes at the
+limit (`GraphCache.stats` counts graphs, captures, replays, evictions, refreshes;
 `clear()` frees them).
 """
 
@@ -69,7 +70,7 @@ __all__ = [
 
 GRAPHS_ENV = "FREESOLO_TRITON_GRAPHS"
 DEFAULT_MAX_ELEMENTS = 1 << 23  # B * T * Hq * D of the queries: 8192 tokens at H 16, D 64
-MAX_ENTRIES = 8  # graphs (a forward and a backward count apart): <= ~1.1 GiB held at the default limit
+MAX_ENTRIES = 8  # graphs (a forward and a backward count apart): <= ~0.7 GiB held at the default limit
 MAX_EVICTIONS = 64
 CAPTURE_AFTER = 2  # the call of a key that captures it (the first runs eagerly)
 MAX_SEEN = 1024  # keys counted before their capture; the counts are cleared beyond it
