@@ -459,3 +459,39 @@ def test_cuda_bound_backward_reads_the_forward_graph_in_place_and_refreshes_a_st
     assert graphs_on.stats["refreshes"] == 1, graphs_on.stats
     assert all(torch.equal(a, b) for a, b in zip(first, want[1:])) and all(torch.equal(a, b) for a, b in zip(second, want[1:]))
     assert torch.equal(o_other.detach(), want[0])
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU: CUDA graphs exist only there")
+def test_cuda_replays_of_one_graph_on_two_streams_are_ordered(graphs_on, monkeypatch):
+    """Calls of one key issued back to back on two side streams (no sync in between) share the graph's
+    buffers: the second waits for the first's use of them (`_Graph.enter_stream`), so both give the
+    eager bits, forward alone and forward + backward (each call's backward on its own stream)."""
+    cfg = FreeSoloConfig(variant="fsl")
+    cases = [_inputs(61 + i, 1, 4096 + 3, 4, 2, 64) for i in range(2)]
+    do = torch.randn(1, 4096 + 3, 4, 64, device="cuda", dtype=torch.bfloat16, generator=torch.Generator(device="cuda").manual_seed(63))
+
+    def train(xs):
+        leaves = [x.clone().requires_grad_(True) for x in xs]
+        o = freesolo.freesolo_attention(*leaves, cfg, backend="triton", check_finite=False)
+        return [o.detach(), *torch.autograd.grad(o, leaves, do)]
+
+    def infer(xs):
+        with torch.no_grad():
+            return [freesolo.freesolo_attention(*xs, cfg, backend="triton", check_finite=False)]
+
+    for run in (infer, train):
+        monkeypatch.setenv(graphs.GRAPHS_ENV, "0")
+        want = [run(xs) for xs in cases]
+        monkeypatch.setenv(graphs.GRAPHS_ENV, "")
+        streams = [torch.cuda.Stream() for _ in cases]
+        for round_ in range(4):  # the first two calls of the key run eagerly / capture, then replays
+            torch.cuda.synchronize()
+            got = []
+            for stream, xs in zip(streams, cases):
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    got.append(run(xs))
+            torch.cuda.synchronize()
+            for i, (a, b) in enumerate(zip(got, want)):
+                assert all(torch.equal(x, y) for x, y in zip(a, b)), f"{run.__name__}, round {round_}, stream {i}"
+    assert graphs_on.stats["replays"] > 0, graphs_on.stats
