@@ -18,7 +18,10 @@ module does the same for plain eager calls, inside the backend:
   shapes out of the cache); the second captures the body once into a graph with static copies of
   its inputs, every later one copies its inputs into those buffers, replays the graph on the
   current stream and returns copies of the graph's outputs (so that calls in flight at once, e.g.
-  the layers of a model before their backward, never share output memory);
+  the layers of a model before their backward, never share output memory); a forward with
+  gradients (`run_forward`) copies out only o and lends the backward's statistics to its call
+  (`Binding`) until the graph's next replay, which first copies them out for a call whose backward
+  has not run yet;
 - the backward of a replayed forward is a graph *bound* to that forward's graph (`run_forward`,
   `run_bound`, `Binding`): it reads q, k, v, beta, o and the statistics from the forward graph's
   buffers instead of copies of its own, and only the output gradient is copied in; when another
@@ -198,16 +201,20 @@ class Binding:
     once `spent` (its backward ran: were it run again, retain_graph, `lent_tensors` recomputes them).
     While current, the backward's graph reads q, k, v, beta, o and the statistics in place (`run_bound`)
     instead of copies of its own: at 4k, H 16, D 64, bf16 ~34 MB and 13 copies fewer per forward +
-    backward than copying everything in and out (s33)."""
+    backward than s33's cache, which copied every input in and every output out."""
 
     __slots__ = ("graph", "first_lent", "lent", "spent", "__weakref__")
 
     def __init__(self, graph: "_Graph", first_lent: int):
         self.graph = graph
         self.first_lent = first_lent
-        self.lent: Optional[tuple] = graph.outputs[first_lent:]
         self.spent = False
-        graph.owner = weakref.ref(self)
+        self.claim()
+
+    def claim(self) -> None:
+        """The graph's buffers hold this call's values (just replayed for it, or refreshed): lend them."""
+        self.lent: Optional[tuple] = self.graph.outputs[self.first_lent :]
+        self.graph.owner = weakref.ref(self)
 
     def current(self) -> bool:
         ref = self.graph.owner
@@ -384,8 +391,7 @@ def run_bound(body: Callable, tensors: tuple, args: tuple, binding: Binding, fix
             for f, x in zip(fixed, tensors):
                 if f is not None and f is not x:  # (a constant input is its own buffer)
                     f.copy_(x)
-            binding.lent = graph.outputs[binding.first_lent :]
-            graph.owner = weakref.ref(binding)
+            binding.claim()
             CACHE.refreshes += 1
 
     return _on_device(key[2], CACHE.call, key, body, tensors, args, None, fixed, refresh)[0]
