@@ -47,12 +47,12 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _win_steps_tma(
     acc, l_i, m_i, qr, m0, kr_desc, v_desc, b, col, n_lo, n_hi, T, W, qk_scale,
-    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, WS: tl.constexpr,
 ):  # fmt: skip
     dtype = qr.dtype
     rn = tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
-    for n0 in range(n_lo, n_hi, BLOCK_N):
+    for n0 in tl.range(n_lo, n_hi, BLOCK_N, warp_specialize=WS):
         kr = kr_desc.load([b, n0, col]).reshape(BLOCK_N, D)
         s = tl.dot(qr, tl.trans(kr))
         if MASKED:
@@ -74,7 +74,7 @@ def _win_steps_tma(
 @triton.jit
 def _window_tma_kernel(
     Q, kr_desc, v_desc, COS, SIN, O, LSE_LOC, T, Hq, Hkv, W, qk_scale,
-    D: tl.constexpr, HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    D: tl.constexpr, HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WS: tl.constexpr,
 ):  # fmt: skip
     """o = o_loc (q's dtype) and lse_loc of the RoPE window, key / value tiles by TMA (D == D_P)."""
     pid_m = tl.program_id(0).to(tl.int64)
@@ -111,11 +111,11 @@ def _window_tma_kernel(
     full_hi32 = full_hi.to(tl.int32)
     hi32 = hi.to(tl.int32)
     acc, l_i, m_i = _win_steps_tma(acc, l_i, m_i, qr, m0, kr_desc, v_desc, b32, col, lo32, tl.minimum(full_lo32, hi32),
-                                   T, W, qk_scale, D, BLOCK_M, BLOCK_N, True)  # fmt: skip
+                                   T, W, qk_scale, D, BLOCK_M, BLOCK_N, True, WS)  # fmt: skip
     acc, l_i, m_i = _win_steps_tma(acc, l_i, m_i, qr, m0, kr_desc, v_desc, b32, col, full_lo32, full_hi32,
-                                   T, W, qk_scale, D, BLOCK_M, BLOCK_N, False)  # fmt: skip
+                                   T, W, qk_scale, D, BLOCK_M, BLOCK_N, False, WS)  # fmt: skip
     acc, l_i, m_i = _win_steps_tma(acc, l_i, m_i, qr, m0, kr_desc, v_desc, b32, col, full_hi32, hi32,
-                                   T, W, qk_scale, D, BLOCK_M, BLOCK_N, True)  # fmt: skip
+                                   T, W, qk_scale, D, BLOCK_M, BLOCK_N, True, WS)  # fmt: skip
     l_i = tl.where(row_ok, l_i, 1.0)
     o_loc = acc / l_i[:, None]
     lse_loc = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
@@ -194,8 +194,10 @@ def _bench(fn, rep):
     return float(triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median"))
 
 
-WINDOW_VARIANTS = {  # name -> (block_m, block_n, num_warps, num_stages, maxnreg)
+WINDOW_VARIANTS = {  # name -> (block_m, block_n, num_warps, num_stages, maxnreg[, warp_specialize])
     "tma64x64w4s2": (64, 64, 4, 2, 128),
+    "tma128x64w8s2-ws": (128, 64, 8, 2, None, True),
+    "tma64x64w4s2-ws": (64, 64, 4, 2, None, True),
     "tma64x64w4s3": (64, 64, 4, 3, None),
     "tma64x64w4s2-nocap": (64, 64, 4, 2, None),
     "tma128x64w8s2": (128, 64, 8, 2, None),
@@ -247,15 +249,16 @@ def run_length(T: int, rep: int, H: int = 16, D: int = 64, device="cuda", dtype=
     prod_window()
     o_win = o_ref.clone()
     lse_win = lse_ref.clone()
-    for name, (bm, bn, nw, ns, cap) in window_variants.items():
+    for name, (bm, bn, nw, ns, cap, *ws) in window_variants.items():
+        ws = bool(ws and ws[0])
         o = torch.empty_like(q)
         lse = torch.empty_like(lse_ref)
         kd, vd = _desc(kr, bn, D), _desc(v, bn, D)
         kw = {} if cap is None else {"maxnreg": cap}
 
-        def fn(o=o, lse=lse, kd=kd, vd=vd, bm=bm, bn=bn, nw=nw, ns=ns, kw=kw):
+        def fn(o=o, lse=lse, kd=kd, vd=vd, bm=bm, bn=bn, nw=nw, ns=ns, kw=kw, ws=ws):
             _window_tma_kernel[(-(-T // bm), H)](q, kd, vd, cos, sin, o, lse, T, H, H, cfg.window,
-                LOG2E / math.sqrt(D), D=D, HALF=D // 2, BLOCK_M=bm, BLOCK_N=bn, num_warps=nw, num_stages=ns, **kw)  # fmt: skip
+                LOG2E / math.sqrt(D), D=D, HALF=D // 2, BLOCK_M=bm, BLOCK_N=bn, WS=ws, num_warps=nw, num_stages=ns, **kw)  # fmt: skip
 
         try:
             ms = _bench(fn, rep)
