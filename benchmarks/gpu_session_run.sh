@@ -263,6 +263,7 @@
 #   s35a_tma     issue 10: the window and long kernels with TMA tile loads against the production kernels, 4k / 16k / 64k (benchmarks/tma_ab.py)
 #   s36a_cand    issue 10: FREESOLO_TRITON_FSL_CAND=blocks (per-block FS-L candidate kernel): the selection / backend / L12 CUDA tests, then per-kernel profiles and gpu_attention.py fwd (triton_fsl, one user graph, SDPA) at 4k / 16k / 64k, chunks vs blocks, same call
 #   s37a         issue 10: s36a_cand trimmed to one call (blocks-mode CUDA tests of selection / L12, profiles and gpu_attention fwd at 4k / 16k / 64k, chunks vs blocks), then s35a_tma's A/B
+#   s37b_long    issue 10: the long readout alone: production kernel at other stages / without the hand prefetch, TMA variants (tma_ab.py --long-only)
 #   s33a_train   issue 11: train_step.py eager providers at 4k / 16k (the FS-L model's attention from the cache)
 set -u
 OUT=${OUT:-/tmp/session_out}
@@ -408,6 +409,7 @@ step s36a_cand 420 bash -c "FREESOLO_TRITON_FSL_CAND=blocks python3 -m pytest -q
 step s37a_tests 150 env FREESOLO_TRITON_FSL_CAND=blocks python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k "cuda or gpu" proofs_tests/test_triton_selection.py proofs_tests/test_row_independence.py
 step s37a_ab 300 bash -c "for m in chunks blocks; do FREESOLO_TRITON_FSL_CAND=\$m python3 benchmarks/profile_triton.py --T 4096 65536 --out $W/profile_s37a_\$m.json; FREESOLO_TRITON_FSL_CAND=\$m python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fsl_graph sdpa_causal --shapes H16-D64 --modes fwd --lengths 4096 16384 65536 --budget-s 50 --rep-ms 30 --out $W --tag _s37a_\$m; done"
 step s37a_tma 200 python3 benchmarks/tma_ab.py --out "$W/tma_ab_s37a.json"
+step s37b_long 200 python3 benchmarks/tma_ab.py --long-only --out "$W/tma_ab_s37b.json"
 step s33a_attn 330 python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fsl_eager triton_fs triton_fs_eager triton_fsl_graph sdpa_causal flex_swa512 --shapes H16-D64 --modes fwd fwd+bwd --lengths 4096 8192 16384 65536 --budget-s 290 --rep-ms 30 --out "$W" --tag _s33a
 step s33a_train 200 python3 benchmarks/train_step.py --lengths 4096 8192 16384 --providers freesolo_fsl_triton sdpa_causal flex_swa512 --out "$W"
 step s31b_attn 330 python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fs sdpa_causal flex_swa512 fla_nsa --shapes H16-D64 --modes fwd fwd+bwd --lengths 4096 16384 65536 131072 --budget-s 290 --rep-ms 30 --out "$W" --tag _s31b

@@ -211,6 +211,13 @@ LONG_VARIANTS = {  # name -> (prefetch, num_warps, num_stages)
     "tma-nopf-w4s2": (False, 4, 2),
     "tma-nopf-w4s3": (False, 4, 3),
     "tma-pf-w4s2": (True, 4, 2),
+    "tma-nopf-w4s4": (False, 4, 4),
+    "tma-nopf-w8s3": (False, 8, 3),
+}
+PTR_LONG_VARIANTS = {  # name -> (prefetch, num_warps, num_stages): pointer loads (the production kernel)
+    "ptr-nopf-w4s2": (False, 4, 2),
+    "ptr-nopf-w4s3": (False, 4, 3),
+    "ptr-pf-w4s2": (True, 4, 2),
 }
 
 
@@ -293,6 +300,28 @@ def run_length(T: int, rep: int, H: int = 16, D: int = 64, device="cuda", dtype=
     prod_long()
     o_long_ref = outputs[0].clone()
     lse_long_ref = outputs[2].clone()
+    for name, (pf, nw, ns) in PTR_LONG_VARIANTS.items():  # the production kernel, other stages / prefetch
+        o = torch.empty_like(q)
+        outs = (o, None, torch.empty_like(lse_long_ref), torch.empty_like(lse_long_ref), o)
+        consts = dict(att._common_constexprs(D, cfg, tiles), PREFETCH=pf)
+
+        def fn(outs=outs, nw=nw, ns=ns, consts=consts):
+            outs[0].copy_(o_win)
+            union, count, order = unions
+            att.launch(att._long_fwd_kernel, (NU, H),
+                q, k, v, idx, union, count, order if order is not None else count, beta, outs[0],
+                outs[2], outs[3], T, H, H, NU, LOG2E / math.sqrt(D), cfg.eps, 1,
+                BLOCK_M=rows, U_MAX=rows * cfg.top_k, ADD_TO_OUT=True, HAS_ORDER=order is not None,
+                num_warps=nw, num_stages=ns, **consts)  # fmt: skip
+
+        try:
+            ms = _bench(fn, rep)
+            fn()
+            if q.is_cuda:
+                torch.cuda.synchronize()
+            rec["long"][name] = {"ms": ms, "o_maxdiff": _maxdiff(o, o_long_ref), "bitwise": bool(torch.equal(o, o_long_ref))}
+        except Exception as exc:  # noqa: BLE001
+            rec["long"][name] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
     for name, (pf, nw, ns) in long_variants.items():
         o = torch.empty_like(q)
         lse_l = torch.empty_like(lse_long_ref)
@@ -327,6 +356,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 65536])
     ap.add_argument("--rep", type=int, default=40)
+    ap.add_argument("--long-only", action="store_true", help="time the long readout variants only")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     from triton_attention_bench import gpu_payload
@@ -334,7 +364,7 @@ def main(argv=None):
     payload = gpu_payload(shape="H16-D64 bf16 B1, FS-L iid keys", lengths=args.lengths)
     payload["runs"] = []
     for T in args.lengths:
-        rec = run_length(T, args.rep)
+        rec = run_length(T, args.rep, window_variants={} if args.long_only else None)
         payload["runs"].append(rec)
         print(f"T={T} union mean {rec['union_mean']:.1f}")
         for part in ("window", "long"):
