@@ -261,8 +261,7 @@
 #   s34d_long_block the long kernel's query tile (FREESOLO_TRITON_LONG_BLOCK 16 / 32 / 64 default / 128) at 4k / 16k / 64k, fwd (API and one user graph), one process each
 #   s34e_tests   the cache's tests (two streams replaying one graph), racecheck of the forward / backward kernels (int16 plan keys)
 #   s35a_tma     issue 10: the window and long kernels with TMA tile loads against the production kernels, 4k / 16k / 64k (benchmarks/tma_ab.py)
-#   s36a_cand    issue 10: FREESOLO_TRITON_FSL_CAND=blocks (per-block FS-L candidate kernel): the selection / backend / L12 CUDA tests, then per-kernel profiles and gpu_attention.py fwd (triton_fsl, one user graph, SDPA) at 4k / 16k / 64k, chunks vs blocks, same call
-#   s37a         issue 10: s36a_cand trimmed to one call (blocks-mode CUDA tests of selection / L12, profiles and gpu_attention fwd at 4k / 16k / 64k, chunks vs blocks), then s35a_tma's A/B
+#   s37a         issue 10: the s36 per-block FS-L candidate kernel (FREESOLO_TRITON_FSL_CAND=blocks, removed after this A/B: CUDA tests of selection / L12, profiles and gpu_attention fwd at 4k / 16k / 64k, chunks vs blocks), then s35a_tma's A/B
 #   s37b_long    issue 10: the long readout alone: production kernel at other stages / without the hand prefetch, TMA variants (tma_ab.py --long-only)
 #   s33a_train   issue 11: train_step.py eager providers at 4k / 16k (the FS-L model's attention from the cache)
 set -u
@@ -405,7 +404,6 @@ step s34c_final 330 python3 benchmarks/gpu_attention.py --providers triton_fsl t
 step s34d_long_block 300 bash -c "for b in 16 32 64 128; do FREESOLO_TRITON_LONG_BLOCK=\$b python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fsl_graph sdpa_causal --shapes H16-D64 --modes fwd --lengths 4096 16384 65536 --budget-s 60 --rep-ms 30 --out $W --tag _s34d_lb\$b; done"
 step s34e_tests 240 bash -c "python3 -m pytest -q -p no:benchmark proofs_tests/test_triton_graphs.py; compute-sanitizer --tool racecheck python3 benchmarks/sanitize_triton.py forward_backward"
 step s35a_tma 240 python3 benchmarks/tma_ab.py --out "$W/tma_ab_s35a.json"
-step s36a_cand 420 bash -c "FREESOLO_TRITON_FSL_CAND=blocks python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k 'cuda or gpu' proofs_tests/test_triton_selection.py proofs_tests/test_triton_backend.py proofs_tests/test_row_independence.py; for m in chunks blocks; do FREESOLO_TRITON_FSL_CAND=\$m python3 benchmarks/profile_triton.py --T 4096 16384 65536 --out $W/profile_s36a_\$m.json; FREESOLO_TRITON_FSL_CAND=\$m python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fsl_graph sdpa_causal --shapes H16-D64 --modes fwd --lengths 4096 16384 65536 --budget-s 60 --rep-ms 30 --out $W --tag _s36a_\$m; done"
 step s37a_tests 150 env FREESOLO_TRITON_FSL_CAND=blocks python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k "cuda or gpu" proofs_tests/test_triton_selection.py proofs_tests/test_row_independence.py
 step s37a_ab 300 bash -c "for m in chunks blocks; do FREESOLO_TRITON_FSL_CAND=\$m python3 benchmarks/profile_triton.py --T 4096 65536 --out $W/profile_s37a_\$m.json; FREESOLO_TRITON_FSL_CAND=\$m python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fsl_graph sdpa_causal --shapes H16-D64 --modes fwd --lengths 4096 16384 65536 --budget-s 50 --rep-ms 30 --out $W --tag _s37a_\$m; done"
 step s37a_tma 200 python3 benchmarks/tma_ab.py --out "$W/tma_ab_s37a.json"

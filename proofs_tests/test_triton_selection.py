@@ -31,7 +31,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="triton is not installed: the Triton selection kernels cannot run")
 
 from freesolo import FreeSoloConfig  # noqa: E402
-from freesolo.backends.triton.selection import FSL_CAND_MODES, cell_stats, fsl_candidates, select_cells  # noqa: E402
+from freesolo.backends.triton.selection import cell_stats, fsl_candidates, select_cells  # noqa: E402
 from freesolo.reference import oracle  # noqa: E402
 from freesolo.reference.primitives import available_cells  # noqa: E402
 
@@ -127,16 +127,14 @@ def test_cell_stats_match_float64(B, T, Hkv, D, cell):
     ],
     ids=lambda x: str(x),
 )
-@pytest.mark.parametrize("mode", FSL_CAND_MODES)
-def test_fsl_pools_equal_oracle(T, cell, block, pool, recent, tied, chunk, mode):
+def test_fsl_pools_equal_oracle(T, cell, block, pool, recent, tied, chunk):
     """cand[b, g, j] == oracle.block_candidates(a, n_j) as sets, every block, pools exactly, for
-    scan steps (`chunk`) smaller than, equal to and larger than the cells per block, with either
-    candidate kernel (`mode`: per scan chunk, or per query block)."""
+    scan steps (`chunk`) smaller than, equal to and larger than the cells per block."""
     B, Hkv, D = 2, 2, 8
     cfg = _cfg(cell=cell, block=block, window=block, pool=pool, recent=recent)
     k = _tied_keys(T, B, T, Hkv, D) if tied else random_qkv(T, B, T, 1, Hkv, D)[1]
     _, amax = cell_stats(_t(k), cell)
-    cand = fsl_candidates(amax, T, cfg, chunk=chunk, mode=mode).cpu().numpy()
+    cand = fsl_candidates(amax, T, cfg, chunk=chunk).cpu().numpy()
     nblocks = -(-T // block)
     assert cand.shape == (B, Hkv, nblocks, pool + recent) and cand.dtype == np.int32, (cand.shape, cand.dtype)
     ties = 0
@@ -154,27 +152,6 @@ def test_fsl_pools_equal_oracle(T, cell, block, pool, recent, tied, chunk, mode)
                 assert len(got) <= pool + recent
     if tied:
         assert ties > 0, "the tied-keys input must produce equal a_c"
-
-
-@pytest.mark.parametrize("tied", [False, True])
-def test_fsl_selection_same_with_either_candidate_kernel(monkeypatch, tied):
-    """The two candidate kernels (ENV_FSL_CAND "chunks" / "blocks") hold the same pools in other
-    slot orders; the scoring's top-K does not depend on the order: the same selections, bitwise."""
-    from freesolo.backends.triton.selection import ENV_FSL_CAND
-
-    cfg = _cfg("fsl", cell=4, block=8, pool=3, recent=2, top_k=2)
-    q, k, _ = random_qkv(23, 2, 150, 2, 1, 8)
-    if tied:
-        k = _tied_keys(5, 2, 150, 1, 8)
-    got = {}
-    for mode in FSL_CAND_MODES:
-        monkeypatch.setenv(ENV_FSL_CAND, mode)
-        got[mode] = _select(q, k, cfg)
-    assert np.array_equal(got["chunks"], got["blocks"]), "the candidate kernels changed a selection"
-    assert (got["blocks"][:, 8:] >= 0).any(), "no query selected a cell: the check would be empty"
-    monkeypatch.setenv(ENV_FSL_CAND, "rows")
-    with pytest.raises(ValueError, match="must be one of"):
-        _select(q, k, cfg)
 
 
 # ---- selection against the oracle (L8) -------------------------------------------------------

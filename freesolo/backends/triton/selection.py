@@ -50,9 +50,6 @@ __all__ = [
     "ScoreTiles",
     "cell_stats",
     "fsl_tail_width",
-    "ENV_FSL_CAND",
-    "FSL_CAND_MODES",
-    "fsl_cand_mode",
     "fsl_candidates",
     "head_params",
     "pool_chunk",
@@ -238,42 +235,32 @@ def _fsl_cand_kernel(
     NEW_PAD: tl.constexpr,  # next power of two >= CELLS_PER_BLOCK (cells added per block at most)
     CHUNK: tl.constexpr,
     R_PAD: tl.constexpr,
-    PER_BLOCK: tl.constexpr,  # False: grid (NCHUNKS + 1, B * Hkv), True: grid (NBLOCKS, B * Hkv)
 ):
-    """The candidate rows of the query blocks, from the scan's chunk pools BASE (see `fsl_candidates`).
+    """The candidate rows of the query blocks, from the scan's chunk pools BASE (see `fsl_candidates`):
+    one program per chunk t continues the stream through the blocks j with m_j // CHUNK == t, one
+    merge of at most Bq / s cells per block (sequential depth CHUNK / (Bq / s)).
 
-    PER_BLOCK False: one program per chunk t continues the stream through the blocks j with
-    m_j // CHUNK == t, one merge of at most Bq / s cells per block (sequential depth CHUNK / (Bq / s)).
-    PER_BLOCK True: one program per block j loads BASE[m_j // CHUNK] and merges the remaining
-    cells of [0, m_j) (fewer than CHUNK) in one step. The same pools (top-P of a union is
-    associative); the slots may hold them in another order."""
+    (s36 tried one program per block j, loading BASE[m_j // CHUNK] and merging the rest of [0, m_j)
+    in one step: the same pools, but slower on an H100 (s37 call1, H16 D64): 19.7 vs 13.0 us at 4k,
+    299 vs 32 us at 64k, where each of its 16k programs ranks up to CHUNK new cells. Removed.)"""
     pid = tl.program_id(1).to(tl.int64)  # b * Hkv + g
     amax_row = AMAX + pid * C
     slot = tl.arange(0, P_PAD)
     live = slot < POOL
-    if PER_BLOCK:
-        j = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(0).to(tl.int64)  # chunk: the query blocks j with m_j // CHUNK == t
+    x0 = t * CHUNK
+    pool_a, pool_c, pool_r = _base_pool(AMAX, BASE, pid, t, C, NCHUNKS, POOL, P_PAD)  # top-P of cells [0, x0)
+    # Blocks of this chunk: m_j = max(0, j * CPB - RECENT) in [x0, x0 + CHUNK).
+    j_lo = tl.where(t == 0, 0, (x0 + RECENT + CELLS_PER_BLOCK - 1) // CELLS_PER_BLOCK)
+    j_hi = tl.minimum((x0 + CHUNK + RECENT + CELLS_PER_BLOCK - 1) // CELLS_PER_BLOCK, NBLOCKS)
+    prev = x0  # the pool holds the top-P of cells [0, prev)
+    for j in range(j_lo, j_hi):
         n_j = j * CELLS_PER_BLOCK
-        m_j = tl.maximum(n_j - RECENT, 0)  # older cells [0, m_j)
-        t = m_j // CHUNK
-        pool_a, pool_c, pool_r = _base_pool(AMAX, BASE, pid, t, C, NCHUNKS, POOL, P_PAD)
-        pool_a, pool_c, pool_r = _merge_cells(pool_a, pool_c, pool_r, live, amax_row, t * CHUNK, m_j, CHUNK, POOL, P_PAD)
+        m_j = tl.maximum(n_j - RECENT, 0)  # older cells [0, m_j); m_j - prev <= CELLS_PER_BLOCK
+        if m_j > prev:
+            pool_a, pool_c, pool_r = _merge_cells(pool_a, pool_c, pool_r, live, amax_row, prev, m_j, NEW_PAD, POOL, P_PAD)
+            prev = m_j
         _store_cand_row(CAND, pid, j, NBLOCKS, pool_a, pool_c, m_j, n_j, POOL, P_PAD, RECENT, R_PAD)
-    else:
-        t = tl.program_id(0).to(tl.int64)  # chunk: the query blocks j with m_j // CHUNK == t
-        x0 = t * CHUNK
-        pool_a, pool_c, pool_r = _base_pool(AMAX, BASE, pid, t, C, NCHUNKS, POOL, P_PAD)  # top-P of cells [0, x0)
-        # Blocks of this chunk: m_j = max(0, j * CPB - RECENT) in [x0, x0 + CHUNK).
-        j_lo = tl.where(t == 0, 0, (x0 + RECENT + CELLS_PER_BLOCK - 1) // CELLS_PER_BLOCK)
-        j_hi = tl.minimum((x0 + CHUNK + RECENT + CELLS_PER_BLOCK - 1) // CELLS_PER_BLOCK, NBLOCKS)
-        prev = x0  # the pool holds the top-P of cells [0, prev)
-        for j in range(j_lo, j_hi):
-            n_j = j * CELLS_PER_BLOCK
-            m_j = tl.maximum(n_j - RECENT, 0)  # older cells [0, m_j); m_j - prev <= CELLS_PER_BLOCK
-            if m_j > prev:
-                pool_a, pool_c, pool_r = _merge_cells(pool_a, pool_c, pool_r, live, amax_row, prev, m_j, NEW_PAD, POOL, P_PAD)
-                prev = m_j
-            _store_cand_row(CAND, pid, j, NBLOCKS, pool_a, pool_c, m_j, n_j, POOL, P_PAD, RECENT, R_PAD)
 
 
 @triton.jit
@@ -624,27 +611,7 @@ def pool_chunk(pool: int) -> int:
     return max(16, min(64, 4096 // next_pow2(pool)))
 
 
-# FREESOLO_TRITON_FSL_CAND=blocks: the FS-L candidate lists by `_fsl_cand_kernel` with PER_BLOCK (one
-# program per query block, one merge each) instead of one program per scan chunk (its
-# blocks in sequence); unset or "chunks": the default. Process-wide, read at each call (an A/B
-# switch). The pools are the same either way, so are the selections (the scoring's top-K does not
-# depend on the order of the candidates). Written in s35 for the 4k forward, whose selection chain
-# is its critical path (the per-chunk kernel: ~13-19 us at 4k, 32 merges deep); not yet timed on a GPU.
-ENV_FSL_CAND = "FREESOLO_TRITON_FSL_CAND"
-FSL_CAND_MODES = ("chunks", "blocks")
-
-
-def fsl_cand_mode(mode: Optional[str] = None) -> str:
-    """The FS-L candidate kernel: `mode` if given, else the environment's ENV_FSL_CAND, else "chunks"."""
-    mode = mode if mode is not None else (os.environ.get(ENV_FSL_CAND, "").strip() or "chunks")
-    if mode not in FSL_CAND_MODES:
-        raise ValueError(f"FS-L candidate mode {mode!r} (environment variable {ENV_FSL_CAND}) must be one of {FSL_CAND_MODES}")
-    return mode
-
-
-def fsl_candidates(
-    amax: torch.Tensor, T: int, cfg: FreeSoloConfig, chunk: Optional[int] = None, mode: Optional[str] = None
-) -> torch.Tensor:
+def fsl_candidates(amax: torch.Tensor, T: int, cfg: FreeSoloConfig, chunk: Optional[int] = None) -> torch.Tensor:
     """FS-L candidate cells of every query block (spec §5), linear in T, in two kernels:
 
     1. `_fsl_pool_scan_kernel`, one program per (b, kv head): the streaming form of §5 over the
@@ -659,15 +626,10 @@ def fsl_candidates(
        union is associative), then the W recent cells [m_j, n_j). O(P * Bq / s) per block
        (the s22 kernel ranked BASE[t] + up to chunk cells per block: O((P + chunk)^2)).
 
-    With mode "blocks" step 2 runs `_fsl_cand_kernel` with PER_BLOCK: one program per (query block j,
-    b, kv head) loads BASE[m_j // chunk] and merges the rest of [0, m_j) in one step (fewer than
-    chunk cells): the same pools.
-
     Args:
         amax: fp32 [B, Hkv, C] max key norms (from `cell_stats`).
         T: sequence length (nblocks = ceil(T / block)).
         chunk: scan step in cells (default `pool_chunk(pool)`; a power of two; tests use small ones).
-        mode: "chunks" or "blocks" (default `fsl_cand_mode()`: the environment's ENV_FSL_CAND, else "chunks").
     Returns:
         cand int32 [B, Hkv, nblocks, pool + recent]: the pool's slots (unordered, -1 = empty),
         then the recent cells [max(0, n_j - W), n_j) (-1 past n_j).
@@ -677,7 +639,6 @@ def fsl_candidates(
     P, W = cfg.pool, cfg.recent
     cpb = cfg.block // cfg.cell
     chunk = chunk or pool_chunk(P)
-    mode = fsl_cand_mode(mode)
     if chunk & (chunk - 1):
         raise ValueError(f"chunk={chunk} must be a power of two")
     cand = torch.empty((B, Hkv, nblocks, P + W), dtype=torch.int32, device=amax.device)
@@ -690,11 +651,10 @@ def fsl_candidates(
     P_PAD = next_pow2(P)
     warps = max(1, min(8, P_PAD * chunk // 512))  # P 64, chunk 64: 8 warps, 194 registers on sm_90
     launch(_fsl_pool_scan_kernel, (B * Hkv,), amax, base, C, m_last, nchunks, POOL=P, P_PAD=P_PAD, CHUNK=chunk, num_warps=warps)
-    per_block = mode == "blocks"
-    launch(_fsl_cand_kernel, (nblocks if per_block else nchunks + 1, B * Hkv),
+    launch(_fsl_cand_kernel, (nchunks + 1, B * Hkv),
         amax, base, cand, C, nblocks, nchunks,
         POOL=P, P_PAD=P_PAD, RECENT=W, CELLS_PER_BLOCK=cpb, NEW_PAD=max(2, next_pow2(cpb)), CHUNK=chunk,
-        R_PAD=next_pow2(W), PER_BLOCK=per_block, num_warps=min(warps, 4),
+        R_PAD=next_pow2(W), num_warps=min(warps, 4),
     )  # fmt: skip
     return cand
 
