@@ -400,6 +400,85 @@ def test_sorted_long_tiles_change_no_bit(monkeypatch):
     assert_close(got[0], _oracle(q, k, v, idx, cfg, beta), 1e-5, "o (sorted_long)")
 
 
+@pytest.mark.parametrize("dtype", ["fp32"] + (["bf16", "fp16"] if CUDA else []))
+def test_long_tma_loads_change_no_bit(monkeypatch, dtype):
+    """AttentionTiles.long_tma (the long kernel's cell tiles through tensor descriptors, compiler
+    pipelined) gives the bits of the pointer loads, every output and statistic, with GQA, B 2, T
+    not a multiple of the cell or the tile, sorted and consecutive tiles, window_first on and off;
+    and matches the oracle. Cells of 16 (a descriptor box needs >= 16 rows here: tl.dot's width)."""
+    from freesolo.backends.triton import attention as att
+
+    monkeypatch.setattr(att, "SORTED_LONG_MIN_T", 0)  # sort at any length (the default skips short sequences)
+    made = []
+    descriptor = att._kv_descriptor
+    monkeypatch.setattr(att, "_kv_descriptor", lambda x, cell: made.append(cell) or descriptor(x, cell))
+    dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    cfg = _cfg(variant="fsl", window=32, cell=16, block=32, pool=3, recent=1, top_k=2)
+    q, k, v = random_qkv(31, 2, 171, 4, 2, 16)
+    beta = np.array([1.0, -0.5, 0.25, 2.0])
+    idx = _selection(q, k, cfg)
+    assert (idx >= 0).sum() > 100, "too few selected cells: the long kernel would read nothing"
+    for first in (False, True):
+        for sort in (False, True):
+            plain = AttentionTiles(32, 32, 1, 1, long_block=16, long_into_out=True, window_first=first, sorted_long=sort)
+            ref = _run(q, k, v, idx, beta, cfg, dt, tiles=plain)
+            got = _run(q, k, v, idx, beta, cfg, dt, tiles=dataclasses.replace(plain, long_tma=True))
+            _bitwise_equal(got, ref, f"long_tma, window_first={first}, sorted={sort}, {dtype}")
+    assert made == [cfg.cell] * 8, f"the TMA path ran {len(made) // 2} of 4 times"
+    if dtype == "fp32":
+        assert_close(got[0], _oracle(q, k, v, idx, cfg, beta), 1e-5, "o (long_tma)")
+    with pytest.raises(ValueError, match="long_tma"):
+        AttentionTiles(32, 32, 1, 1, long_tma=True)
+
+
+def test_long_tma_layout_rules():
+    """`_long_tma_ok`: descriptors only where TMA can describe the cell tiles (cell and D powers
+    of two in [16, 256], heads D apart with contiguous elements, 16-byte aligned base and strides);
+    otherwise the pointer loads run, with the same bits (a contiguous k whose base is not aligned)."""
+    from freesolo.backends.triton.attention import _long_tma_ok
+
+    k = torch.zeros(2, 40, 3, 16, device=DEVICE)
+    assert _long_tma_ok(k, k, 16) and _long_tma_ok(k, k, 32)
+    assert not _long_tma_ok(k, k, 8), "a cell of 8 rows is below tl.dot's width"
+    assert not _long_tma_ok(k, k, 24), "a cell of 24 is not a power of two"
+    k24 = torch.zeros(2, 40, 3, 24, device=DEVICE)
+    assert not _long_tma_ok(k24, k24, 16), "D 24 is not a power of two"
+    wide = torch.zeros(2, 40, 3, 32, device=DEVICE)[..., :16]  # heads 32 elements apart
+    assert not _long_tma_ok(wide, wide, 16)
+    odd = torch.zeros(2 * 40 * 3 * 16 + 1, device=DEVICE)[1:].view(2, 40, 3, 16)  # base 4 bytes past alignment
+    assert not _long_tma_ok(odd, odd, 16)
+    # a call with such a k runs the pointer loads: the same bits as with long_tma off
+    cfg = _cfg(variant="fsl", window=32, cell=16, block=32, pool=3, recent=1, top_k=2)
+    q, kk, v = random_qkv(32, 1, 100, 2, 1, 16)
+    beta = np.array([1.0, -0.5])
+    idx = torch.as_tensor(_selection(q, kk, cfg), device=DEVICE)
+    T, D = q.shape[1], q.shape[3]
+    cos, sin = rope_tables(T, D, cfg.rope_theta, DEVICE, torch.float32)
+    qt, vt = (torch.as_tensor(x, dtype=torch.float32, device=DEVICE) for x in (q, v))
+    k_odd = torch.zeros(kk.size + 1, device=DEVICE)[1:].view(kk.shape)  # contiguous, base not 16-byte aligned
+    k_odd.copy_(torch.as_tensor(kk, dtype=torch.float32))
+    assert not _long_tma_ok(k_odd, k_odd, cfg.cell)
+    bt = torch.as_tensor(beta, dtype=torch.float32, device=DEVICE)
+    plain = AttentionTiles(32, 32, 1, 1, long_block=16, long_into_out=True, window_first=True)
+    ref = attention_forward(qt, k_odd.clone(), vt, idx, bt, cos, sin, cfg, plain)
+    got = attention_forward(qt, k_odd, vt, idx, bt, cos, sin, cfg, dataclasses.replace(plain, long_tma=True))
+    _bitwise_equal([x.double().cpu().numpy() for x in got], [x.double().cpu().numpy() for x in ref], "unaligned k, long_tma")
+
+
+@needs_cuda
+def test_cuda_default_tiles_take_tma_on_hopper(monkeypatch):
+    """default_tiles: long_tma on for the split 16-bit kernels on sm_90+, off below, off with
+    FREESOLO_TRITON_LONG_TMA=0 (read at each call)."""
+    from freesolo.backends.triton.attention import ENV_LONG_TMA, default_tiles
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    monkeypatch.delenv(ENV_LONG_TMA, raising=False)
+    tiles = default_tiles(64, torch.bfloat16, dev)
+    assert tiles.long_block > 0 and tiles.long_tma == (torch.cuda.get_device_capability(dev)[0] >= 9)
+    monkeypatch.setenv(ENV_LONG_TMA, "0")
+    assert not default_tiles(64, torch.bfloat16, dev).long_tma
+
+
 @pytest.mark.parametrize("use_kernel", [False, True], ids=["torch", "kernel"])
 def test_long_query_order(use_kernel):
     """long_query_order: per (b, h) and chunk of positions a permutation of the chunk, sorted by

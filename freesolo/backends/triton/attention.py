@@ -174,12 +174,16 @@ def _cell_step(acc, l_j, m_j, q, sel, cell, kc, vc, c_ok, qk_scale, CELL: tl.con
 def _long_steps(
     q, IDX, urow, NU_PTR, k_base, v_base, b, h, T, Hq, offs_m, row_ok, kv_stride, qk_scale,
     D: tl.constexpr, D_P: tl.constexpr, CELL: tl.constexpr, CELL_P: tl.constexpr, KSEL: tl.constexpr,
-    K_P: tl.constexpr, BLOCK_M: tl.constexpr, PREFETCH: tl.constexpr,
+    K_P: tl.constexpr, BLOCK_M: tl.constexpr, PREFETCH: tl.constexpr, TMA: tl.constexpr = False, col=0,
 ):  # fmt: skip
     """Online-softmax steps of the long branch for the queries offs_m [BLOCK_M] (q [BLOCK_M, D_P]
     unrotated, q's dtype) over their tile's cell union: urow points at the union's sorted cell ids,
     NU_PTR at its length. One cell per step (`_cell_step`). Returns (acc [BLOCK_M, D_P], l [BLOCK_M],
-    m [BLOCK_M]), fp32, exp2 domain (m starts at the finite NEG_BIG: a fully masked step keeps every bit)."""
+    m [BLOCK_M]), fp32, exp2 domain (m starts at the finite NEG_BIG: a fully masked step keeps every bit).
+    TMA (AttentionTiles.long_tma; CELL == CELL_P, D == D_P, no PREFETCH): k_base / v_base are tensor
+    descriptors of k / v viewed as [B, T, Hkv * D] with [1, CELL, D] boxes, a cell's tile the box at
+    (b, cell * CELL, col = g * D): the same values as the pointer loads, moved by the copy engine and
+    pipelined by the compiler (the kernel's num_stages)."""
     dd = tl.arange(0, D_P)
     d_ok = dd < D
     sel = _load_sel(IDX, b, T, Hq, h, offs_m, row_ok, KSEL, K_P)  # [BLOCK_M, K_P]
@@ -200,7 +204,11 @@ def _long_steps(
         cell_n = tl.load(urow + 1, mask=n_u > 1, other=0)
         kc, vc = _cell_kv(k_base, v_base, cell, n_u > 0, cell_offs, kv_mask, kv_stride, CELL)
     for u in range(0, n_u):
-        if PREFETCH:
+        if TMA:
+            cell = tl.load(urow + u)
+            kc = k_base.load([b.to(tl.int32), cell * CELL, col]).reshape(CELL, D)
+            vc = v_base.load([b.to(tl.int32), cell * CELL, col]).reshape(CELL, D)
+        elif PREFETCH:
             cell_nn = tl.load(urow + u + 2, mask=u + 2 < n_u, other=0)
             kc_n, vc_n = _cell_kv(k_base, v_base, cell_n, u + 1 < n_u, cell_offs, kv_mask, kv_stride, CELL)
         else:
@@ -236,8 +244,8 @@ def _long_finish(acc, l_j, m_j, beta_ptr, eps, D: tl.constexpr):
 @triton.jit(do_not_specialize=["stats_on"])
 def _long_fwd_kernel(
     Q,  # [B, T, Hq, D]
-    K,  # [B, T, Hkv, D] unrotated keys
-    V,  # [B, T, Hkv, D]
+    K,  # [B, T, Hkv, D] unrotated keys (TMA: a tensor descriptor of K viewed as [B, T, Hkv * D], box [1, CELL, D])
+    V,  # [B, T, Hkv, D] (TMA: a descriptor as K's)
     IDX,  # int32 / int64 [B, T, Hq, KSEL], -1 padded
     UNION,  # int32 [B * Hq, NT, U_MAX]: sorted cells of each tile of BLOCK_M queries, -1 padded
     NUNION,  # int32 [B * Hq, NT]
@@ -264,6 +272,7 @@ def _long_fwd_kernel(
     PREFETCH: tl.constexpr,
     ADD_TO_OUT: tl.constexpr,  # AttentionTiles.window_first: LONG_TERM is O holding o_loc; add the long term to it
     HAS_ORDER: tl.constexpr,  # AttentionTiles.sorted_long: the tiles' positions come from ORDER (else consecutive)
+    TMA: tl.constexpr = False,  # AttentionTiles.long_tma on a call that allows it (`_long_tma_ok`): K, V are descriptors
 ):
     """The long branch alone (AttentionTiles.long_block > 0): one program per (tile of BLOCK_M
     queries, b * Hq + h), the same steps as the fused kernel's long loop over this smaller tile's
@@ -274,15 +283,19 @@ def _long_fwd_kernel(
     h = pid_bh % Hq
     g = h // (Hq // Hkv)
     kv_stride = Hkv * D
-    k_base = K + (b * T * Hkv + g) * D
-    v_base = V + (b * T * Hkv + g) * D
+    if TMA:
+        k_base = K
+        v_base = V
+    else:
+        k_base = K + (b * T * Hkv + g) * D
+        v_base = V + (b * T * Hkv + g) * D
     urow = UNION + (pid_bh * NT + pid_m) * U_MAX
     nu_ptr = NUNION + pid_bh * NT + pid_m
     offs_m = _tile_positions(ORDER, pid_bh, pid_m, T, BLOCK_M, HAS_ORDER)
     q, row_ok = _load_rows(Q, b, h, T, Hq, offs_m, D, D_P)
     acc, l_j, m_j = _long_steps(
         q, IDX, urow, nu_ptr, k_base, v_base, b, h, T, Hq, offs_m, row_ok, kv_stride, qk_scale,
-        D, D_P, CELL, CELL_P, KSEL, K_P, BLOCK_M, PREFETCH,
+        D, D_P, CELL, CELL_P, KSEL, K_P, BLOCK_M, PREFETCH, TMA, (g * D).to(tl.int32),
     )  # fmt: skip
     _long_store(acc, l_j, m_j, offs_m, b, h, T, Hq, BETA, eps, LONG_TERM, LSE_LONG, RSTD, stats_on, D, D_P, ADD_TO_OUT)
 
@@ -543,6 +556,16 @@ class AttentionTiles:
     # of 32 / 16 queries hold fewer cells (9.4 / 7.1) but their long kernel is slower (0.98-1.12 /
     # 0.77 ms at 64k, s27 call6): long_block stays 64.
     sorted_long: bool = False
+    # long_block > 0 only (`default_tiles` sets it on sm_90+ since s37; FREESOLO_TRITON_LONG_TMA=0 turns
+    # it off): the long kernel loads each union cell's keys / values with the tensor-memory
+    # accelerator (host tensor descriptors of k / v viewed as [B, T, Hkv * D], one [1, cell, D] box
+    # per cell) instead of pointer tensors and the hand prefetch, pipelined LONG_TMA_STAGES deep by
+    # the compiler. The same loaded values, so the same bits (tested). A call whose k / v or config
+    # a descriptor cannot describe (`_long_tma_ok`: cell or D not a power of two >= 16, a head
+    # stride other than D, strides or base not 16-byte aligned) runs the pointer loads. H100 (s37
+    # call1, bf16 H16 D64, FS-L, benchmarks/tma_ab.py): long kernel 63.8 -> 58.5 us at 4k, 221.6 ->
+    # 192.3 at 16k, 620.1 -> 536.1 at 64k, bitwise equal.
+    long_tma: bool = False
     # (s26 also tried the long kernel over aligned pairs of cells, one softmax step per pair, which
     # keeps row independence: on iid keys a 64-query tile's pair union held 22.8 pairs against 23.3
     # cells (the pool's high-norm cells are rarely neighbours), so every step doubled for nothing:
@@ -562,6 +585,8 @@ class AttentionTiles:
             raise ValueError("window_first=True needs the long term written into o (long_into_out=True)")
         if self.sorted_long and not self.long_block:
             raise ValueError("sorted_long=True needs the separate long kernel (long_block > 0)")
+        if self.long_tma and not self.long_block:
+            raise ValueError("long_tma=True needs the separate long kernel (long_block > 0)")
 
     @property
     def union_rows(self) -> int:
@@ -576,6 +601,10 @@ ENV_MAXNREG = "FREESOLO_TRITON_MAXNREG"
 ENV_LONG_INTO_OUT = "FREESOLO_TRITON_LONG_INTO_OUT"  # 0: the fp32 hand-over buffer instead of o (split kernels only)
 ENV_WINDOW_FIRST = "FREESOLO_TRITON_WINDOW_FIRST"  # 0: window_first off (on by default with long_into_out)
 ENV_SORTED_LONG = "FREESOLO_TRITON_SORTED_LONG"  # 0: sorted_long off (on by default with long_block > 0)
+ENV_LONG_TMA = "FREESOLO_TRITON_LONG_TMA"  # 0: long_tma off (on by default with long_block > 0 on sm_90+)
+# Pipeline depth of the long kernel with TMA loads (s37 call1, H100, 4k / 16k / 64k: 3 stages
+# 0.92 / 0.87 / 0.86 of the pointer kernel's time, 2 stages 0.97 / 0.90 / 0.90, 1 stage 1.22 / 1.08 / 1.06).
+LONG_TMA_STAGES = 3
 
 
 def _env_int(name: str) -> Optional[int]:
@@ -592,11 +621,11 @@ _DEFAULT_TILES: dict = {}
 
 
 def default_tiles(D: int, dtype: torch.dtype, device: torch.device) -> AttentionTiles:
-    """`_default_tiles`, cached per (D, dtype, device type, the five variables' values): the
+    """`_default_tiles`, cached per (D, dtype, device, the six variables' values): the
     variables are still read at every call (an A/B switch takes effect at the next call)."""
-    names = (ENV_LONG_BLOCK, ENV_MAXNREG, ENV_LONG_INTO_OUT, ENV_WINDOW_FIRST, ENV_SORTED_LONG)
+    names = (ENV_LONG_BLOCK, ENV_MAXNREG, ENV_LONG_INTO_OUT, ENV_WINDOW_FIRST, ENV_SORTED_LONG, ENV_LONG_TMA)
     env = tuple(os.environ.get(name) for name in names)
-    key = (D, dtype, device.type, env)
+    key = (D, dtype, device, env)
     hit = _DEFAULT_TILES.get(key)
     if hit is None:
         if len(_DEFAULT_TILES) >= 64:
@@ -611,8 +640,9 @@ def _default_tiles(D: int, dtype: torch.dtype, device: torch.device) -> Attentio
     (window_first), the long tiles sorted by selection (sorted_long). The environment variables
     ENV_LONG_BLOCK / ENV_MAXNREG / ENV_LONG_INTO_OUT (0: the fp32 buffer) / ENV_WINDOW_FIRST (0:
     off; it needs long_into_out) / ENV_SORTED_LONG (0: off) override long_block / maxnreg /
-    long_into_out / window_first / sorted_long (process-wide, read at each call; they never depend
-    on B or T). ENV_MAXNREG applies to 16-bit
+    long_into_out / window_first / sorted_long, ENV_LONG_TMA (0: off; on by default with long_block
+    on a device of compute capability 9 or more) long_tma (process-wide, read at each call; they
+    never depend on B or T). ENV_MAXNREG applies to 16-bit
     dtypes only (fp32 D 128 at 128 registers spills ~1.2 kB per thread on sm_90)."""
     tiles = _base_tiles(D, dtype, device)
     long_block, maxnreg = _env_int(ENV_LONG_BLOCK), _env_int(ENV_MAXNREG)
@@ -629,6 +659,10 @@ def _default_tiles(D: int, dtype: torch.dtype, device: torch.device) -> Attentio
     sorted_long = _env_int(ENV_SORTED_LONG)
     if tiles.long_block:
         tiles = dataclasses.replace(tiles, sorted_long=True if sorted_long is None else bool(sorted_long))
+    long_tma = _env_int(ENV_LONG_TMA)
+    if tiles.long_block and device.type == "cuda":
+        hopper = torch.cuda.get_device_capability(device)[0] >= 9
+        tiles = dataclasses.replace(tiles, long_tma=hopper if long_tma is None else bool(long_tma))
     return tiles
 
 
@@ -1017,9 +1051,35 @@ def _common_constexprs(D: int, cfg, tiles: AttentionTiles) -> dict:
                 K_P=next_pow2(cfg.top_k), PREFETCH=tiles.prefetch)  # fmt: skip
 
 
+def _long_tma_ok(k: torch.Tensor, v: torch.Tensor, cell: int) -> bool:
+    """Whether tensor descriptors can describe the long kernel's cell tiles of k and v [B, T, Hkv, D]:
+    the cell and D powers of two in [16, 256] (a box dimension; tl.dot's minimum width), each head's
+    D elements contiguous and the heads D apart (the [B, T, Hkv * D] view), the base and the B / T
+    strides 16-byte aligned (TMA's rules)."""
+    D = k.shape[3]
+    if cell & (cell - 1) or not 16 <= cell <= 256 or D & (D - 1) or not 16 <= D <= 256:
+        return False
+    for x in (k, v):
+        size = x.element_size()
+        if x.stride(3) != 1 or x.stride(2) != D or x.data_ptr() % 16:
+            return False
+        if (x.stride(0) * size) % 16 or (x.stride(1) * size) % 16:
+            return False
+    return True
+
+
+def _kv_descriptor(x: torch.Tensor, cell: int):
+    """A host tensor descriptor of x [B, T, Hkv, D] viewed as [B, T, Hkv * D] (strides kept), box [1, cell, D]."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    B, T, Hkv, D = x.shape
+    return TensorDescriptor(x, shape=[B, T, Hkv * D], strides=[x.stride(0), x.stride(1), 1], block_shape=[1, cell, D])
+
+
 def _launch_long(q, k, v, idx, unions: TileUnions, beta, cfg, tiles: AttentionTiles, outputs) -> None:
     """The split long kernel (tiles.long_block > 0): writes the long term into outputs' long_term
-    (adds it to o with window_first) and lse_long, rstd."""
+    (adds it to o with window_first) and lse_long, rstd. With tiles.long_tma, and k / v that
+    `_long_tma_ok` allows, its cell tiles come through tensor descriptors (the same bits)."""
     B, T, Hq, D = q.shape
     o, _, lse_long, rstd, long_term = outputs
     rows = tiles.union_rows
@@ -1028,12 +1088,16 @@ def _launch_long(q, k, v, idx, unions: TileUnions, beta, cfg, tiles: AttentionTi
     store_stats = lse_long is not None
     if not store_stats:  # the kernel stores no statistic (masked stores into an fp32 placeholder)
         lse_long = rstd = _placeholder(q.device)
+    tma = tiles.long_tma and _long_tma_ok(k, v, cfg.cell)
+    consts = _common_constexprs(D, cfg, tiles)
+    if tma:
+        consts["PREFETCH"] = False  # the compiler pipelines the descriptor loads
     launch(_long_fwd_kernel, (NU, B * Hq),
-        q, k, v, idx, union, count, order if order is not None else count, beta, long_term,
-        lse_long, rstd, T, Hq, k.shape[2], NU, LOG2E / math.sqrt(D), cfg.eps,
-        int(store_stats), BLOCK_M=rows, U_MAX=rows * cfg.top_k, ADD_TO_OUT=tiles.window_first, HAS_ORDER=order is not None,
-        num_warps=tiles.long_warps, num_stages=1,
-        **_common_constexprs(D, cfg, tiles),
+        q, _kv_descriptor(k, cfg.cell) if tma else k, _kv_descriptor(v, cfg.cell) if tma else v, idx, union, count,
+        order if order is not None else count, beta, long_term, lse_long, rstd, T, Hq, k.shape[2], NU,
+        LOG2E / math.sqrt(D), cfg.eps, int(store_stats), BLOCK_M=rows, U_MAX=rows * cfg.top_k,
+        ADD_TO_OUT=tiles.window_first, HAS_ORDER=order is not None, TMA=tma,
+        num_warps=tiles.long_warps, num_stages=LONG_TMA_STAGES if tma else 1, **consts,
     )  # fmt: skip
 
 
