@@ -467,14 +467,18 @@ def test_long_tma_layout_rules():
 
 @needs_cuda
 def test_cuda_default_tiles_take_tma_on_hopper(monkeypatch):
-    """default_tiles: long_tma on for the split 16-bit kernels on sm_90+, off below, off with
-    FREESOLO_TRITON_LONG_TMA=0 (read at each call)."""
-    from freesolo.backends.triton.attention import ENV_LONG_TMA, default_tiles
+    """default_tiles: long_tma for the split 16-bit kernels on sm_90+ only, when LONG_TMA_DEFAULT
+    or FREESOLO_TRITON_LONG_TMA=1 asks for it; off with FREESOLO_TRITON_LONG_TMA=0 (read at each call)."""
+    from freesolo.backends.triton.attention import ENV_LONG_TMA, LONG_TMA_DEFAULT, default_tiles
 
     dev = torch.device("cuda", torch.cuda.current_device())
+    hopper = torch.cuda.get_device_capability(dev)[0] >= 9
     monkeypatch.delenv(ENV_LONG_TMA, raising=False)
     tiles = default_tiles(64, torch.bfloat16, dev)
-    assert tiles.long_block > 0 and tiles.long_tma == (torch.cuda.get_device_capability(dev)[0] >= 9)
+    assert tiles.long_block > 0 and tiles.long_tma == (hopper and LONG_TMA_DEFAULT)
+    monkeypatch.setenv(ENV_LONG_TMA, "1")
+    assert default_tiles(64, torch.bfloat16, dev).long_tma == hopper
+    assert not default_tiles(64, torch.float32, dev).long_tma, "fp32 runs the fused kernel (no long_block)"
     monkeypatch.setenv(ENV_LONG_TMA, "0")
     assert not default_tiles(64, torch.bfloat16, dev).long_tma
 

@@ -556,8 +556,8 @@ class AttentionTiles:
     # of 32 / 16 queries hold fewer cells (9.4 / 7.1) but their long kernel is slower (0.98-1.12 /
     # 0.77 ms at 64k, s27 call6): long_block stays 64.
     sorted_long: bool = False
-    # long_block > 0 only (`default_tiles` sets it on sm_90+ since s37; FREESOLO_TRITON_LONG_TMA=0 turns
-    # it off): the long kernel loads each union cell's keys / values with the tensor-memory
+    # long_block > 0 only (`default_tiles` sets it on sm_90+ when LONG_TMA_DEFAULT or
+    # FREESOLO_TRITON_LONG_TMA=1 asks for it): the long kernel loads each union cell's keys / values with the tensor-memory
     # accelerator (host tensor descriptors of k / v viewed as [B, T, Hkv * D], one [1, cell, D] box
     # per cell) instead of pointer tensors and the hand prefetch, pipelined LONG_TMA_STAGES deep by
     # the compiler. The same loaded values, so the same bits (tested). A call whose k / v or config
@@ -601,7 +601,10 @@ ENV_MAXNREG = "FREESOLO_TRITON_MAXNREG"
 ENV_LONG_INTO_OUT = "FREESOLO_TRITON_LONG_INTO_OUT"  # 0: the fp32 hand-over buffer instead of o (split kernels only)
 ENV_WINDOW_FIRST = "FREESOLO_TRITON_WINDOW_FIRST"  # 0: window_first off (on by default with long_into_out)
 ENV_SORTED_LONG = "FREESOLO_TRITON_SORTED_LONG"  # 0: sorted_long off (on by default with long_block > 0)
-ENV_LONG_TMA = "FREESOLO_TRITON_LONG_TMA"  # 0: long_tma off (on by default with long_block > 0 on sm_90+)
+ENV_LONG_TMA = "FREESOLO_TRITON_LONG_TMA"  # 1: long_tma on (with long_block > 0, on sm_90+), 0: off; unset: LONG_TMA_DEFAULT
+# Off by default until the CUDA tests have run it on a GPU: s37 measured the kernel alone (tma_ab.py,
+# call1) but no GPU was lent again to run the forward / backend / graph-cache CUDA tests through it.
+LONG_TMA_DEFAULT = False
 # Pipeline depth of the long kernel with TMA loads (s37 call1, H100, 4k / 16k / 64k: 3 stages
 # 0.92 / 0.87 / 0.86 of the pointer kernel's time, 2 stages 0.97 / 0.90 / 0.90, 1 stage 1.22 / 1.08 / 1.06).
 LONG_TMA_STAGES = 3
@@ -640,8 +643,8 @@ def _default_tiles(D: int, dtype: torch.dtype, device: torch.device) -> Attentio
     (window_first), the long tiles sorted by selection (sorted_long). The environment variables
     ENV_LONG_BLOCK / ENV_MAXNREG / ENV_LONG_INTO_OUT (0: the fp32 buffer) / ENV_WINDOW_FIRST (0:
     off; it needs long_into_out) / ENV_SORTED_LONG (0: off) override long_block / maxnreg /
-    long_into_out / window_first / sorted_long, ENV_LONG_TMA (0: off; on by default with long_block
-    on a device of compute capability 9 or more) long_tma (process-wide, read at each call; they
+    long_into_out / window_first / sorted_long, ENV_LONG_TMA (1: on, 0: off, unset: LONG_TMA_DEFAULT;
+    only with long_block on a device of compute capability 9 or more) long_tma (process-wide, read at each call; they
     never depend on B or T). ENV_MAXNREG applies to 16-bit
     dtypes only (fp32 D 128 at 128 registers spills ~1.2 kB per thread on sm_90)."""
     tiles = _base_tiles(D, dtype, device)
@@ -660,9 +663,9 @@ def _default_tiles(D: int, dtype: torch.dtype, device: torch.device) -> Attentio
     if tiles.long_block:
         tiles = dataclasses.replace(tiles, sorted_long=True if sorted_long is None else bool(sorted_long))
     long_tma = _env_int(ENV_LONG_TMA)
-    if tiles.long_block and device.type == "cuda":
-        hopper = torch.cuda.get_device_capability(device)[0] >= 9
-        tiles = dataclasses.replace(tiles, long_tma=hopper if long_tma is None else bool(long_tma))
+    long_tma = LONG_TMA_DEFAULT if long_tma is None else bool(long_tma)
+    if tiles.long_block and long_tma and device.type == "cuda":
+        tiles = dataclasses.replace(tiles, long_tma=torch.cuda.get_device_capability(device)[0] >= 9)
     return tiles
 
 
