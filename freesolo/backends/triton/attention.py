@@ -563,8 +563,8 @@ class AttentionTiles:
     # the compiler. The same loaded values, so the same bits (tested). A call whose k / v or config
     # a descriptor cannot describe (`_long_tma_ok`: cell or D not a power of two >= 16, a head
     # stride other than D, strides or base not 16-byte aligned) runs the pointer loads. H100 (s37
-    # call1, bf16 H16 D64, FS-L, benchmarks/tma_ab.py): long kernel 63.8 -> 58.5 us at 4k, 221.6 ->
-    # 192.3 at 16k, 620.1 -> 536.1 at 64k, bitwise equal.
+    # call1, bf16 H16 D64, FS-L; the kernel's copy in benchmarks/tma_ab.py, the same loop): long
+    # kernel 63.8 -> 58.5 us at 4k, 221.6 -> 192.3 at 16k, 620.1 -> 536.1 at 64k, bitwise equal.
     long_tma: bool = False
     # (s26 also tried the long kernel over aligned pairs of cells, one softmax step per pair, which
     # keeps row independence: on iid keys a 64-query tile's pair union held 22.8 pairs against 23.3
