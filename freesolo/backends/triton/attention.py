@@ -557,12 +557,13 @@ class AttentionTiles:
     # 0.77 ms at 64k, s27 call6): long_block stays 64.
     sorted_long: bool = False
     # long_block > 0 only (`default_tiles` sets it on sm_90+ when LONG_TMA_DEFAULT or
-    # FREESOLO_TRITON_LONG_TMA=1 asks for it): the long kernel loads each union cell's keys / values with the tensor-memory
-    # accelerator (host tensor descriptors of k / v viewed as [B, T, Hkv * D], one [1, cell, D] box
-    # per cell) instead of pointer tensors and the hand prefetch, pipelined LONG_TMA_STAGES deep by
-    # the compiler. The same loaded values, so the same bits (tested). A call whose k / v or config
-    # a descriptor cannot describe (`_long_tma_ok`: cell or D not a power of two >= 16, a head
-    # stride other than D, strides or base not 16-byte aligned) runs the pointer loads. H100 (s37
+    # FREESOLO_TRITON_LONG_TMA=1 asks for it): the long kernel loads each union cell's keys /
+    # values with the tensor-memory accelerator (host tensor descriptors of k / v viewed as
+    # [B, T, Hkv * D], one [1, cell, D] box per cell) instead of pointer tensors and the hand
+    # prefetch, pipelined LONG_TMA_STAGES deep by the compiler. The same loaded values, so the same
+    # bits (tested). A call that TMA cannot serve (`_long_tma_ok`: a GPU below sm_90, cell or D not
+    # a power of two >= 16, a head stride other than D, strides or base not 16-byte aligned) runs
+    # the pointer loads. H100 (s37
     # call1, bf16 H16 D64, FS-L; the kernel's copy in benchmarks/tma_ab.py, the same loop): long
     # kernel 63.8 -> 58.5 us at 4k, 221.6 -> 192.3 at 16k, 620.1 -> 536.1 at 64k, bitwise equal.
     long_tma: bool = False
@@ -643,9 +644,9 @@ def _default_tiles(D: int, dtype: torch.dtype, device: torch.device) -> Attentio
     (window_first), the long tiles sorted by selection (sorted_long). The environment variables
     ENV_LONG_BLOCK / ENV_MAXNREG / ENV_LONG_INTO_OUT (0: the fp32 buffer) / ENV_WINDOW_FIRST (0:
     off; it needs long_into_out) / ENV_SORTED_LONG (0: off) override long_block / maxnreg /
-    long_into_out / window_first / sorted_long, ENV_LONG_TMA (1: on, 0: off, unset: LONG_TMA_DEFAULT;
-    only with long_block on a device of compute capability 9 or more) long_tma (process-wide, read at each call; they
-    never depend on B or T). ENV_MAXNREG applies to 16-bit
+    long_into_out / window_first / sorted_long, ENV_LONG_TMA (1: on, 0: off, unset:
+    LONG_TMA_DEFAULT; only with long_block on a device of compute capability 9 or more) long_tma
+    (process-wide, read at each call; they never depend on B or T). ENV_MAXNREG applies to 16-bit
     dtypes only (fp32 D 128 at 128 registers spills ~1.2 kB per thread on sm_90)."""
     tiles = _base_tiles(D, dtype, device)
     long_block, maxnreg = _env_int(ENV_LONG_BLOCK), _env_int(ENV_MAXNREG)
@@ -1056,11 +1057,14 @@ def _common_constexprs(D: int, cfg, tiles: AttentionTiles) -> dict:
 
 def _long_tma_ok(k: torch.Tensor, v: torch.Tensor, cell: int) -> bool:
     """Whether tensor descriptors can describe the long kernel's cell tiles of k and v [B, T, Hkv, D]:
-    the cell and D powers of two in [16, 256] (a box dimension; tl.dot's minimum width), each head's
-    D elements contiguous and the heads D apart (the [B, T, Hkv * D] view), the base and the B / T
+    a GPU of compute capability 9 or more (CPU tensors: the interpreter, which runs descriptors), the
+    cell and D powers of two in [16, 256] (a box dimension; tl.dot's minimum width), each head's D
+    elements contiguous and the heads D apart (the [B, T, Hkv * D] view), the base and the B / T
     strides 16-byte aligned (TMA's rules)."""
     D = k.shape[3]
     if cell & (cell - 1) or not 16 <= cell <= 256 or D & (D - 1) or not 16 <= D <= 256:
+        return False
+    if k.is_cuda and torch.cuda.get_device_capability(k.device)[0] < 9:
         return False
     for x in (k, v):
         size = x.element_size()
