@@ -1,0 +1,102 @@
+"""What an FS-B prefill must move and compute, counted from the spec (CPU, no GPU needed).
+
+Issue 12 asks the FS-B prefill forward at T = 1M (H 16, D 64) to be 5x faster than `triton_fs`
+(447 ms on the H100 in s30, so at most ~89 ms). This script counts, per (query, query head), the
+work that the spec's search (§6.4) and rerank fix, whatever the kernel:
+
+- node keys: exactly `fsb_node_keys_count(n, beam)` per forest (lemma L9's count, data
+  independent), for the all-cells forest over the block's n_j available cells and the high-norm
+  forest over `high_share * n_j` of them (gpu_attention.py's tau is the median of a_c: 0.5);
+- per node key one D-dim dot with mu (float32 tables), the radius, A and e (4 + 4 + 8 bytes) and
+  one erf;
+- the rerank: logsumexp over the tokens of every candidate cell, at most 2 * beam cells (fewer
+  where the forests hold fewer), `cell` tokens of D bf16 key values each;
+
+then the totals over T queries and H heads and the rates a kernel needs to finish within a time
+budget if no loaded row serves two (query, head) pairs: `bytes_gathered / t` is the bandwidth
+that the per-query loads need (L2 or shared memory), `flops / t` the FMA throughput. Rows shared
+between queries (tensor-core scoring of the nodes that a tile's beams have in common) are what a
+faster design must exploit.
+
+    python benchmarks/fsb_prefill_floor.py --T 1048576 --budget-ms 89.4 1779 \
+        --out benchmarks/results/fsb_prefill_floor.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from freesolo import FreeSoloConfig  # noqa: E402
+from freesolo.reference.fsb import fsb_node_keys_count  # noqa: E402
+
+__all__ = ["count", "main"]
+
+NODE_ROW_EXTRA_BYTES = 4 + 4 + 8  # rad, A (float32), e (int64)
+
+
+def count(T: int, H: int, D: int, cfg: FreeSoloConfig, high_share: float) -> dict:
+    """Totals over T queries and H query heads of one sequence (B 1).
+
+    Returns node_keys, rerank_tokens (token dots of the rerank), readout_tokens (K cells read per
+    query), bytes_nodes (float32 mu rows + rad / A / e), bytes_rerank (bf16 key rows), flops
+    (2 per multiply-add of the dots), erfs."""
+    node_keys = rerank_tokens = readout_tokens = 0
+    for j in range(-(-T // cfg.block)):
+        rows = min(cfg.block, T - j * cfg.block)
+        n_all = j * cfg.block // cfg.cell
+        n_high = int(n_all * high_share)
+        keys = fsb_node_keys_count(n_all, cfg.beam) + fsb_node_keys_count(n_high, cfg.beam)
+        candidates = min(2 * cfg.beam, n_all)
+        node_keys += rows * keys
+        rerank_tokens += rows * candidates * cfg.cell
+        readout_tokens += rows * min(cfg.top_k, candidates) * cfg.cell
+    node_keys, rerank_tokens, readout_tokens = (x * H for x in (node_keys, rerank_tokens, readout_tokens))
+    bytes_nodes = node_keys * (4 * D + NODE_ROW_EXTRA_BYTES)
+    bytes_rerank = rerank_tokens * 2 * D
+    flops = 2 * D * (node_keys + rerank_tokens)
+    return dict(node_keys=node_keys, rerank_tokens=rerank_tokens, readout_tokens=readout_tokens,
+                bytes_nodes=bytes_nodes, bytes_rerank=bytes_rerank, flops=flops, erfs=node_keys)  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--T", type=int, nargs="+", default=[65536, 262144, 1048576])
+    ap.add_argument("--H", type=int, default=16)
+    ap.add_argument("--D", type=int, default=64)
+    ap.add_argument("--high-share", type=float, default=0.5, help="share of cells in the high-norm forest")
+    ap.add_argument("--budget-ms", type=float, nargs="+", default=[89.4, 1779.0])
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    cfg = FreeSoloConfig(variant="fsb")
+    records = []
+    for T in args.T:
+        rec = dict(T=T, H=args.H, D=args.D, **count(T, args.H, args.D, cfg, args.high_share))
+        pairs = T * args.H
+        rec["per_query_head"] = {
+            "node_keys": rec["node_keys"] / pairs,
+            "rerank_tokens": rec["rerank_tokens"] / pairs,
+            "bytes": (rec["bytes_nodes"] + rec["bytes_rerank"]) / pairs,
+        }
+        gathered = rec["bytes_nodes"] + rec["bytes_rerank"]
+        rec["rates"] = {
+            f"{ms:g} ms": {"gathered_TB_per_s": gathered / (ms * 1e-3) / 1e12, "TFLOP_per_s": rec["flops"] / (ms * 1e-3) / 1e12}
+            for ms in args.budget_ms
+        }  # fmt: skip
+        records.append(rec)
+        pq = rec["per_query_head"]
+        print(f"T={T}: {pq['node_keys']:.0f} node keys + {pq['rerank_tokens']:.0f} rerank tokens per (query, head), "
+              f"{pq['bytes'] / 1024:.0f} KiB gathered; total {gathered / 1e12:.2f} TB, {rec['flops'] / 1e12:.2f} TFLOP; "
+              + "; ".join(f"in {k}: {v['gathered_TB_per_s']:.1f} TB/s, {v['TFLOP_per_s']:.1f} TFLOP/s" for k, v in rec["rates"].items()))  # fmt: skip
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"config": repr(cfg), "high_share": args.high_share, "records": records}, f, indent=1)
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""benchmarks/fsb_prefill_floor.py: its per-(query, head) counts are the spec's (lemma L9), checked
+against the float64 oracle's own counted node keys and rerank sizes."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import numpy as np
+import pytest
+
+from freesolo import FreeSoloConfig
+from freesolo.reference.fsb import fsb_costs
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _load_benchmark():
+    spec = importlib.util.spec_from_file_location("fsb_prefill_floor", ROOT / "benchmarks" / "fsb_prefill_floor.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("T, beam", [(200, 2), (256, 4), (97, 64)])
+def test_counts_equal_the_oracle_counts(T, beam):
+    """With tau below every cell's norm both forests cover every available cell (high_share 1), so
+    the script's node keys are exactly the oracle's; its rerank tokens bound the oracle's reranked
+    cells times the cell (the union of two forests' candidates holds at most 2 * beam cells)."""
+    bench = _load_benchmark()
+    H, D = 2, 8
+    cfg = FreeSoloConfig(variant="fsb", window=32, cell=4, block=16, top_k=2, beam=beam, tau=(-1.0,))
+    rng = np.random.default_rng(T)
+    q, k = (rng.standard_normal((1, T, H, D)) for _ in range(2))
+    costs = fsb_costs(q, k[:, :, :1], cfg.replace(tau=(-1.0,)))  # one kv head, GQA group H
+    counted = bench.count(T, H, D, cfg, high_share=1.0)
+    assert counted["node_keys"] == int(costs["node_keys"].sum()) > 0
+    assert int(costs["cells_reranked"].sum()) * cfg.cell <= counted["rerank_tokens"]
+    assert counted["bytes_nodes"] == counted["node_keys"] * (4 * D + bench.NODE_ROW_EXTRA_BYTES)
+    assert counted["flops"] == 2 * D * (counted["node_keys"] + counted["rerank_tokens"])
