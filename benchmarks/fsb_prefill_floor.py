@@ -18,8 +18,14 @@ that the per-query loads need (L2 or shared memory), `flops / t` the FMA through
 between queries (tensor-core scoring of the nodes that a tile's beams have in common) are what a
 faster design must exploit.
 
-    python benchmarks/fsb_prefill_floor.py --T 1048576 --budget-ms 89.4 1779 \
-        --out benchmarks/results/fsb_prefill_floor.json
+`--sharing T ...` measures how much a tile could share: the torch backend's beam search
+(`row_candidates`, CPU) on iid Gaussian bf16-rounded q / k (tau the median of a_c per head, as
+gpu_attention.py sets it), then per tile of `--rows` consecutive queries of one head the number of
+distinct candidate cells against the sum of the queries' candidates (the rerank's token rows a
+tile-shared rerank would load once).
+
+    python benchmarks/fsb_prefill_floor.py --T 65536 262144 1048576 --budget-ms 89.4 1779 \
+        --sharing 16384 65536 --rows 64 128 --out benchmarks/results/fsb_prefill_floor.json
 """
 
 from __future__ import annotations
@@ -29,12 +35,17 @@ import json
 import os
 import sys
 
+import numpy as np
+import torch
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from freesolo import FreeSoloConfig  # noqa: E402
+from freesolo.backends.torch._ops import cell_stats  # noqa: E402
+from freesolo.backends.torch.fsb import row_candidates  # noqa: E402
 from freesolo.reference.fsb import fsb_node_keys_count  # noqa: E402
 
-__all__ = ["count", "main"]
+__all__ = ["count", "rerank_sharing", "main"]
 
 NODE_ROW_EXTRA_BYTES = 4 + 4 + 8  # rad, A (float32), e (int64)
 
@@ -63,6 +74,34 @@ def count(T: int, H: int, D: int, cfg: FreeSoloConfig, high_share: float) -> dic
                 bytes_nodes=bytes_nodes, bytes_rerank=bytes_rerank, flops=flops, erfs=node_keys)  # fmt: skip
 
 
+def rerank_sharing(T: int, H: int, D: int, rows: int, seed: int = 0) -> dict:
+    """Per tile of `rows` consecutive queries of one head (queries with an available cell only):
+    candidates = the sum over its queries of their candidate cells (what per-query reranks load),
+    distinct = the size of the tile's union (what a tile-shared rerank loads once). Returns the
+    totals and their ratio over H heads, plus the mean union per tile."""
+    cfg = FreeSoloConfig(variant="fsb")
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(1, H, 1, T, D, generator=g).bfloat16().float() for _ in range(2))
+    k = k[:, :, 0]  # [1, Hkv = H, T, D]: one query head per kv head
+    _, a = cell_stats(k, cfg.cell)
+    cfg = cfg.replace(tau=tuple(float(x) for x in a[0].median(dim=-1).values))
+    sigma = torch.full((H, 1), float(cfg.sigma))
+    lam = torch.full((H, 1), float(cfg.lam))
+    candidates = distinct = tiles = 0
+    for i0, i1, _, cells in row_candidates(q, k, cfg, sigma, lam, nblocks_per_chunk=8):
+        per_query = cells[0, :, 0].reshape(H, -1, cells.shape[-1])[:, : i1 - i0].numpy()  # (H, i1 - i0, 2*beam)
+        for h in range(H):
+            for t0 in range(0, i1 - i0, rows):
+                tile = per_query[h, t0 : t0 + rows]
+                tile = tile[tile >= 0]
+                if tile.size:
+                    candidates += tile.size
+                    distinct += len(np.unique(tile))
+                    tiles += 1
+    return dict(T=T, H=H, rows=rows, candidates=int(candidates), distinct=int(distinct), tiles=tiles,
+                sharing=candidates / max(distinct, 1), union_per_tile=distinct / max(tiles, 1))  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--T", type=int, nargs="+", default=[65536, 262144, 1048576])
@@ -70,6 +109,9 @@ def main() -> None:
     ap.add_argument("--D", type=int, default=64)
     ap.add_argument("--high-share", type=float, default=0.5, help="share of cells in the high-norm forest")
     ap.add_argument("--budget-ms", type=float, nargs="+", default=[89.4, 1779.0])
+    ap.add_argument("--sharing", type=int, nargs="*", default=[], help="lengths for the measured tile sharing (CPU search)")
+    ap.add_argument("--rows", type=int, nargs="+", default=[64], help="queries per tile for --sharing")
+    ap.add_argument("--sharing-heads", type=int, default=2, help="heads searched for --sharing")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cfg = FreeSoloConfig(variant="fsb")
@@ -92,9 +134,17 @@ def main() -> None:
         print(f"T={T}: {pq['node_keys']:.0f} node keys + {pq['rerank_tokens']:.0f} rerank tokens per (query, head), "
               f"{pq['bytes'] / 1024:.0f} KiB gathered; total {gathered / 1e12:.2f} TB, {rec['flops'] / 1e12:.2f} TFLOP; "
               + "; ".join(f"in {k}: {v['gathered_TB_per_s']:.1f} TB/s, {v['TFLOP_per_s']:.1f} TFLOP/s" for k, v in rec["rates"].items()))  # fmt: skip
+    sharing = []
+    for T in args.sharing:
+        for rows in args.rows:
+            rec = rerank_sharing(T, args.sharing_heads, args.D, rows)
+            sharing.append(rec)
+            print(f"sharing T={T} rows={rows}: {rec['union_per_tile']:.1f} distinct candidate cells per tile, "
+                  f"{rec['sharing']:.2f} candidates per distinct cell", flush=True)  # fmt: skip
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"config": repr(cfg), "high_share": args.high_share, "records": records}, f, indent=1)
+            json.dump({"config": repr(cfg), "high_share": args.high_share, "records": records, "sharing": sharing,
+                       "sharing_keys": "iid Gaussian bf16-rounded, tau the median of a_c per head"}, f, indent=1)  # fmt: skip
         print(f"wrote {args.out}")
 
 

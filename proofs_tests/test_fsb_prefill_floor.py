@@ -38,3 +38,16 @@ def test_counts_equal_the_oracle_counts(T, beam):
     assert int(costs["cells_reranked"].sum()) * cfg.cell <= counted["rerank_tokens"]
     assert counted["bytes_nodes"] == counted["node_keys"] * (4 * D + bench.NODE_ROW_EXTRA_BYTES)
     assert counted["flops"] == 2 * D * (counted["node_keys"] + counted["rerank_tokens"])
+
+
+def test_rerank_sharing_counts():
+    """One query per tile shares nothing (ratio 1); a tile's union never exceeds its candidates nor
+    the cells that exist, and larger tiles share at least as much."""
+    bench = _load_benchmark()
+    T, H, D = 2048, 1, 16
+    single = bench.rerank_sharing(T, H, D, rows=1)
+    assert single["sharing"] == 1.0 and single["distinct"] == single["candidates"] > 0
+    wide = bench.rerank_sharing(T, H, D, rows=64)
+    assert wide["candidates"] == single["candidates"], "the same search, cut into other tiles"
+    assert wide["union_per_tile"] <= T // 32 and wide["distinct"] <= wide["candidates"]
+    assert wide["sharing"] >= bench.rerank_sharing(T, H, D, rows=16)["sharing"] >= 1.0

@@ -46,6 +46,7 @@ __all__ = [
     "content_codes",
     "fsb_bytes_per_query",
     "fsb_select",
+    "row_candidates",
     "level_offset",
     "tree_nodes",
 ]
@@ -334,14 +335,18 @@ def fsb_select(q, k, cfg: FreeSoloConfig, sigma, lam, nblocks_per_chunk: int, re
     return idx[:, :, :, :T].contiguous()
 
 
-def _fsb_select_row(q, k, cfg: FreeSoloConfig, sigma, lam, nblocks_per_chunk: int, rerank_blocks: int) -> torch.Tensor:
-    """fsb_select of one row whose length is a whole number of search chunks."""
+def row_candidates(q, k, cfg: FreeSoloConfig, sigma, lam, nblocks_per_chunk: int):
+    """The beam search of one row, search chunk by search chunk (spec §6.4, before the rerank).
+
+    Args as `_fsb_select_row`. Yields (i0, i1, qc, cells) per chunk of query blocks that has an
+    available cell: positions [i0, i1), qc [B, Hkv, G, nb, Bq, D] the chunk's queries (zero padded
+    to whole blocks), cells int64 [B, Hkv, G, nb, Bq, 2*beam] the union of the two forests'
+    candidates per query, descending, -1 padded (no duplicates).
+    """
     B, Hkv, G, T, D = q.shape
-    s, Bq, K = cfg.cell, cfg.block, cfg.top_k
+    s, Bq = cfg.cell, cfg.block
     dev = q.device
     both, high_prefix = build_row_forests(k, cfg, outward=q.dtype != torch.float64)
-    scale = D**-0.5
-    idx = torch.full((B, Hkv, G, T, K), -1, dtype=torch.int64, device=dev)
     nblocks = -(-T // Bq)
     for j0 in range(0, nblocks, nblocks_per_chunk):
         j1 = min(nblocks, j0 + nblocks_per_chunk)
@@ -361,7 +366,18 @@ def _fsb_select_row(q, k, cfg: FreeSoloConfig, sigma, lam, nblocks_per_chunk: in
         dup = torch.zeros_like(found, dtype=torch.bool)
         dup[..., 1:] = found[..., 1:] == found[..., :-1]
         ok = (found >= 0) & ~dup
-        cells = torch.where(ok, found, torch.full_like(found, -1))
+        yield i0, i1, qc, torch.where(ok, found, torch.full_like(found, -1))
+
+
+def _fsb_select_row(q, k, cfg: FreeSoloConfig, sigma, lam, nblocks_per_chunk: int, rerank_blocks: int) -> torch.Tensor:
+    """fsb_select of one row whose length is a whole number of search chunks."""
+    B, Hkv, G, T, D = q.shape
+    s, Bq, K = cfg.cell, cfg.block, cfg.top_k
+    dev = q.device
+    scale = D**-0.5
+    idx = torch.full((B, Hkv, G, T, K), -1, dtype=torch.int64, device=dev)
+    for i0, i1, qc, cells in row_candidates(q, k, cfg, sigma, lam, nblocks_per_chunk):
+        nb = qc.shape[3]
         sel = torch.empty(B, Hkv, G, nb, Bq, K, dtype=torch.int64, device=dev)
         for r0 in range(0, nb, rerank_blocks):  # rerank in sub-chunks: it gathers 2*beam*s tokens per query
             r1 = min(nb, r0 + rerank_blocks)
