@@ -22,7 +22,8 @@ faster design must exploit.
 (`row_candidates`, CPU) on iid Gaussian bf16-rounded q / k (tau the median of a_c per head, as
 gpu_attention.py sets it), then per tile of `--rows` consecutive queries of one head the number of
 distinct candidate cells against the sum of the queries' candidates (the rerank's token rows a
-tile-shared rerank would load once).
+tile-shared rerank would load once), and the same for the node keys the tile's beams evaluate at
+each level (node rows a tile-shared search would load once).
 
     python benchmarks/fsb_prefill_floor.py --T 65536 262144 1048576 --budget-ms 89.4 1779 \
         --sharing 16384 65536 --rows 64 128 --out benchmarks/results/fsb_prefill_floor.json
@@ -78,7 +79,9 @@ def rerank_sharing(T: int, H: int, D: int, rows: int, seed: int = 0) -> dict:
     """Per tile of `rows` consecutive queries of one head (queries with an available cell only):
     candidates = the sum over its queries of their candidate cells (what per-query reranks load),
     distinct = the size of the tile's union (what a tile-shared rerank loads once). Returns the
-    totals and their ratio over H heads, plus the mean union per tile."""
+    totals and their ratio over H heads, the mean union per tile, and node_keys / node_distinct /
+    node_sharing: the node keys the tile's queries evaluate, summed over levels, against the
+    distinct nodes among them per level (forests apart)."""
     cfg = FreeSoloConfig(variant="fsb")
     g = torch.Generator().manual_seed(seed)
     q, k = (torch.randn(1, H, 1, T, D, generator=g).bfloat16().float() for _ in range(2))
@@ -87,8 +90,14 @@ def rerank_sharing(T: int, H: int, D: int, rows: int, seed: int = 0) -> dict:
     cfg = cfg.replace(tau=tuple(float(x) for x in a[0].median(dim=-1).values))
     sigma = torch.full((H, 1), float(cfg.sigma))
     lam = torch.full((H, 1), float(cfg.lam))
-    candidates = distinct = tiles = 0
-    for i0, i1, _, cells in row_candidates(q, k, cfg, sigma, lam, nblocks_per_chunk=8):
+    candidates = distinct = tiles = node_keys = node_distinct = 0
+    levels: list = []  # (nodes, ok) of the chunk being searched, level by level
+
+    def trace(level, nodes, ok):
+        levels.append((nodes[0, :, 0].reshape(H, -1, nodes.shape[-2] * nodes.shape[-1]).numpy(),
+                       ok[0, :, 0].reshape(H, -1, ok.shape[-2] * ok.shape[-1]).numpy()))  # fmt: skip
+
+    for i0, i1, _, cells in row_candidates(q, k, cfg, sigma, lam, nblocks_per_chunk=8, trace=trace):
         per_query = cells[0, :, 0].reshape(H, -1, cells.shape[-1])[:, : i1 - i0].numpy()  # (H, i1 - i0, 2*beam)
         for h in range(H):
             for t0 in range(0, i1 - i0, rows):
@@ -98,8 +107,15 @@ def rerank_sharing(T: int, H: int, D: int, rows: int, seed: int = 0) -> dict:
                     candidates += tile.size
                     distinct += len(np.unique(tile))
                     tiles += 1
+                for nodes, ok in levels:  # node keys evaluated by the tile's queries at each level
+                    used = nodes[h, t0 : min(t0 + rows, i1 - i0)][ok[h, t0 : min(t0 + rows, i1 - i0)]]
+                    node_keys += used.size
+                    node_distinct += len(np.unique(used))
+        levels.clear()
     return dict(T=T, H=H, rows=rows, candidates=int(candidates), distinct=int(distinct), tiles=tiles,
-                sharing=candidates / max(distinct, 1), union_per_tile=distinct / max(tiles, 1))  # fmt: skip
+                sharing=candidates / max(distinct, 1), union_per_tile=distinct / max(tiles, 1),
+                node_keys=int(node_keys), node_distinct=int(node_distinct),
+                node_sharing=node_keys / max(node_distinct, 1))  # fmt: skip
 
 
 def main() -> None:
@@ -140,7 +156,8 @@ def main() -> None:
             rec = rerank_sharing(T, args.sharing_heads, args.D, rows)
             sharing.append(rec)
             print(f"sharing T={T} rows={rows}: {rec['union_per_tile']:.1f} distinct candidate cells per tile, "
-                  f"{rec['sharing']:.2f} candidates per distinct cell", flush=True)  # fmt: skip
+                  f"{rec['sharing']:.2f} candidates per distinct cell; node keys: {rec['node_sharing']:.2f} evaluations "
+                  "per distinct node of a tile's level", flush=True)  # fmt: skip
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"config": repr(cfg), "high_share": args.high_share, "records": records, "sharing": sharing,

@@ -51,3 +51,15 @@ def test_rerank_sharing_counts():
     assert wide["candidates"] == single["candidates"], "the same search, cut into other tiles"
     assert wide["union_per_tile"] <= T // 32 and wide["distinct"] <= wide["candidates"]
     assert wide["sharing"] >= bench.rerank_sharing(T, H, D, rows=16)["sharing"] >= 1.0
+
+
+def test_node_sharing_counts():
+    """The traced node keys of one-query tiles are the spec's count per query (both forests; tau the
+    median), distinct per query since a level never evaluates a node twice; tiles of 64 share."""
+    bench = _load_benchmark()
+    T, H, D = 2048, 1, 16
+    single = bench.rerank_sharing(T, H, D, rows=1)
+    assert single["node_keys"] == single["node_distinct"] > 0, "no node twice in one query's level"
+    wide = bench.rerank_sharing(T, H, D, rows=64)
+    assert wide["node_keys"] == single["node_keys"]
+    assert wide["node_distinct"] < wide["node_keys"], "the top levels are the same for every query of a block"

@@ -207,13 +207,16 @@ class SearchTables:
         self.segment_scale = torch.tensor(scale, dtype=torch.int64, device=self.mu.device)
 
 
-def beam_search_forests(tables: SearchTables, n, q, qnorm, pos, sigma, lam, cfg: FreeSoloConfig):
+def beam_search_forests(tables: SearchTables, n, q, qnorm, pos, sigma, lam, cfg: FreeSoloConfig, trace=None):
     """Beam search of several forests for the queries of a chunk (spec §6.4), one beam per forest.
 
     tables: SearchTables of F forests; n: int64 [B, Hkv, nb, F] elements covered by each block's
     forest f. q [B, Hkv, G, nb, Bq, D], qnorm [B, Hkv, G, nb, Bq], pos [nb, Bq] query positions
-    (float), sigma / lam [Hkv, G]. Returns element cells int64 [B, Hkv, G, nb, Bq, F * beam]
-    (forest 0's beam first; -1 = none).
+    (float), sigma / lam [Hkv, G]. trace: None, or called at every level l as trace(l, nodes, ok)
+    with the node ids whose keys the level evaluates, nodes int64 [B, Hkv, G, nb, Bq, F, 2*beam+1]
+    (row-local ids into the tables, forests apart), and ok bool of that shape (the valid ones);
+    for measurements (benchmarks/fsb_prefill_floor.py), it changes nothing.
+    Returns element cells int64 [B, Hkv, G, nb, Bq, F * beam] (forest 0's beam first; -1 = none).
     """
     B, Hkv, G, nb, Bq, D = q.shape
     Fo = n.shape[-1]
@@ -244,6 +247,8 @@ def beam_search_forests(tables: SearchTables, n, q, qnorm, pos, sigma, lam, cfg:
         c_ok = torch.cat([valid, valid, has_root.expand(shape[:-1])], dim=-1)  # (..., Fo, 2W+1)
         c_tb, c_th, c_ts, c_ix = cand.unbind(-1)
         flat = torch.where(c_ok, c_tb + level_offset(c_th, l) + c_ix, 0)
+        if trace is not None:
+            trace(l, flat, c_ok)
         rows = (flat + row_base).reshape(-1)  # one flat row index for every field's gather
         mu = tables.mu.reshape(-1, D).index_select(0, rows).view(*flat.shape, D)
         rad, A, e = (getattr(tables, x).reshape(-1).index_select(0, rows).view(flat.shape) for x in ("rad", "A", "e"))
@@ -335,10 +340,11 @@ def fsb_select(q, k, cfg: FreeSoloConfig, sigma, lam, nblocks_per_chunk: int, re
     return idx[:, :, :, :T].contiguous()
 
 
-def row_candidates(q, k, cfg: FreeSoloConfig, sigma, lam, nblocks_per_chunk: int):
+def row_candidates(q, k, cfg: FreeSoloConfig, sigma, lam, nblocks_per_chunk: int, trace=None):
     """The beam search of one row, search chunk by search chunk (spec §6.4, before the rerank).
 
-    Args as `_fsb_select_row`. Yields (i0, i1, qc, cells) per chunk of query blocks that has an
+    Args as `_fsb_select_row`; trace as `beam_search_forests` (called per level of each chunk, before
+    the chunk is yielded). Yields (i0, i1, qc, cells) per chunk of query blocks that has an
     available cell: positions [i0, i1), qc [B, Hkv, G, nb, Bq, D] the chunk's queries (zero padded
     to whole blocks), cells int64 [B, Hkv, G, nb, Bq, 2*beam] the union of the two forests'
     candidates per query, descending, -1 padded (no duplicates).
@@ -361,7 +367,7 @@ def row_candidates(q, k, cfg: FreeSoloConfig, sigma, lam, nblocks_per_chunk: int
         qc = qc.reshape(B, Hkv, G, nb, Bq, D)
         qn = torch.linalg.vector_norm(qc, dim=-1)
         pos = torch.arange(i0, i0 + nb * Bq, device=dev, dtype=q.dtype).view(nb, Bq)
-        found = beam_search_forests(both, n_both, qc, qn, pos, sigma, lam, cfg)  # (B, Hkv, G, nb, Bq, 2*beam)
+        found = beam_search_forests(both, n_both, qc, qn, pos, sigma, lam, cfg, trace)  # (B, Hkv, G, nb, Bq, 2*beam)
         found = torch.sort(found, dim=-1, descending=True).values  # larger c first, -1 last
         dup = torch.zeros_like(found, dtype=torch.bool)
         dup[..., 1:] = found[..., 1:] == found[..., :-1]
