@@ -23,10 +23,12 @@ faster design must exploit.
 gpu_attention.py sets it), then per tile of `--rows` consecutive queries of one head the number of
 distinct candidate cells against the sum of the queries' candidates (the rerank's token rows a
 tile-shared rerank would load once), and the same for the node keys the tile's beams evaluate at
-each level (node rows a tile-shared search would load once).
+each level (node rows a tile-shared search would load once). `--ckpt FOLDER` measures the same on a
+trained checkpoint's keys (one retrieval sample of `--ckpt-T` tokens, every layer, its own config).
 
     python benchmarks/fsb_prefill_floor.py --T 65536 262144 1048576 --budget-ms 89.4 1779 \
-        --sharing 16384 65536 --rows 64 128 --out benchmarks/results/fsb_prefill_floor.json
+        --sharing 16384 65536 --rows 64 128 --ckpt benchmarks/results/checkpoints/ckpt_fs --ckpt-T 16384 \
+        --out benchmarks/results/fsb_prefill_floor.json
 """
 
 from __future__ import annotations
@@ -75,40 +77,39 @@ def count(T: int, H: int, D: int, cfg: FreeSoloConfig, high_share: float) -> dic
                 bytes_nodes=bytes_nodes, bytes_rerank=bytes_rerank, flops=flops, erfs=node_keys)  # fmt: skip
 
 
-def rerank_sharing(T: int, H: int, D: int, rows: int, seed: int = 0) -> dict:
-    """Per tile of `rows` consecutive queries of one head (queries with an available cell only):
-    candidates = the sum over its queries of their candidate cells (what per-query reranks load),
-    distinct = the size of the tile's union (what a tile-shared rerank loads once). Returns the
-    totals and their ratio over H heads, the mean union per tile, and node_keys / node_distinct /
-    node_sharing: the node keys the tile's queries evaluate, summed over levels, against the
-    distinct nodes among them per level (forests apart)."""
-    cfg = FreeSoloConfig(variant="fsb")
-    g = torch.Generator().manual_seed(seed)
-    q, k = (torch.randn(1, H, 1, T, D, generator=g).bfloat16().float() for _ in range(2))
-    k = k[:, :, 0]  # [1, Hkv = H, T, D]: one query head per kv head
-    _, a = cell_stats(k, cfg.cell)
-    cfg = cfg.replace(tau=tuple(float(x) for x in a[0].median(dim=-1).values))
-    sigma = torch.full((H, 1), float(cfg.sigma))
-    lam = torch.full((H, 1), float(cfg.lam))
+def tile_sharing(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig, rows: int) -> dict:
+    """How much the queries of a tile share in the FS-B search + rerank (torch backend's search).
+
+    q [1, Hkv, G, T, D], k [1, Hkv, T, D] unrotated (float32), cfg an FS-B config with tau. Per
+    tile of `rows` consecutive queries of one query head: candidates = the sum over its queries of
+    their candidate cells (what per-query reranks load), distinct = the size of the tile's union
+    (what a tile-shared rerank loads once); node_keys / node_distinct: the node keys the tile's
+    queries evaluate, summed over levels, against the distinct nodes among them per level (forests
+    apart). Returns the totals over heads, their ratios and the mean union per tile."""
+    _, Hkv, G, T, _ = q.shape
+    H = Hkv * G
+    sigma = torch.full((Hkv, G), float(cfg.sigma))
+    lam = torch.full((Hkv, G), float(cfg.lam))
     candidates = distinct = tiles = node_keys = node_distinct = 0
     levels: list = []  # (nodes, ok) of the chunk being searched, level by level
 
     def trace(level, nodes, ok):
-        levels.append((nodes[0, :, 0].reshape(H, -1, nodes.shape[-2] * nodes.shape[-1]).numpy(),
-                       ok[0, :, 0].reshape(H, -1, ok.shape[-2] * ok.shape[-1]).numpy()))  # fmt: skip
+        levels.append((nodes[0].reshape(H, -1, nodes.shape[-2] * nodes.shape[-1]).numpy(),
+                       ok[0].reshape(H, -1, ok.shape[-2] * ok.shape[-1]).numpy()))  # fmt: skip
 
     for i0, i1, _, cells in row_candidates(q, k, cfg, sigma, lam, nblocks_per_chunk=8, trace=trace):
-        per_query = cells[0, :, 0].reshape(H, -1, cells.shape[-1])[:, : i1 - i0].numpy()  # (H, i1 - i0, 2*beam)
+        per_query = cells[0].reshape(H, -1, cells.shape[-1])[:, : i1 - i0].numpy()  # (H, i1 - i0, 2*beam)
         for h in range(H):
             for t0 in range(0, i1 - i0, rows):
-                tile = per_query[h, t0 : t0 + rows]
+                t1 = min(t0 + rows, i1 - i0)
+                tile = per_query[h, t0:t1]
                 tile = tile[tile >= 0]
                 if tile.size:
                     candidates += tile.size
                     distinct += len(np.unique(tile))
                     tiles += 1
                 for nodes, ok in levels:  # node keys evaluated by the tile's queries at each level
-                    used = nodes[h, t0 : min(t0 + rows, i1 - i0)][ok[h, t0 : min(t0 + rows, i1 - i0)]]
+                    used = nodes[h, t0:t1][ok[h, t0:t1]]
                     node_keys += used.size
                     node_distinct += len(np.unique(used))
         levels.clear()
@@ -116,6 +117,46 @@ def rerank_sharing(T: int, H: int, D: int, rows: int, seed: int = 0) -> dict:
                 sharing=candidates / max(distinct, 1), union_per_tile=distinct / max(tiles, 1),
                 node_keys=int(node_keys), node_distinct=int(node_distinct),
                 node_sharing=node_keys / max(node_distinct, 1))  # fmt: skip
+
+
+def median_tau(k: torch.Tensor, cfg: FreeSoloConfig) -> FreeSoloConfig:
+    """cfg with tau the median of a_c per kv head (as gpu_attention.py sets it); k [1, Hkv, T, D]."""
+    _, a = cell_stats(k, cfg.cell)
+    return cfg.replace(variant="fsb", tau=tuple(float(x) for x in a[0].median(dim=-1).values))
+
+
+def rerank_sharing(T: int, H: int, D: int, rows: int, seed: int = 0) -> dict:
+    """`tile_sharing` on iid Gaussian bf16-rounded q / k of H heads (one query head per kv head)."""
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(1, H, 1, T, D, generator=g).bfloat16().float() for _ in range(2))
+    k = k[:, :, 0]  # [1, Hkv = H, T, D]
+    return tile_sharing(q, k, median_tau(k, FreeSoloConfig(variant="fsb")), rows)
+
+
+def checkpoint_sharing(folder: str, T: int, rows_list, task: str = "s-niah-2", seed: int = 0) -> list[dict]:
+    """`tile_sharing` on a trained checkpoint's keys: one retrieval sample of `task` at length T,
+    one CPU forward (numba backend), every layer's unrotated q / k (benchmarks/fsb_recall.py's
+    `capture_qk`), the layer's config as FS-B with tau the median of a_c per kv head."""
+    import importlib.util
+
+    from freesolo.retrieval.modelio import load_model
+    from freesolo.retrieval.tasks import generate, sample_seed
+
+    spec = importlib.util.spec_from_file_location("fsb_recall", os.path.join(os.path.dirname(__file__), "fsb_recall.py"))
+    fsb_recall = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fsb_recall)
+    model = load_model(folder).eval()
+    sample = generate(task, T, 0.5, sample_seed(seed, task, T, 0))
+    qs, ks, _ = fsb_recall.capture_qk(model, sample.tokens, np.arange(T), torch.device("cpu"), "numba")
+    out = []
+    for layer, (q_l, k_l) in enumerate(zip(qs, ks)):
+        cfg = model.layers[layer].self_attn.cfg
+        Hq, Hkv = q_l.shape[1], k_l.shape[1]
+        q = torch.from_numpy(q_l).float().permute(1, 0, 2).reshape(Hkv, Hq // Hkv, T, -1)[None]  # [1, Hkv, G, T, D]
+        k = torch.from_numpy(k_l).permute(1, 0, 2)[None].contiguous()  # [1, Hkv, T, D]
+        for rows in rows_list:
+            out.append(dict(layer=layer, **tile_sharing(q.contiguous(), k, median_tau(k, cfg), rows)))
+    return out
 
 
 def main() -> None:
@@ -128,6 +169,8 @@ def main() -> None:
     ap.add_argument("--sharing", type=int, nargs="*", default=[], help="lengths for the measured tile sharing (CPU search)")
     ap.add_argument("--rows", type=int, nargs="+", default=[64], help="queries per tile for --sharing")
     ap.add_argument("--sharing-heads", type=int, default=2, help="heads searched for --sharing")
+    ap.add_argument("--ckpt", default=None, help="also measure the sharing on this checkpoint's keys (folder of `freesolo train`)")
+    ap.add_argument("--ckpt-T", type=int, default=16384, help="sequence length of the checkpoint sample")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cfg = FreeSoloConfig(variant="fsb")
@@ -158,9 +201,16 @@ def main() -> None:
             print(f"sharing T={T} rows={rows}: {rec['union_per_tile']:.1f} distinct candidate cells per tile, "
                   f"{rec['sharing']:.2f} candidates per distinct cell; node keys: {rec['node_sharing']:.2f} evaluations "
                   "per distinct node of a tile's level", flush=True)  # fmt: skip
+    ckpt = []
+    if args.ckpt:
+        ckpt = checkpoint_sharing(args.ckpt, args.ckpt_T, args.rows)
+        for rec in ckpt:
+            print(f"checkpoint layer {rec['layer']} T={rec['T']} rows={rec['rows']}: {rec['union_per_tile']:.1f} distinct "
+                  f"candidate cells per tile, {rec['sharing']:.2f} candidates per distinct cell; node keys: "
+                  f"{rec['node_sharing']:.2f} per distinct node", flush=True)  # fmt: skip
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"config": repr(cfg), "high_share": args.high_share, "records": records, "sharing": sharing,
+            json.dump({"config": repr(cfg), "high_share": args.high_share, "records": records, "sharing": sharing, "checkpoint": args.ckpt, "checkpoint_sharing": ckpt,
                        "sharing_keys": "iid Gaussian bf16-rounded, tau the median of a_c per head"}, f, indent=1)  # fmt: skip
         print(f"wrote {args.out}")
 

@@ -63,3 +63,19 @@ def test_node_sharing_counts():
     wide = bench.rerank_sharing(T, H, D, rows=64)
     assert wide["node_keys"] == single["node_keys"]
     assert wide["node_distinct"] < wide["node_keys"], "the top levels are the same for every query of a block"
+
+
+def test_tile_sharing_takes_gqa_heads_apart():
+    """GQA [1, Hkv, G, T, D]: every query head is its own set of tiles, so a group of two identical
+    query heads counts exactly twice what one of them counts."""
+    import torch
+
+    bench = _load_benchmark()
+    g = torch.Generator().manual_seed(3)
+    q1 = torch.randn(1, 1, 1, 1024, 16, generator=g)
+    k = torch.randn(1, 1, 1024, 16, generator=g)
+    cfg = bench.median_tau(k, FreeSoloConfig(variant="fsb"))
+    one = bench.tile_sharing(q1, k, cfg, rows=64)
+    two = bench.tile_sharing(torch.cat([q1, q1], dim=2), k, cfg, rows=64)
+    for field in ("candidates", "distinct", "tiles", "node_keys", "node_distinct"):
+        assert two[field] == 2 * one[field] > 0, field
