@@ -1,7 +1,7 @@
 """What an FS-B prefill must move and compute, counted from the spec (CPU, no GPU needed).
 
 Issue 12 asks the FS-B prefill forward at T = 1M (H 16, D 64) to be 5x faster than `triton_fs`
-(447 ms on the H100 in s30, so at most ~89 ms). This script counts, per (query, query head), the
+(447 ms on the H200 in s30, results/session_2026-12-04_s30/call5/, so at most ~89 ms). This script counts, per (query, query head), the
 work that the spec's search (§6.4) and rerank fix, whatever the kernel:
 
 - node keys: exactly `fsb_node_keys_count(n, beam)` per forest (lemma L9's count, data
@@ -48,7 +48,7 @@ from freesolo.backends.torch._ops import cell_stats  # noqa: E402
 from freesolo.backends.torch.fsb import row_candidates  # noqa: E402
 from freesolo.reference.fsb import fsb_node_keys_count  # noqa: E402
 
-__all__ = ["count", "rerank_sharing", "main"]
+__all__ = ["count", "tile_sharing", "median_tau", "rerank_sharing", "checkpoint_sharing", "describe_sharing", "main"]
 
 NODE_ROW_EXTRA_BYTES = 4 + 4 + 8  # rad, A (float32), e (int64)
 
@@ -159,6 +159,13 @@ def checkpoint_sharing(folder: str, T: int, rows_list, task: str = "s-niah-2", s
     return out
 
 
+def describe_sharing(rec: dict) -> str:
+    """One line of a `tile_sharing` record."""
+    return (f"T={rec['T']} rows={rec['rows']}: {rec['union_per_tile']:.1f} distinct candidate cells per tile, "
+            f"{rec['sharing']:.2f} candidates per distinct cell; node keys: {rec['node_sharing']:.2f} evaluations "
+            "per distinct node of a tile's level")  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--T", type=int, nargs="+", default=[65536, 262144, 1048576])
@@ -198,20 +205,24 @@ def main() -> None:
         for rows in args.rows:
             rec = rerank_sharing(T, args.sharing_heads, args.D, rows)
             sharing.append(rec)
-            print(f"sharing T={T} rows={rows}: {rec['union_per_tile']:.1f} distinct candidate cells per tile, "
-                  f"{rec['sharing']:.2f} candidates per distinct cell; node keys: {rec['node_sharing']:.2f} evaluations "
-                  "per distinct node of a tile's level", flush=True)  # fmt: skip
+            print("iid keys " + describe_sharing(rec), flush=True)
     ckpt = []
     if args.ckpt:
         ckpt = checkpoint_sharing(args.ckpt, args.ckpt_T, args.rows)
         for rec in ckpt:
-            print(f"checkpoint layer {rec['layer']} T={rec['T']} rows={rec['rows']}: {rec['union_per_tile']:.1f} distinct "
-                  f"candidate cells per tile, {rec['sharing']:.2f} candidates per distinct cell; node keys: "
-                  f"{rec['node_sharing']:.2f} per distinct node", flush=True)  # fmt: skip
+            print(f"checkpoint layer {rec['layer']} " + describe_sharing(rec), flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"config": repr(cfg), "high_share": args.high_share, "records": records, "sharing": sharing, "checkpoint": args.ckpt, "checkpoint_sharing": ckpt,
-                       "sharing_keys": "iid Gaussian bf16-rounded, tau the median of a_c per head"}, f, indent=1)  # fmt: skip
+            record = {
+                "config": repr(cfg),
+                "high_share": args.high_share,
+                "records": records,
+                "sharing": sharing,
+                "sharing_keys": "iid Gaussian bf16-rounded, tau the median of a_c per head",
+                "checkpoint": args.ckpt,
+                "checkpoint_sharing": ckpt,
+            }
+            json.dump(record, f, indent=1)
         print(f"wrote {args.out}")
 
 
