@@ -194,7 +194,7 @@ def _rerank(found_all, found_high, q, k_ptr, row0, scale, D, BLOCK_D: tl.constex
 @triton.jit
 def _fsb_search_kernel(
     q_ptr,  # fp32 [Hq, T, D]: one row, heads first (query head hq = h * G + g)
-    k_ptr,  # fp32 [Hkv, T, D]
+    k_ptr,  # [Hkv, T, D] the keys in their storage dtype (read as float32: exact for 16-bit floats)
     mu_ptr,  # fp32 [Hkv, N, D]: both forests' node tables (SearchTables)
     rad_ptr,  # fp32 [Hkv, N]
     a_ptr,  # fp32 [Hkv, N]
@@ -229,6 +229,7 @@ def _fsb_search_kernel(
     FOUND: tl.constexpr,
     TRACE: tl.constexpr,
     TRACE_LEVELS: tl.constexpr,
+    RERANK: tl.constexpr = True,
 ):
     i = tl.program_id(0).to(tl.int64)
     hq = tl.program_id(1).to(tl.int64)
@@ -253,9 +254,10 @@ def _fsb_search_kernel(
         slots = tl.arange(0, WP)
         tl.store(found_ptr + (hq * T + i) * (2 * W) + slots, found_all, mask=slots < W)
         tl.store(found_ptr + (hq * T + i) * (2 * W) + W + slots, found_high, mask=slots < W)
-    picked = _rerank(found_all, found_high, q, k_ptr, h * T, scale, D, BLOCK_D, CELL, WP, K, KP)
-    kk = tl.arange(0, KP)
-    tl.store(out_ptr + (hq * T + i) * K + kk, picked, mask=kk < K)
+    if RERANK:  # off only to time the search alone (`_run(..., rerank=False)`, benchmarks/fsb_prefill_split.py)
+        picked = _rerank(found_all, found_high, q, k_ptr, h * T, scale, D, BLOCK_D, CELL, WP, K, KP)
+        kk = tl.arange(0, KP)
+        tl.store(out_ptr + (hq * T + i) * K + kk, picked, mask=kk < K)
 
 
 @triton.jit(do_not_specialize=["stride_qb", "stride_qh", "Na", "Nh"])  # sizes that grow with the cache: no recompile
@@ -389,7 +391,9 @@ def trace_search(q, k, cfg: FreeSoloConfig, row: int, i: int, hq: int, num_warps
     return _run(q, k, cfg, False, num_warps, trace=(row, i, hq))
 
 
-def _run(q, k, cfg: FreeSoloConfig, return_found: bool, num_warps: int, trace):
+def _run(q, k, cfg: FreeSoloConfig, return_found: bool, num_warps: int, trace, rerank: bool = True):
+    """fsb_select_cells / trace_search. rerank=False (a timing aid: the search alone) leaves the
+    selection -1 and skips the rerank's loads."""
     from ..torch.fsb import build_row_forests
 
     _check(q, k, cfg)
@@ -398,7 +402,9 @@ def _run(q, k, cfg: FreeSoloConfig, return_found: bool, num_warps: int, trace):
     G = Hq // Hkv
     K = cfg.top_k
     q4 = q.detach().to(torch.float32).permute(0, 2, 1, 3).contiguous()  # (B, Hq, T, D)
-    k4 = k.detach().to(torch.float32).permute(0, 2, 1, 3).contiguous()  # (B, Hkv, T, D)
+    # the rerank reads the keys in their storage dtype (half the bytes of float32 for 16-bit keys;
+    # widened in the kernel, exactly); the forests are built from float32 rows, one row at a time
+    k_rows = k.detach().permute(0, 2, 1, 3).contiguous()  # (B, Hkv, T, D)
     sigma = torch.as_tensor(cfg.per_head("sigma", Hq), dtype=torch.float32, device=q.device)
     lam = torch.as_tensor(cfg.per_head("lam", Hq), dtype=torch.float32, device=q.device)
     out = torch.full((B, Hq, T, K), -1, dtype=torch.int64, device=q.device)
@@ -417,10 +423,10 @@ def _run(q, k, cfg: FreeSoloConfig, return_found: bool, num_warps: int, trace):
     WP = next_pow2(cfg.beam)
     rows = range(B) if trace is None else [trace[0]]
     for b in rows:  # one row at a time: its tables are built from its own keys (L12)
-        tables, high_prefix = build_row_forests(k4[b : b + 1], cfg, outward=True)
+        tables, high_prefix = build_row_forests(k_rows[b : b + 1].to(torch.float32), cfg, outward=True)
         N = tables.mu.shape[2]
         launch(_fsb_search_kernel, (T, Hq),
-            q4[b], k4[b], tables.mu[0].contiguous(), tables.rad[0].contiguous(), tables.A[0].contiguous(),
+            q4[b], k_rows[b], tables.mu[0].contiguous(), tables.rad[0].contiguous(), tables.A[0].contiguous(),
             tables.e[0].contiguous(), tables.cell[0].contiguous(), tables.base.contiguous(), high_prefix[0].contiguous(),
             sigma, lam, out[b], found[b], trace_idx, trace_key,
             -1 if trace is None else trace[1], -1 if trace is None else trace[2],
@@ -428,7 +434,7 @@ def _run(q, k, cfg: FreeSoloConfig, return_found: bool, num_warps: int, trace):
             float(D**-0.5), float(cfg.radius_weight), float(2 * cfg.cell), D,
             BLOCK_D=next_pow2(D), CELL=cfg.cell, QBLOCK=cfg.block, W=cfg.beam, WP=WP,
             K=K, KP=next_pow2(K), FOUND=return_found, TRACE=trace is not None,
-            TRACE_LEVELS=TRACE_LEVELS, num_warps=num_warps,
+            TRACE_LEVELS=TRACE_LEVELS, RERANK=rerank, num_warps=num_warps,
         )  # fmt: skip
     return result()
 

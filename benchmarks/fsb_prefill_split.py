@@ -1,0 +1,113 @@
+"""Where the Triton FS-B prefill selection spends its time (issue 12): the forests, the search, the rerank.
+
+Per length (B 1, H 16 MHA, D 64, bf16, the default FS-B config, tau = median a_c per head), same run:
+  forests     `build_row_forests` alone (torch ops on the GPU: statistics, codes, sorts)
+  search      the forests + `_fsb_search_kernel` without its rerank (`fsb_search._run(..., rerank=False)`)
+  select      `fsb_select_cells`: forests + search + rerank, the rerank reading the bf16 keys
+  select_k32  the same with float32 keys (the bytes of the rerank before s39: keys widened on the host)
+select and select_k32 must pick the same cells (bf16 -> float32 is exact): the script checks it.
+    python benchmarks/fsb_prefill_split.py --lengths 65536 262144 1048576 --out results/fsb_prefill_split.json
+`--dry-run`: CPU, Triton interpreter, T = 64: plumbing only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+import time
+
+if "--dry-run" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from gpu_attention import _tau, _versions, bench_ms, plot_lines, smoke_or_gpu, write_results  # noqa: E402 (benchmarks/ is this script's folder)
+
+from freesolo import FreeSoloConfig  # noqa: E402
+from freesolo.backends.torch.fsb import build_row_forests  # noqa: E402
+from freesolo.backends.triton import fsb_search  # noqa: E402
+
+__all__ = ["main"]
+
+SHAPE = {"B": 1, "Hq": 16, "Hkv": 16, "D": 64}
+PROVIDERS = ("forests", "search", "select", "select_k32")
+
+
+def _forests(q, k, cfg):
+    return build_row_forests(k.permute(0, 2, 1, 3).to(torch.float32), cfg, outward=True)
+
+
+def _search(q, k, cfg):
+    return fsb_search._run(q, k, cfg, False, 1, trace=None, rerank=False)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[65536, 262144, 1048576])
+    ap.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS)
+    ap.add_argument("--rep", type=int, default=100, help="do_bench rep (ms) for calls under 50 ms")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--dry-run", action="store_true")
+    args = ap.parse_args(argv)
+    device, dtype = smoke_or_gpu(args.dry_run)
+    lengths = [64] if args.dry_run else args.lengths
+    shape = {"B": 1, "Hq": 2, "Hkv": 1, "D": 16} if args.dry_run else SHAPE
+    base = FreeSoloConfig(variant="fsb", window=16, cell=4, block=8, beam=4) if args.dry_run else FreeSoloConfig(variant="fsb")
+    calls = {
+        "forests": _forests,
+        "search": _search,
+        "select": lambda q, k, cfg: fsb_search.fsb_select_cells(q, k, cfg),
+        "select_k32": lambda q, k, cfg: fsb_search.fsb_select_cells(q, k.to(torch.float32), cfg),
+    }
+    results = []
+    t_start = time.perf_counter()
+    for T in lengths:
+        gen = torch.Generator(device=device).manual_seed(0)
+        q = torch.randn(1, T, shape["Hq"], shape["D"], device=device, dtype=dtype, generator=gen)
+        k = torch.randn(1, T, shape["Hkv"], shape["D"], device=device, dtype=dtype, generator=gen)
+        cfg = base.replace(tau=_tau(k, base))
+        out, line = {}, []
+        for name in args.providers:
+            call = functools.partial(calls[name], q, k, cfg)
+            out[name] = call()  # warm-up (compiles the kernel)
+            ms = bench_ms(call, device, args.rep)
+            results.append({"T": T, "provider": name, "ms": ms})
+            line.append(f"{name} {ms:9.2f} ms")
+        if "select" in out and "select_k32" in out:
+            same = bool(torch.equal(out["select"], out["select_k32"]))
+            results.append({"T": T, "provider": "select", "equals_select_k32": same})
+            line.append(f"select == select_k32: {same}")
+            if not same:
+                print("ERROR: the rerank's bf16 keys changed the selection", file=sys.stderr)
+                return 1
+        print(f"T={T:>8}: " + " | ".join(line) + f"  ({time.perf_counter() - t_start:.0f} s)", flush=True)
+        del q, k, out
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    payload = {
+        "env": _versions(device),
+        "dtype": str(dtype).replace("torch.", ""),
+        "shape": shape,
+        "freesolo_config": {k: getattr(base, k) for k in ("window", "cell", "block", "beam", "top_k", "leaf_order")},
+        "timing": "median ms: triton.testing.do_bench under 50 ms per call, else the median of 3 calls",
+        "results": results,
+    }
+    if args.out:
+        write_results(args.out, payload, _plot)
+    return 0
+
+
+def _plot(payload, path):
+    rows = [r for r in payload["results"] if "ms" in r]
+    series = {name: [(r["T"], r["ms"]) for r in rows if r["provider"] == name] for name in dict.fromkeys(r["provider"] for r in rows)}
+    shape = payload["shape"]
+    title = f"{payload['env'].get('gpu')}: FS-B prefill selection, B {shape['B']}, H {shape['Hq']}, D {shape['D']}, {payload['dtype']}"
+    plot_lines(series, path, "T", "ms (median)", title)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
