@@ -5,7 +5,11 @@ Per length (B 1, H 16 MHA, D 64, bf16, the default FS-B config, tau = median a_c
   search      the forests + `_fsb_search_kernel` without its rerank (`fsb_search._run(..., rerank=False)`)
   select      `fsb_select_cells`: forests + search + rerank, the rerank reading the bf16 keys
   select_k32  the same with float32 keys (the bytes of the rerank before s39: keys widened on the host)
+  select_tile `fsb_select_cells` with FREESOLO_TRITON_FSB_RERANK=tile: the search, then the tile rerank
+              (`_fsb_rerank_tile_kernel`: a tile of 32 queries scores its union of found cells once)
 select and select_k32 must pick the same cells (bf16 -> float32 is exact): the script checks it.
+select_tile may differ from select at float32 near-ties only: the script gives the fraction of
+(query, head) entries that differ, and the float64 margins of up to --audit of them (`fsb_audit`).
     python benchmarks/fsb_prefill_split.py --lengths 65536 262144 1048576 --out results/fsb_prefill_split.json
 `--dry-run`: CPU, Triton interpreter, T = 64: plumbing only.
 """
@@ -30,11 +34,12 @@ from gpu_attention import _tau, _versions, bench_ms, plot_lines, smoke_or_gpu, w
 from freesolo import FreeSoloConfig  # noqa: E402
 from freesolo.backends.torch.fsb import build_row_forests  # noqa: E402
 from freesolo.backends.triton import fsb_search  # noqa: E402
+from freesolo.backends.triton.fsb_audit import near_tie_audit  # noqa: E402
 
 __all__ = ["main"]
 
 SHAPE = {"B": 1, "Hq": 16, "Hkv": 16, "D": 64}
-PROVIDERS = ("forests", "search", "select", "select_k32")
+PROVIDERS = ("forests", "search", "select", "select_k32", "select_tile")
 
 
 def _forests(q, k, cfg):
@@ -45,11 +50,24 @@ def _search(q, k, cfg):
     return fsb_search._run(q, k, cfg, False, 1, trace=None, rerank=False)
 
 
+def _select_tile(q, k, cfg):
+    previous = os.environ.get(fsb_search.RERANK_ENV)
+    os.environ[fsb_search.RERANK_ENV] = "tile"
+    try:
+        return fsb_search.fsb_select_cells(q, k, cfg)
+    finally:
+        if previous is None:
+            del os.environ[fsb_search.RERANK_ENV]
+        else:
+            os.environ[fsb_search.RERANK_ENV] = previous
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", type=int, nargs="+", default=[65536, 262144, 1048576])
     ap.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS)
     ap.add_argument("--rep", type=int, default=100, help="do_bench rep (ms) for calls under 50 ms")
+    ap.add_argument("--audit", type=int, default=8, help="differing select_tile entries audited per length (0: none)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--dry-run", action="store_true")
     args = ap.parse_args(argv)
@@ -62,6 +80,7 @@ def main(argv=None) -> int:
         "search": _search,
         "select": lambda q, k, cfg: fsb_search.fsb_select_cells(q, k, cfg),
         "select_k32": lambda q, k, cfg: fsb_search.fsb_select_cells(q, k.to(torch.float32), cfg),
+        "select_tile": _select_tile,
     }
     results = []
     t_start = time.perf_counter()
@@ -84,6 +103,16 @@ def main(argv=None) -> int:
             if not same:
                 print("ERROR: the rerank's bf16 keys changed the selection", file=sys.stderr)
                 return 1
+        if "select" in out and "select_tile" in out:
+            differ = (out["select"] != out["select_tile"]).any(-1)
+            record = {"T": T, "provider": "select_tile", "differs_from_select": float(differ.float().mean())}
+            if args.audit and bool(differ.any()) and T <= 262144:  # (the float64 audit of a 1M row takes long)
+                entries = [tuple(int(x) for x in e) for e in differ.nonzero()[: args.audit].tolist()]
+                margins = [r["margin"] for r in near_tie_audit(q, k, cfg, entries)]
+                record["audited_margins"] = margins
+                line.append(f"max margin {max(margins):.3g}")
+            results.append(record)
+            line.append(f"select_tile differs {record['differs_from_select']:.4%}")
         print(f"T={T:>8}: " + " | ".join(line) + f"  ({time.perf_counter() - t_start:.0f} s)", flush=True)
         del q, k, out
         if device.type == "cuda":

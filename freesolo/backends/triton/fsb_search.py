@@ -31,6 +31,8 @@ All pointer offsets are int64.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -205,11 +207,13 @@ def _fsb_search_kernel(
     sigma_ptr,  # fp32 [Hq]
     lam_ptr,  # fp32 [Hq]
     out_ptr,  # int64 [Hq, T, K]
-    found_ptr,  # int64 [Hq, T, 2 W] (written when FOUND): each forest's beam, slot = rank
+    found_ptr,  # int [T, Hq, 2 W] at strides (stride_ft, stride_fh, 1) (written when FOUND): each forest's beam, slot = rank
     trace_idx_ptr,  # int64 [2, TRACE_LEVELS, W] (written when TRACE, by program (trace_i, trace_h))
     trace_key_ptr,  # fp32 [2, TRACE_LEVELS, W]
     trace_i,
     trace_h,
+    stride_ft,
+    stride_fh,
     T,
     N,
     C1,
@@ -252,12 +256,90 @@ def _fsb_search_kernel(
                                 trace_key_ptr + TRACE_LEVELS * W, tracing, BLOCK_D, W, WP, TRACE)  # fmt: skip
     if FOUND:
         slots = tl.arange(0, WP)
-        tl.store(found_ptr + (hq * T + i) * (2 * W) + slots, found_all, mask=slots < W)
-        tl.store(found_ptr + (hq * T + i) * (2 * W) + W + slots, found_high, mask=slots < W)
+        tl.store(found_ptr + i * stride_ft + hq * stride_fh + slots, found_all, mask=slots < W)
+        tl.store(found_ptr + i * stride_ft + hq * stride_fh + W + slots, found_high, mask=slots < W)
     if RERANK:  # off only to time the search alone (`_run(..., rerank=False)`, benchmarks/fsb_prefill_split.py)
         picked = _rerank(found_all, found_high, q, k_ptr, h * T, scale, D, BLOCK_D, CELL, WP, K, KP)
         kk = tl.arange(0, KP)
         tl.store(out_ptr + (hq * T + i) * K + kk, picked, mask=kk < K)
+
+
+@triton.jit
+def _fsb_rerank_tile_kernel(
+    q_ptr,  # fp32 [Hq, T, D]: one row (hq = h * G + g)
+    k_ptr,  # [Hkv, T, D] the keys in their storage dtype
+    found_ptr,  # int32 [T, Hq, W2]: each query's found cells (both forests' beams), -1 = none
+    union_ptr,  # int32 [Hq, NT, U_MAX]: each tile's distinct found cells ascending (`attention.tile_unions`)
+    count_ptr,  # int32 [Hq, NT]: cells in each union
+    out_ptr,  # int64 [Hq, T, K]
+    T,
+    NT,
+    G,
+    Hq,
+    scale,
+    D,
+    BLOCK_D: tl.constexpr,
+    CELL: tl.constexpr,
+    CELL_P: tl.constexpr,
+    TQ: tl.constexpr,
+    W2: tl.constexpr,
+    W2P: tl.constexpr,
+    U_MAX: tl.constexpr,
+    K: tl.constexpr,
+    KP: tl.constexpr,
+    DOT16: tl.constexpr,
+):
+    """The rerank of spec §6.5 / §7 for a tile of TQ consecutive queries of one query head: the
+    tile's union of found cells is read once, ascending, each cell's CELL keys scored against
+    the whole tile by one tensor-core dot; a query keeps the cells it found itself. rho = logsumexp
+    over the cell's tokens of scale * q . k; each query keeps its running top-K by (rho desc, c
+    desc): a cell arrives after every smaller cell, so it goes before the kept cells whose rho it
+    equals or beats. The same selection as `_rerank` up to the rounding of the dot products
+    (fp32 accumulation in another order): selections may differ at float32 near-ties only.
+    DOT16: q and k are 16-bit values (q widened exactly), so the dot takes them in k's dtype
+    (exact products, fp32 sums); otherwise an fp32 "ieee" dot."""
+    t = tl.program_id(0).to(tl.int64)
+    hq = tl.program_id(1).to(tl.int64)
+    h = hq // G
+    rows = t * TQ + tl.arange(0, TQ).to(tl.int64)
+    row_ok = rows < T
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    q = tl.load(q_ptr + (hq * T + rows)[:, None] * D + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if DOT16:
+        q_dot = q.to(k_ptr.dtype.element_ty)
+    lanes = tl.arange(0, W2P)
+    found = tl.load(found_ptr + (rows * Hq + hq)[:, None] * W2 + lanes[None, :],
+                    mask=row_ok[:, None] & (lanes < W2)[None, :], other=-1)  # fmt: skip
+    n = tl.load(count_ptr + hq * NT + t)
+    union = union_ptr + (hq * NT + t) * U_MAX
+    tok = tl.arange(0, CELL_P)
+    kk = tl.arange(0, KP)
+    shift = tl.broadcast_to(tl.maximum(kk - 1, 0)[None, :], (TQ, KP))  # entry j - 1 (for an insertion)
+    best_rho = tl.full([TQ, KP], float("-inf"), dtype=tl.float32)
+    best_c = tl.full([TQ, KP], -1, dtype=tl.int32)
+    for u in range(0, n):
+        c = tl.load(union + u)
+        key_rows = h * T + c.to(tl.int64) * CELL + tok
+        kc = tl.load(k_ptr + key_rows[:, None] * D + d[None, :], mask=(tok < CELL)[:, None] & d_ok[None, :], other=0.0)
+        if DOT16:
+            logits = tl.dot(q_dot, tl.trans(kc))
+        else:
+            logits = tl.dot(q, tl.trans(kc.to(tl.float32)), input_precision="ieee")
+        logits = tl.where((tok < CELL)[None, :], logits * scale, float("-inf"))
+        m = tl.max(logits, 1)
+        rho = m + tl.log(tl.sum(tl.exp(logits - m[:, None]), 1))  # [TQ]
+        mine = tl.max((found == c).to(tl.int32), 1) > 0  # the query found c (in either forest)
+        at = tl.sum((best_rho > rho[:, None]).to(tl.int32), 1)  # kept cells that stay ahead of c
+        put = mine & (at < K)
+        before = kk[None, :] < at[:, None]
+        here = kk[None, :] == at[:, None]
+        new_rho = tl.where(before, best_rho, tl.where(here, rho[:, None], tl.gather(best_rho, shift, 1)))
+        new_c = tl.where(before, best_c, tl.where(here, c, tl.gather(best_c, shift, 1)))
+        best_rho = tl.where(put[:, None], new_rho, best_rho)
+        best_c = tl.where(put[:, None], new_c, best_c)
+    tl.store(out_ptr + (hq * T + rows)[:, None] * K + kk[None, :], best_c.to(tl.int64),
+             mask=row_ok[:, None] & (kk < K)[None, :])  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["stride_qb", "stride_qh", "Na", "Nh"])  # sizes that grow with the cache: no recompile
@@ -391,10 +473,24 @@ def trace_search(q, k, cfg: FreeSoloConfig, row: int, i: int, hq: int, num_warps
     return _run(q, k, cfg, False, num_warps, trace=(row, i, hq))
 
 
+RERANK_ENV = "FREESOLO_TRITON_FSB_RERANK"  # "tile": `_fsb_rerank_tile_kernel`; "query": the search kernel's `_rerank`
+RERANK_DEFAULT = "query"
+RERANK_TILE_ROWS = 32  # queries per program of the tile rerank (its union holds up to 32 * 2 * beam cells)
+
+
+def rerank_mode() -> str:
+    """The prefill rerank: RERANK_ENV if set ("tile" / "query"), else RERANK_DEFAULT (read at each call)."""
+    mode = os.environ.get(RERANK_ENV, "").strip() or RERANK_DEFAULT
+    if mode not in ("tile", "query"):
+        raise ValueError(f"{RERANK_ENV}={mode!r} must be 'tile' or 'query'")
+    return mode
+
+
 def _run(q, k, cfg: FreeSoloConfig, return_found: bool, num_warps: int, trace, rerank: bool = True):
     """fsb_select_cells / trace_search. rerank=False (a timing aid: the search alone) leaves the
     selection -1 and skips the rerank's loads."""
     from ..torch.fsb import build_row_forests
+    from .attention import tile_unions
 
     _check(q, k, cfg)
     B, T, Hq, D = q.shape
@@ -421,22 +517,48 @@ def _run(q, k, cfg: FreeSoloConfig, return_found: bool, num_warps: int, trace, r
     if T // cfg.block * cfg.block // cfg.cell == 0:
         return result()  # no query block has an available cell
     WP = next_pow2(cfg.beam)
+    W2 = 2 * cfg.beam
+    tiled = rerank and trace is None and rerank_mode() == "tile"
+    # the tile rerank reads the beams from a [T, Hq, 2 * beam] buffer (the layout `tile_unions` takes)
+    beams = torch.empty(T, Hq, W2, dtype=torch.int32, device=q.device) if tiled else None
     rows = range(B) if trace is None else [trace[0]]
     for b in rows:  # one row at a time: its tables are built from its own keys (L12)
         tables, high_prefix = build_row_forests(k_rows[b : b + 1].to(torch.float32), cfg, outward=True)
         N = tables.mu.shape[2]
+        found_b = beams if tiled else found[b]
+        stride_ft, stride_fh = (Hq * W2, W2) if tiled else (W2, T * W2)
         launch(_fsb_search_kernel, (T, Hq),
             q4[b], k_rows[b], tables.mu[0].contiguous(), tables.rad[0].contiguous(), tables.A[0].contiguous(),
             tables.e[0].contiguous(), tables.cell[0].contiguous(), tables.base.contiguous(), high_prefix[0].contiguous(),
-            sigma, lam, out[b], found[b], trace_idx, trace_key,
-            -1 if trace is None else trace[1], -1 if trace is None else trace[2],
+            sigma, lam, out[b], found_b, trace_idx, trace_key,
+            -1 if trace is None else trace[1], -1 if trace is None else trace[2], stride_ft, stride_fh,
             T, max(N, 1), high_prefix.shape[-1], tables.base.shape[1], G,
             float(D**-0.5), float(cfg.radius_weight), float(2 * cfg.cell), D,
             BLOCK_D=next_pow2(D), CELL=cfg.cell, QBLOCK=cfg.block, W=cfg.beam, WP=WP,
-            K=K, KP=next_pow2(K), FOUND=return_found, TRACE=trace is not None,
-            TRACE_LEVELS=TRACE_LEVELS, RERANK=rerank, num_warps=num_warps,
+            K=K, KP=next_pow2(K), FOUND=return_found or tiled, TRACE=trace is not None,
+            TRACE_LEVELS=TRACE_LEVELS, RERANK=rerank and not tiled, num_warps=num_warps,
         )  # fmt: skip
+        if tiled:
+            _rerank_tiles(q4[b], k_rows[b], beams, out[b], cfg, G, q.dtype, tile_unions)
+            if return_found:
+                found[b] = beams.permute(1, 0, 2)
     return result()
+
+
+def _rerank_tiles(q_row, k_row, beams, out_row, cfg: FreeSoloConfig, G: int, q_dtype, tile_unions) -> None:
+    """`_fsb_rerank_tile_kernel` over one row: q_row fp32 [Hq, T, D], k_row [Hkv, T, D] (storage
+    dtype), beams int32 [T, Hq, 2 * beam], out_row int64 [Hq, T, K] (written)."""
+    T, Hq, W2 = beams.shape
+    D = q_row.shape[-1]
+    unions = tile_unions(beams[None], RERANK_TILE_ROWS)  # union int32 [Hq, NT, 32 * 2 * beam], count [Hq, NT]
+    NT = unions.count.shape[1]
+    dot16 = k_row.dtype in (torch.bfloat16, torch.float16) and q_dtype == k_row.dtype
+    launch(_fsb_rerank_tile_kernel, (NT, Hq),
+        q_row, k_row, beams, unions.union, unions.count, out_row, T, NT, G, Hq, float(D**-0.5), D,
+        BLOCK_D=max(16, next_pow2(D)), CELL=cfg.cell, CELL_P=max(16, next_pow2(cfg.cell)), TQ=RERANK_TILE_ROWS,
+        W2=W2, W2P=next_pow2(W2), U_MAX=unions.union.shape[-1], K=cfg.top_k, KP=next_pow2(cfg.top_k),
+        DOT16=dot16, num_warps=4, num_stages=3,
+    )  # fmt: skip
 
 
 def decode_select_cells(state, qg: torch.Tensor, out=None, num_warps: int = 1) -> torch.Tensor:
