@@ -7,9 +7,12 @@ Per length (B 1, H 16 MHA, D 64, bf16, the default FS-B config, tau = median a_c
   select_k32  the same with float32 keys (the bytes of the rerank before s39: keys widened on the host)
   select_tile `fsb_select_cells` with FREESOLO_TRITON_FSB_RERANK=tile: the search, then the tile rerank
               (`_fsb_rerank_tile_kernel`: a tile of 32 queries scores its union of found cells once)
-select and select_k32 must pick the same cells (bf16 -> float32 is exact): the script checks it.
-select_tile may differ from select at float32 near-ties only: the script gives the fraction of
-(query, head) entries that differ, and the float64 margins of up to --audit of them (`fsb_audit`).
+  unions      the tile rerank's `tile_unions` alone (on the search's beams, computed beforehand)
+  tile_only   the tile rerank's kernel alone (unions computed beforehand)
+select_k32 and select_tile may differ from select at float32 near-ties only (the widened keys are
+the same values, but the compiler lays a float32 tile out otherwise than a bf16 one, so the rerank's
+sums run in another order): the script gives the fraction of (query, head) entries that differ from
+select, and the float64 margins of up to --audit of them (`fsb_audit`) up to 256k.
     python benchmarks/fsb_prefill_split.py --lengths 65536 262144 1048576 --out results/fsb_prefill_split.json
 `--dry-run`: CPU, Triton interpreter, T = 64: plumbing only.
 """
@@ -39,7 +42,7 @@ from freesolo.backends.triton.fsb_audit import near_tie_audit  # noqa: E402
 __all__ = ["main"]
 
 SHAPE = {"B": 1, "Hq": 16, "Hkv": 16, "D": 64}
-PROVIDERS = ("forests", "search", "select", "select_k32", "select_tile")
+PROVIDERS = ("forests", "search", "select", "select_k32", "select_tile", "unions", "tile_only")
 
 
 def _forests(q, k, cfg):
@@ -60,6 +63,30 @@ def _select_tile(q, k, cfg):
             del os.environ[fsb_search.RERANK_ENV]
         else:
             os.environ[fsb_search.RERANK_ENV] = previous
+
+
+class _TileParts:
+    """The tile rerank's inputs for one (q, k, cfg), computed once: `unions` / `tile_only` time its two steps."""
+
+    def __init__(self, q, k, cfg):
+        from freesolo.backends.triton.attention import tile_unions
+
+        found = fsb_search._run(q, k, cfg, True, 1, trace=None, rerank=False)[1]  # int64 [1, T, Hq, 2 * beam]
+        self.beams = found[0].to(torch.int32).contiguous()  # [T, Hq, 2 * beam]
+        self.q_row = q[0].to(torch.float32).permute(1, 0, 2).contiguous()  # [Hq, T, D]
+        self.k_row = k[0].permute(1, 0, 2).contiguous()  # [Hkv, T, D]
+        self.out = torch.empty(q.shape[2], q.shape[1], cfg.top_k, dtype=torch.int64, device=q.device)
+        self.cfg, self.G, self.dtype, self.tile_unions = cfg, q.shape[2] // k.shape[2], q.dtype, tile_unions
+        self.unions = tile_unions(self.beams[None], fsb_search.RERANK_TILE_ROWS)
+
+    def union_step(self):
+        return self.tile_unions(self.beams[None], fsb_search.RERANK_TILE_ROWS)
+
+    def kernel_step(self):
+        unions = self.unions
+        fsb_search._rerank_tiles(self.q_row, self.k_row, self.beams, self.out, self.cfg, self.G, self.dtype,
+                                 lambda *a: unions)  # fmt: skip
+        return self.out
 
 
 def main(argv=None) -> int:
@@ -90,31 +117,31 @@ def main(argv=None) -> int:
         k = torch.randn(1, T, shape["Hkv"], shape["D"], device=device, dtype=dtype, generator=gen)
         cfg = base.replace(tau=_tau(k, base))
         out, line = {}, []
+        parts = _TileParts(q, k, cfg) if {"unions", "tile_only"} & set(args.providers) else None
         for name in args.providers:
-            call = functools.partial(calls[name], q, k, cfg)
+            if name == "unions":
+                call = parts.union_step
+            elif name == "tile_only":
+                call = parts.kernel_step
+            else:
+                call = functools.partial(calls[name], q, k, cfg)
             out[name] = call()  # warm-up (compiles the kernel)
             ms = bench_ms(call, device, args.rep)
             results.append({"T": T, "provider": name, "ms": ms})
             line.append(f"{name} {ms:9.2f} ms")
-        if "select" in out and "select_k32" in out:
-            same = bool(torch.equal(out["select"], out["select_k32"]))
-            results.append({"T": T, "provider": "select", "equals_select_k32": same})
-            line.append(f"select == select_k32: {same}")
-            if not same:
-                print("ERROR: the rerank's bf16 keys changed the selection", file=sys.stderr)
-                return 1
-        if "select" in out and "select_tile" in out:
-            differ = (out["select"] != out["select_tile"]).any(-1)
-            record = {"T": T, "provider": "select_tile", "differs_from_select": float(differ.float().mean())}
+        for name in ("select_k32", "select_tile"):
+            if "select" not in out or name not in out:
+                continue
+            differ = (out["select"] != out[name]).any(-1)
+            record = {"T": T, "provider": name, "differs_from_select": float(differ.float().mean())}
             if args.audit and bool(differ.any()) and T <= 262144:  # (the float64 audit of a 1M row takes long)
                 entries = [tuple(int(x) for x in e) for e in differ.nonzero()[: args.audit].tolist()]
-                margins = [r["margin"] for r in near_tie_audit(q, k, cfg, entries)]
-                record["audited_margins"] = margins
-                line.append(f"max margin {max(margins):.3g}")
+                record["audited_margins"] = [r["margin"] for r in near_tie_audit(q, k, cfg, entries)]
+                line.append(f"{name} max margin {max(record['audited_margins']):.3g}")
             results.append(record)
-            line.append(f"select_tile differs {record['differs_from_select']:.4%}")
+            line.append(f"{name} differs {record['differs_from_select']:.4%}")
         print(f"T={T:>8}: " + " | ".join(line) + f"  ({time.perf_counter() - t_start:.0f} s)", flush=True)
-        del q, k, out
+        del q, k, out, parts
         if device.type == "cuda":
             torch.cuda.empty_cache()
     payload = {

@@ -519,14 +519,16 @@ def _run(q, k, cfg: FreeSoloConfig, return_found: bool, num_warps: int, trace, r
     WP = next_pow2(cfg.beam)
     W2 = 2 * cfg.beam
     tiled = rerank and trace is None and rerank_mode() == "tile"
-    # the tile rerank reads the beams from a [T, Hq, 2 * beam] buffer (the layout `tile_unions` takes)
-    beams = torch.empty(T, Hq, W2, dtype=torch.int32, device=q.device) if tiled else None
+    # the tile rerank reads the beams from a [T, Hq, 2 * beam] buffer (the layout `tile_unions` takes);
+    # without a rerank the beams are stored there too (else the compiler drops the unused search)
+    keep = tiled or not rerank
+    beams = torch.empty(T, Hq, W2, dtype=torch.int32, device=q.device) if keep else None
     rows = range(B) if trace is None else [trace[0]]
     for b in rows:  # one row at a time: its tables are built from its own keys (L12)
         tables, high_prefix = build_row_forests(k_rows[b : b + 1].to(torch.float32), cfg, outward=True)
         N = tables.mu.shape[2]
-        found_b = beams if tiled else found[b]
-        stride_ft, stride_fh = (Hq * W2, W2) if tiled else (W2, T * W2)
+        found_b = beams if keep else found[b]
+        stride_ft, stride_fh = (Hq * W2, W2) if keep else (W2, T * W2)
         launch(_fsb_search_kernel, (T, Hq),
             q4[b], k_rows[b], tables.mu[0].contiguous(), tables.rad[0].contiguous(), tables.A[0].contiguous(),
             tables.e[0].contiguous(), tables.cell[0].contiguous(), tables.base.contiguous(), high_prefix[0].contiguous(),
@@ -535,13 +537,13 @@ def _run(q, k, cfg: FreeSoloConfig, return_found: bool, num_warps: int, trace, r
             T, max(N, 1), high_prefix.shape[-1], tables.base.shape[1], G,
             float(D**-0.5), float(cfg.radius_weight), float(2 * cfg.cell), D,
             BLOCK_D=next_pow2(D), CELL=cfg.cell, QBLOCK=cfg.block, W=cfg.beam, WP=WP,
-            K=K, KP=next_pow2(K), FOUND=return_found or tiled, TRACE=trace is not None,
+            K=K, KP=next_pow2(K), FOUND=return_found or keep, TRACE=trace is not None,
             TRACE_LEVELS=TRACE_LEVELS, RERANK=rerank and not tiled, num_warps=num_warps,
         )  # fmt: skip
         if tiled:
             _rerank_tiles(q4[b], k_rows[b], beams, out[b], cfg, G, q.dtype, tile_unions)
-            if return_found:
-                found[b] = beams.permute(1, 0, 2)
+        if keep and return_found:
+            found[b] = beams.permute(1, 0, 2)
     return result()
 
 
