@@ -8,7 +8,9 @@ Per length (B 1, H 16 MHA, D 64, bf16, the default FS-B config, tau = median a_c
   select_tile `fsb_select_cells` with FREESOLO_TRITON_FSB_RERANK=tile: the search, then the tile rerank
               (`_fsb_rerank_tile_kernel`: a tile of 32 queries scores its union of found cells once)
   unions      the tile rerank's `tile_unions` alone (on the search's beams, computed beforehand)
-  tile_only   the tile rerank's kernel alone (unions computed beforehand)
+  tile_only   the tile rerank's kernel alone (unions computed beforehand), at the default tile; with
+              --tile-shapes ROWSxCELLS ..., also providers tile_ROWSxCELLS (queries per tile, union
+              cells per step)
 select_k32 and select_tile may differ from select at float32 near-ties only (the widened keys are
 the same values, but the compiler lays a float32 tile out otherwise than a bf16 one, so the rerank's
 sums run in another order): the script gives the fraction of (query, head) entries that differ from
@@ -77,22 +79,31 @@ class _TileParts:
         self.k_row = k[0].permute(1, 0, 2).contiguous()  # [Hkv, T, D]
         self.out = torch.empty(q.shape[2], q.shape[1], cfg.top_k, dtype=torch.int64, device=q.device)
         self.cfg, self.G, self.dtype, self.tile_unions = cfg, q.shape[2] // k.shape[2], q.dtype, tile_unions
-        self.unions = tile_unions(self.beams[None], fsb_search.RERANK_TILE_ROWS)
+        self.unions = {}
 
-    def union_step(self):
-        return self.tile_unions(self.beams[None], fsb_search.RERANK_TILE_ROWS)
+    def union_step(self, rows=None):
+        return self.tile_unions(self.beams[None], rows or fsb_search.RERANK_TILE_ROWS)
 
-    def kernel_step(self):
-        unions = self.unions
-        fsb_search._rerank_tiles(self.q_row, self.k_row, self.beams, self.out, self.cfg, self.G, self.dtype,
-                                 lambda *a: unions)  # fmt: skip
-        return self.out
+    def kernel_step(self, rows=None, cells=None):
+        rows, cells = rows or fsb_search.RERANK_TILE_ROWS, cells or fsb_search.RERANK_TILE_CELLS
+        if rows not in self.unions:
+            self.unions[rows] = self.union_step(rows)
+        unions = self.unions[rows]
+        saved = fsb_search.RERANK_TILE_ROWS, fsb_search.RERANK_TILE_CELLS
+        fsb_search.RERANK_TILE_ROWS, fsb_search.RERANK_TILE_CELLS = rows, cells
+        try:
+            fsb_search._rerank_tiles(self.q_row, self.k_row, self.beams, self.out, self.cfg, self.G, self.dtype,
+                                     lambda *a: unions)  # fmt: skip
+        finally:
+            fsb_search.RERANK_TILE_ROWS, fsb_search.RERANK_TILE_CELLS = saved
+        return self.out.permute(1, 0, 2)[None].clone()  # [1, T, Hq, K], the layout of fsb_select_cells
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", type=int, nargs="+", default=[65536, 262144, 1048576])
     ap.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS)
+    ap.add_argument("--tile-shapes", nargs="*", default=[], help="tile rerank shapes ROWSxCELLS to time alone (tile_only)")
     ap.add_argument("--rep", type=int, default=100, help="do_bench rep (ms) for calls under 50 ms")
     ap.add_argument("--audit", type=int, default=8, help="differing select_tile entries audited per length (0: none)")
     ap.add_argument("--out", default=None)
@@ -117,19 +128,24 @@ def main(argv=None) -> int:
         k = torch.randn(1, T, shape["Hkv"], shape["D"], device=device, dtype=dtype, generator=gen)
         cfg = base.replace(tau=_tau(k, base))
         out, line = {}, []
-        parts = _TileParts(q, k, cfg) if {"unions", "tile_only"} & set(args.providers) else None
-        for name in args.providers:
+        shapes = [tuple(int(x) for x in text.split("x")) for text in args.tile_shapes]
+        providers = list(args.providers) + [f"tile_{r}x{c}" for r, c in shapes]
+        parts = _TileParts(q, k, cfg) if {"unions", "tile_only"} & set(args.providers) or shapes else None
+        for name in providers:
             if name == "unions":
                 call = parts.union_step
             elif name == "tile_only":
                 call = parts.kernel_step
+            elif name.startswith("tile_"):
+                r, c = (int(x) for x in name[len("tile_") :].split("x"))
+                call = functools.partial(parts.kernel_step, r, c)
             else:
                 call = functools.partial(calls[name], q, k, cfg)
             out[name] = call()  # warm-up (compiles the kernel)
             ms = bench_ms(call, device, args.rep)
             results.append({"T": T, "provider": name, "ms": ms})
             line.append(f"{name} {ms:9.2f} ms")
-        for name in ("select_k32", "select_tile"):
+        for name in ["select_k32", "select_tile"] + [f"tile_{r}x{c}" for r, c in shapes]:
             if "select" not in out or name not in out:
                 continue
             differ = (out["select"] != out[name]).any(-1)

@@ -282,6 +282,7 @@ def _fsb_rerank_tile_kernel(
     CELL: tl.constexpr,
     CELL_P: tl.constexpr,
     TQ: tl.constexpr,
+    CPI: tl.constexpr,
     W2: tl.constexpr,
     W2P: tl.constexpr,
     U_MAX: tl.constexpr,
@@ -290,12 +291,12 @@ def _fsb_rerank_tile_kernel(
     DOT16: tl.constexpr,
 ):
     """The rerank of spec §6.5 / §7 for a tile of TQ consecutive queries of one query head: the
-    tile's union of found cells is read once, ascending, each cell's CELL keys scored against
-    the whole tile by one tensor-core dot; a query keeps the cells it found itself. rho = logsumexp
-    over the cell's tokens of scale * q . k; each query keeps its running top-K by (rho desc, c
-    desc): a cell arrives after every smaller cell, so it goes before the kept cells whose rho it
-    equals or beats. The same selection as `_rerank` up to the rounding of the dot products
-    (fp32 accumulation in another order): selections may differ at float32 near-ties only.
+    tile's union of found cells is read once, ascending, CPI cells per step, their keys scored
+    against the whole tile by one tensor-core dot; a query keeps the cells it found itself.
+    rho = logsumexp over the cell's tokens of scale * q . k; each query keeps its running top-K
+    by (rho desc, c desc): a cell arrives after every smaller cell, so it goes before the kept
+    cells whose rho it equals or beats. The same selection as `_rerank` up to the rounding of the
+    dot products (fp32 sums in another order): selections may differ at float32 near-ties only.
     DOT16: q and k are 16-bit values (q widened exactly), so the dot takes them in k's dtype
     (exact products, fp32 sums); otherwise an fp32 "ieee" dot."""
     t = tl.program_id(0).to(tl.int64)
@@ -313,31 +314,41 @@ def _fsb_rerank_tile_kernel(
                     mask=row_ok[:, None] & (lanes < W2)[None, :], other=-1)  # fmt: skip
     n = tl.load(count_ptr + hq * NT + t)
     union = union_ptr + (hq * NT + t) * U_MAX
+    step = tl.arange(0, CPI)
     tok = tl.arange(0, CELL_P)
+    tok_ok = tl.reshape(tl.broadcast_to((tok < CELL)[None, :], (CPI, CELL_P)), [CPI * CELL_P])
     kk = tl.arange(0, KP)
     shift = tl.broadcast_to(tl.maximum(kk - 1, 0)[None, :], (TQ, KP))  # entry j - 1 (for an insertion)
     best_rho = tl.full([TQ, KP], float("-inf"), dtype=tl.float32)
     best_c = tl.full([TQ, KP], -1, dtype=tl.int32)
-    for u in range(0, n):
-        c = tl.load(union + u)
-        key_rows = h * T + c.to(tl.int64) * CELL + tok
-        kc = tl.load(k_ptr + key_rows[:, None] * D + d[None, :], mask=(tok < CELL)[:, None] & d_ok[None, :], other=0.0)
+    for u0 in range(0, n, CPI):
+        cs = tl.load(union + u0 + step, mask=u0 + step < n, other=-1)  # [CPI] ascending, -1 past the union
+        key_rows = h * T + tl.maximum(cs, 0).to(tl.int64)[:, None] * CELL + tok[None, :]  # [CPI, CELL_P]
+        key_rows = tl.reshape(key_rows, [CPI * CELL_P])
+        key_ok = tok_ok & tl.reshape(tl.broadcast_to((cs >= 0)[:, None], (CPI, CELL_P)), [CPI * CELL_P])
+        kc = tl.load(k_ptr + key_rows[:, None] * D + d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)
         if DOT16:
-            logits = tl.dot(q_dot, tl.trans(kc))
+            logits = tl.dot(q_dot, tl.trans(kc))  # [TQ, CPI * CELL_P]
         else:
             logits = tl.dot(q, tl.trans(kc.to(tl.float32)), input_precision="ieee")
-        logits = tl.where((tok < CELL)[None, :], logits * scale, float("-inf"))
-        m = tl.max(logits, 1)
-        rho = m + tl.log(tl.sum(tl.exp(logits - m[:, None]), 1))  # [TQ]
-        mine = tl.max((found == c).to(tl.int32), 1) > 0  # the query found c (in either forest)
-        at = tl.sum((best_rho > rho[:, None]).to(tl.int32), 1)  # kept cells that stay ahead of c
-        put = mine & (at < K)
-        before = kk[None, :] < at[:, None]
-        here = kk[None, :] == at[:, None]
-        new_rho = tl.where(before, best_rho, tl.where(here, rho[:, None], tl.gather(best_rho, shift, 1)))
-        new_c = tl.where(before, best_c, tl.where(here, c, tl.gather(best_c, shift, 1)))
-        best_rho = tl.where(put[:, None], new_rho, best_rho)
-        best_c = tl.where(put[:, None], new_c, best_c)
+        logits = tl.where(tok_ok[None, :], logits * scale, float("-inf"))
+        logits = tl.reshape(logits, [TQ, CPI, CELL_P])
+        m = tl.max(logits, 2)
+        rho_all = m + tl.log(tl.sum(tl.exp(logits - m[:, :, None]), 2))  # [TQ, CPI]
+        mine_all = tl.max((found[:, :, None] == cs[None, None, :]).to(tl.int32), 1) > 0  # [TQ, CPI]
+        mine_all = mine_all & (cs >= 0)[None, :]
+        for j in tl.static_range(CPI):  # ascending cells
+            rho = tl.max(tl.where(step[None, :] == j, rho_all, float("-inf")), 1)  # [TQ]
+            mine = tl.max(tl.where(step[None, :] == j, mine_all.to(tl.int32), 0), 1) > 0
+            c = tl.max(tl.where(step == j, cs, -1), 0)
+            at = tl.sum((best_rho > rho[:, None]).to(tl.int32), 1)  # kept cells that stay ahead of c
+            put = mine & (at < K)
+            before = kk[None, :] < at[:, None]
+            here = kk[None, :] == at[:, None]
+            new_rho = tl.where(before, best_rho, tl.where(here, rho[:, None], tl.gather(best_rho, shift, 1)))
+            new_c = tl.where(before, best_c, tl.where(here, c, tl.gather(best_c, shift, 1)))
+            best_rho = tl.where(put[:, None], new_rho, best_rho)
+            best_c = tl.where(put[:, None], new_c, best_c)
     tl.store(out_ptr + (hq * T + rows)[:, None] * K + kk[None, :], best_c.to(tl.int64),
              mask=row_ok[:, None] & (kk < K)[None, :])  # fmt: skip
 
@@ -476,6 +487,7 @@ def trace_search(q, k, cfg: FreeSoloConfig, row: int, i: int, hq: int, num_warps
 RERANK_ENV = "FREESOLO_TRITON_FSB_RERANK"  # "tile": `_fsb_rerank_tile_kernel`; "query": the search kernel's `_rerank`
 RERANK_DEFAULT = "query"
 RERANK_TILE_ROWS = 32  # queries per program of the tile rerank (its union holds up to 32 * 2 * beam cells)
+RERANK_TILE_CELLS = 4  # union cells per step of the tile rerank (one dot of RERANK_TILE_CELLS * cell keys)
 
 
 def rerank_mode() -> str:
@@ -558,6 +570,7 @@ def _rerank_tiles(q_row, k_row, beams, out_row, cfg: FreeSoloConfig, G: int, q_d
     launch(_fsb_rerank_tile_kernel, (NT, Hq),
         q_row, k_row, beams, unions.union, unions.count, out_row, T, NT, G, Hq, float(D**-0.5), D,
         BLOCK_D=max(16, next_pow2(D)), CELL=cfg.cell, CELL_P=max(16, next_pow2(cfg.cell)), TQ=RERANK_TILE_ROWS,
+        CPI=RERANK_TILE_CELLS,
         W2=W2, W2P=next_pow2(W2), U_MAX=unions.union.shape[-1], K=cfg.top_k, KP=next_pow2(cfg.top_k),
         DOT16=dot16, num_warps=4, num_stages=3,
     )  # fmt: skip
