@@ -224,6 +224,71 @@ def test_cuda_paper_size_equals_torch_search_but_near_ties():
     assert not wide, f"selections differ from the torch search at entries with wide float64 margins: {wide[:4]}"
 
 
+@pytest.mark.parametrize(
+    "seed, T, Hq, Hkv, rows, cells, kw",
+    [
+        (0, 47, 2, 1, 8, 2, dict(beam=3, top_k=3)),  # 6 tiles of 8 queries, the last partial; 2 cells a step
+        (2, 41, 4, 2, 16, 4, dict(beam=5, top_k=4, sigma=2.0, lam=0.5)),  # GQA, top_k 4, 4 cells a step
+    ],
+)
+def test_tile_rerank_equals_torch_and_oracle(monkeypatch, seed, T, Hq, Hkv, rows, cells, kw):
+    """FREESOLO_TRITON_FSB_RERANK=tile (`_fsb_rerank_tile_kernel`: a tile of queries scores the union
+    of its found cells, a query keeps its own): the selection equals the torch search's and the
+    float64 oracle's; the beams are those of the per-query rerank path; L12 bitwise (a row beside a
+    row of 1e3x norms == the row alone). Cells of 4 keys (padded to the dot's 16 columns)."""
+    from freesolo.backends.triton import fsb_search
+
+    monkeypatch.setenv(fsb_search.RERANK_ENV, "tile")
+    monkeypatch.setattr(fsb_search, "RERANK_TILE_ROWS", rows)
+    monkeypatch.setattr(fsb_search, "RERANK_TILE_CELLS", cells)
+    rng = np.random.default_rng(seed)
+    q, k = rng.standard_normal((2, T, Hq, 8)), rng.standard_normal((2, T, Hkv, 8))
+    q[1] *= 1e3
+    k[1] *= 1e3
+    cfg = _cfg(k[:1], **kw)
+    qt, kt = _tensors(q, k)
+    both, found_both = fsb_select_cells(qt, kt, cfg, return_found=True)
+    idx, found = fsb_select_cells(qt[:1], kt[:1], cfg, return_found=True)
+    assert (idx >= 0).sum() > 3 * T, "too few selections: the rerank would not bite"
+    np.testing.assert_array_equal(idx.cpu().numpy(), select_cells_fsb(q[:1], k[:1], cfg))
+    torch.testing.assert_close(idx.cpu(), torch_select(qt[:1].cpu(), kt[:1].cpu(), cfg), rtol=0, atol=0)
+    torch.testing.assert_close(found.cpu(), torch_beams(qt[:1].cpu(), kt[:1].cpu(), cfg), rtol=0, atol=0)
+    assert torch.equal(both[:1], idx) and torch.equal(found_both[:1], found)
+
+
+def test_rerank_mode_refuses_unknown(monkeypatch):
+    from freesolo.backends.triton import fsb_search
+
+    monkeypatch.setenv(fsb_search.RERANK_ENV, "tiles")
+    with pytest.raises(ValueError, match="must be 'tile' or 'query'"):
+        fsb_search.rerank_mode()
+    monkeypatch.delenv(fsb_search.RERANK_ENV)
+    assert fsb_search.rerank_mode() == fsb_search.RERANK_DEFAULT
+
+
+@CUDA_ONLY
+def test_cuda_tile_rerank_differs_at_near_ties_only(monkeypatch):
+    """Paper config, T = 16384, GQA 4, bf16: the tile rerank's selection equals the per-query
+    rerank's except at float32 near-ties (float64 margin below 1e-3 at every differing entry)."""
+    from freesolo.backends.triton import fsb_search
+
+    torch.manual_seed(1)
+    T, Hq, Hkv, D = 16384, 8, 2, 64
+    q = torch.randn(1, T, Hq, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, T, Hkv, D, device="cuda", dtype=torch.bfloat16)
+    cfg = FreeSoloConfig(variant="fsb", tau=float(D**0.5) * 1.4)
+    monkeypatch.setenv(fsb_search.RERANK_ENV, "query")
+    ref = fsb_select_cells(q, k, cfg)
+    monkeypatch.setenv(fsb_search.RERANK_ENV, "tile")
+    idx = fsb_select_cells(q, k, cfg)
+    assert (idx[:, cfg.block :] >= 0).all(), "every query past the first block selects top_k cells"
+    differ = (idx != ref).any(-1)
+    assert differ.float().mean().item() <= 0.002, f"{differ.float().mean().item():.4%} of the selections differ"
+    entries = [tuple(int(x) for x in e) for e in differ.nonzero()[:64].tolist()]
+    wide = [r for r in near_tie_audit(q, k, cfg, entries) if r["margin"] > 1e-3]
+    assert not wide, f"the tile rerank differs at entries with wide float64 margins: {wide[:4]}"
+
+
 def test_default_search_by_device(monkeypatch):
     """The triton backend's FS-B search: the Triton kernel on CUDA, the torch search on the CPU,
     FREESOLO_TRITON_FSB_SEARCH overriding either."""
