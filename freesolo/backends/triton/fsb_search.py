@@ -485,9 +485,16 @@ def trace_search(q, k, cfg: FreeSoloConfig, row: int, i: int, hq: int, num_warps
 
 
 RERANK_ENV = "FREESOLO_TRITON_FSB_RERANK"  # "tile": `_fsb_rerank_tile_kernel`; "query": the search kernel's `_rerank`
-RERANK_DEFAULT = "query"
+# The tile rerank by default since s39: H100 (s39 call9, bf16 H16 D64, benchmarks/fsb_prefill_split.py): the
+# per-query rerank took 13 / 45 / 156 ms at 64k / 256k / 1M (select minus search), the tile rerank's unions
+# + kernel 1.0 + 3.2 / 3.9 + 11.3 / 15.4 + 39.3 ms (32 queries, 1 cell a step); its selections differ from
+# the per-query rerank's at 0.0001-0.0005 % of (query, head) entries, each audited at a float64 margin of
+# at most 6.5e-7 (near-ties).
+RERANK_DEFAULT = "tile"
 RERANK_TILE_ROWS = 32  # queries per program of the tile rerank (its union holds up to 32 * 2 * beam cells)
-RERANK_TILE_CELLS = 4  # union cells per step of the tile rerank (one dot of RERANK_TILE_CELLS * cell keys)
+# union cells per step of the tile rerank (one dot of RERANK_TILE_CELLS * cell keys); s39 call9 at 1M:
+# 32 queries x 1 / 2 / 4 cells 39.3 / 64.0 / 77.7 ms; 64 x 4 68.4, 16 x 4 83.2
+RERANK_TILE_CELLS = 1
 
 
 def rerank_mode() -> str:
