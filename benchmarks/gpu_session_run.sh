@@ -279,6 +279,7 @@
 #   s39c_fsb     s39b_fsb with the tile rerank in 4 cells per step and the tile shapes 32x1 / 32x2 / 64x4 / 16x4 timed alone
 #   s39d_tests   the CUDA tests of the forward / backend / graph cache / L12 at the default tiles (TMA long readout on) + the FS-B tile rerank tests, 330 s
 #   s39e_tests   s39d_tests with the tile rerank the default, every FS-B search test, -rA (each test named), 345 s
+#   s40a_fsb     issue 12: the FS-B prefill search with 4 / 8 / 16 / 32 queries per program (FREESOLO_TRITON_FSB_SEARCH_ROWS) vs one, 64k / 256k / 1M, near-tie audits
 #   s39b_tile    the FS-B search CUDA tests with the tile rerank (FREESOLO_TRITON_FSB_RERANK=tile)
 #   s33a_train   issue 11: train_step.py eager providers at 4k / 16k (the FS-L model's attention from the cache)
 set -u
@@ -440,6 +441,7 @@ step s39b_fsb 150 python3 benchmarks/fsb_prefill_split.py --lengths 65536 262144
 step s39c_fsb 200 python3 benchmarks/fsb_prefill_split.py --lengths 65536 262144 1048576 --providers forests search select select_tile unions tile_only --tile-shapes 32x1 32x2 64x4 16x4 --out "$W/fsb_prefill_split.json"
 step s39d_tests 330 python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark --durations=15 -k "cuda or gpu or tma or tile_rerank or rerank_mode" proofs_tests/test_triton_attention.py proofs_tests/test_triton_backend.py proofs_tests/test_triton_graphs.py proofs_tests/test_row_independence.py proofs_tests/test_triton_fsb_search.py
 step s39e_tests 345 python3 -m pytest -q -n ${NPROC:-16} -p no:benchmark -rA --durations=15 proofs_tests/test_triton_fsb_search.py proofs_tests/test_triton_attention.py proofs_tests/test_triton_backend.py proofs_tests/test_triton_graphs.py proofs_tests/test_row_independence.py -k "cuda or gpu or tma or fsb_search"
+step s40a_fsb 200 python3 benchmarks/fsb_prefill_split.py --lengths 65536 262144 1048576 --providers forests search select --search-rows 4 8 16 32 --out "$W/fsb_prefill_rows.json"
 step s39b_tests 400 python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark --durations=25 -k "cuda or gpu or tma or fsb" proofs_tests/test_triton_attention.py proofs_tests/test_triton_backend.py proofs_tests/test_row_independence.py proofs_tests/test_packed.py proofs_tests/test_models.py proofs_tests/test_triton_graphs.py proofs_tests/test_triton_backward.py proofs_tests/test_triton_fsb_search.py
 step s39b_tile 150 env FREESOLO_TRITON_FSB_RERANK=tile python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark proofs_tests/test_triton_fsb_search.py
 step s33a_attn 330 python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fsl_eager triton_fs triton_fs_eager triton_fsl_graph sdpa_causal flex_swa512 --shapes H16-D64 --modes fwd fwd+bwd --lengths 4096 8192 16384 65536 --budget-s 290 --rep-ms 30 --out "$W" --tag _s33a

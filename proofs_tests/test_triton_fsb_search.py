@@ -256,6 +256,76 @@ def test_tile_rerank_equals_torch_and_oracle(monkeypatch, seed, T, Hq, Hkv, rows
     assert torch.equal(both[:1], idx) and torch.equal(found_both[:1], found)
 
 
+@pytest.mark.parametrize(
+    "seed, T, Hq, Hkv, rows, kw",
+    [
+        (0, 47, 2, 1, 4, dict(beam=3, top_k=3, leaf_order="content")),  # the last program holds 3 queries
+        (2, 41, 4, 2, 8, dict(beam=5, top_k=4, sigma=2.0, lam=0.5, leaf_order="position", radius_weight=0.5)),
+    ],
+)
+def test_search_rows_equal_torch_and_oracle(monkeypatch, seed, T, Hq, Hkv, rows, kw):
+    """FREESOLO_TRITON_FSB_SEARCH_ROWS > 1 (`_fsb_search_rows_kernel`: several queries of a block per
+    program): the beams equal the torch search's, the selection the torch search's and the float64
+    oracle's; L12 bitwise (a row beside a row of 1e3x norms, a prefix of the sequence)."""
+    from freesolo.backends.triton import fsb_search
+
+    monkeypatch.setenv(fsb_search.SEARCH_ROWS_ENV, str(rows))
+    assert fsb_search.search_rows(8) == rows
+    rng = np.random.default_rng(seed)
+    q, k = rng.standard_normal((2, T, Hq, 8)), rng.standard_normal((2, T, Hkv, 8))
+    q[1] *= 1e3
+    k[1] *= 1e3
+    cfg = _cfg(k[:1], **kw)
+    qt, kt = _tensors(q, k)
+    idx, found = fsb_select_cells(qt[:1], kt[:1], cfg, return_found=True)
+    assert (found >= 0).sum() > 2 * T, "the beams found little: the test would not bite"
+    torch.testing.assert_close(found.cpu(), torch_beams(qt[:1].cpu(), kt[:1].cpu(), cfg), rtol=0, atol=0)
+    torch.testing.assert_close(idx.cpu(), torch_select(qt[:1].cpu(), kt[:1].cpu(), cfg), rtol=0, atol=0)
+    np.testing.assert_array_equal(idx.cpu().numpy(), select_cells_fsb(q[:1], k[:1], cfg))
+    both, found_both = fsb_select_cells(qt, kt, cfg, return_found=True)
+    assert torch.equal(both[:1], idx) and torch.equal(found_both[:1], found)
+    prefix = fsb_select_cells(qt[:1, :30], kt[:1, :30], cfg)
+    assert torch.equal(prefix, idx[:, :30])
+
+
+def test_search_rows_setting(monkeypatch):
+    """search_rows: halved until it divides the query block; a bad value raises."""
+    from freesolo.backends.triton import fsb_search
+
+    monkeypatch.setenv(fsb_search.SEARCH_ROWS_ENV, "16")
+    assert fsb_search.search_rows(128) == 16 and fsb_search.search_rows(8) == 8 and fsb_search.search_rows(12) == 4
+    for bad in ("3", "0", "128", "x"):
+        monkeypatch.setenv(fsb_search.SEARCH_ROWS_ENV, bad)
+        with pytest.raises(ValueError, match="power of two"):
+            fsb_search.search_rows(128)
+    monkeypatch.delenv(fsb_search.SEARCH_ROWS_ENV)
+    assert fsb_search.search_rows(128) == fsb_search.SEARCH_ROWS_DEFAULT
+
+
+@CUDA_ONLY
+@pytest.mark.parametrize("rows", [4, 16])
+def test_cuda_search_rows_differ_at_near_ties_only(monkeypatch, rows):
+    """Paper config, T = 16384, GQA 4, bf16: the selection with `rows` queries per search program
+    equals the one-query search's except at float32 near-ties (float64 margin below 1e-3)."""
+    from freesolo.backends.triton import fsb_search
+
+    torch.manual_seed(2)
+    T, Hq, Hkv, D = 16384, 8, 2, 64
+    q = torch.randn(1, T, Hq, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, T, Hkv, D, device="cuda", dtype=torch.bfloat16)
+    cfg = FreeSoloConfig(variant="fsb", tau=float(D**0.5) * 1.4)
+    monkeypatch.setenv(fsb_search.SEARCH_ROWS_ENV, "1")
+    ref, ref_found = fsb_select_cells(q, k, cfg, return_found=True)
+    monkeypatch.setenv(fsb_search.SEARCH_ROWS_ENV, str(rows))
+    idx, found = fsb_select_cells(q, k, cfg, return_found=True)
+    assert (idx[:, cfg.block :] >= 0).all(), "every query past the first block selects top_k cells"
+    differ = (idx != ref).any(-1) | (found != ref_found).any(-1)
+    assert differ.float().mean().item() <= 0.002, f"{differ.float().mean().item():.4%} of the beams or selections differ"
+    entries = [tuple(int(x) for x in e) for e in differ.nonzero()[:64].tolist()]
+    wide = [r for r in near_tie_audit(q, k, cfg, entries) if r["margin"] > 1e-3]
+    assert not wide, f"the {rows}-query search differs at entries with wide float64 margins: {wide[:4]}"
+
+
 def test_rerank_mode_refuses_unknown(monkeypatch):
     from freesolo.backends.triton import fsb_search
 
