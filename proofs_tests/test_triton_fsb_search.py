@@ -258,19 +258,22 @@ def test_tile_rerank_equals_torch_and_oracle(monkeypatch, seed, T, Hq, Hkv, rows
 
 
 @pytest.mark.parametrize(
-    "seed, T, Hq, Hkv, rows, kw",
+    "seed, T, Hq, Hkv, rows, chunk, kw",
     [
-        (0, 47, 2, 1, 4, dict(beam=3, top_k=3, leaf_order="content")),  # the last program holds 3 queries
-        (2, 41, 4, 2, 8, dict(beam=5, top_k=4, sigma=2.0, lam=0.5, leaf_order="position", radius_weight=0.5)),
+        (0, 47, 2, 1, 4, None, dict(beam=3, top_k=3, leaf_order="content")),  # the last program holds 3 queries
+        (2, 41, 4, 2, 8, 4, dict(beam=5, top_k=4, sigma=2.0, lam=0.5, leaf_order="position", radius_weight=0.5)),
     ],
 )
-def test_search_rows_equal_torch_and_oracle(monkeypatch, seed, T, Hq, Hkv, rows, kw):
+def test_search_rows_equal_torch_and_oracle(monkeypatch, seed, T, Hq, Hkv, rows, chunk, kw):
     """FREESOLO_TRITON_FSB_SEARCH_ROWS > 1 (`_fsb_search_rows_kernel`: several queries of a block per
-    program): the beams equal the torch search's, the selection the torch search's and the float64
-    oracle's; L12 bitwise (a row beside a row of 1e3x norms, a prefix of the sequence)."""
+    program; node rows loaded `chunk` dims at a time: D 8 in two steps of 4, or whole): the beams equal
+    the torch search's, the selection the torch search's and the float64 oracle's; L12 bitwise (a
+    row beside a row of 1e3x norms, a prefix of the sequence)."""
     from freesolo.backends.triton import fsb_search
 
     monkeypatch.setenv(fsb_search.SEARCH_ROWS_ENV, str(rows))
+    monkeypatch.setattr(fsb_search, "SEARCH_ROWS_CHUNK", chunk)
+    assert fsb_search.search_rows_chunk(8, rows) == (chunk or 8)
     assert fsb_search.search_rows(8) == rows
     rng = np.random.default_rng(seed)
     q, k = rng.standard_normal((2, T, Hq, 8)), rng.standard_normal((2, T, Hkv, 8))
@@ -301,6 +304,9 @@ def test_search_rows_setting(monkeypatch):
             fsb_search.search_rows(128)
     monkeypatch.delenv(fsb_search.SEARCH_ROWS_ENV)
     assert fsb_search.search_rows(128) == fsb_search.SEARCH_ROWS_DEFAULT
+    # D in chunks that keep a [rows, 32, chunk] float32 child tile at 16k values, at least 16 dims
+    assert [fsb_search.search_rows_chunk(64, r) for r in (2, 4, 8, 16, 32, 64)] == [64, 64, 64, 32, 16, 16]
+    assert fsb_search.search_rows_chunk(128, 4) == 128 and fsb_search.search_rows_chunk(8, 32) == 8
 
 
 @CUDA_ONLY

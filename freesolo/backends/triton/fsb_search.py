@@ -163,20 +163,21 @@ def _search_forest(n, base_ptr, seg_scale, q, qnorm, pos, sig, lm, node0, mu_ptr
 
 
 @triton.jit
-def _search_forest_rows(n, base_ptr, q, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr, e_ptr, cell_ptr,
-                        scale, radius_weight, two_cell, D, N,
-                        BLOCK_D: tl.constexpr, QV: tl.constexpr, W: tl.constexpr, WP: tl.constexpr):  # fmt: skip
+def _search_forest_rows(n, base_ptr, q_rows, q_ok, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr, e_ptr,
+                        cell_ptr, scale, radius_weight, two_cell, D, N,
+                        BLOCK_D: tl.constexpr, DC: tl.constexpr, QV: tl.constexpr, W: tl.constexpr,
+                        WP: tl.constexpr):  # fmt: skip
     """`_search_forest` for QV queries at once that share the forest's element count n (queries
-    of one query block): q [QV, BLOCK_D], qnorm / pos [QV]; returns their found cells int64
-    [QV, WP] (-1 = none). Each query keeps its own beam (the same level-wise rule, key by key); the
-    QV queries' child tiles [QV, 2 * WP, D] are loaded by one program, so a node that several of
-    them expand is fetched from the SM's L1 after its first load instead of from L2 per query.
+    of one query block): q_rows [QV] pointers to their float32 query rows (valid where q_ok),
+    qnorm / pos [QV]; returns their found cells int64 [QV, WP] (-1 = none). Each query keeps its
+    own beam (the same level-wise rule, key by key); the QV queries' child tiles [QV, 2 * WP, D]
+    are loaded by one program, DC dims at a time (registers), so a node that several of them
+    expand is fetched from the SM's L1 after its first load instead of from L2 per query.
     Node keys are sums over D in another order than `_search_forest`'s: equal up to float32
     rounding. One tree per height at base[h] + m * nodes(h) (the prefill layout, seg_scale 1)."""
     slots = tl.arange(0, WP)
     slots2 = tl.broadcast_to(slots[None, :], (QV, WP))
     lane = tl.broadcast_to(tl.arange(0, 2 * WP)[None, :], (QV, 2 * WP))
-    d = tl.arange(0, BLOCK_D)
     tb = tl.zeros([QV, WP], dtype=tl.int64)  # tree base (flat id of the tree's first node)
     th = tl.zeros([QV, WP], dtype=tl.int64)  # tree height
     ts = tl.zeros([QV, WP], dtype=tl.int64)  # tree start (first element)
@@ -195,23 +196,28 @@ def _search_forest_rows(n, base_ptr, q, qnorm, pos, sig, lm, node0, mu_ptr, rad_
         c_flat = tl.where(c_ok, c_tb + _level_offset(c_th, lvl) + c_ix, 0)
         tl.device_assert(((c_flat >= 0) & (c_flat < N)) | ~c_ok, "FS-B search: node id out of its table")
         c_rows = node0 + c_flat
-        mu = tl.load(mu_ptr + c_rows[:, :, None] * D + d[None, None, :],
-                     mask=c_ok[:, :, None] & (d < D)[None, None, :], other=0.0)  # fmt: skip
-        dot = tl.sum(mu * q[:, None, :], 2)
-        rad = tl.load(rad_ptr + c_rows, mask=c_ok, other=0.0)
-        amax = tl.load(a_ptr + c_rows, mask=c_ok, other=0.0)
-        e = tl.load(e_ptr + c_rows, mask=c_ok, other=0).to(tl.float32)
-        prior = lm * amax * tl.math.erf(sig * (pos[:, None] - e) / two_cell)
-        c_key = tl.where(c_ok, scale * (dot + radius_weight * qnorm[:, None] * rad) + prior, float("-inf"))
-        c_gidx = tl.where(c_ok, (c_ts >> lvl) + c_ix, _BIG)
         # the root of the tree of height lvl (bit lvl of n): the same node for every query
         has_root = ((n >> lvl) & 1) == 1
         r_ts = (n >> (lvl + 1)) << (lvl + 1)
         r_tb = tl.load(base_ptr + lvl) + (r_ts >> lvl) * ((2 << lvl) - 1)
         r_row = node0 + tl.where(has_root, r_tb + _level_offset(lvl, lvl), 0)
         tl.device_assert((r_row - node0 < N) | ~has_root, "FS-B search: root id out of its table")
-        r_mu = tl.load(mu_ptr + r_row * D + d, mask=has_root & (d < D), other=0.0)
-        r_dot = tl.sum(r_mu[None, :] * q, 1)  # [QV]
+        dot = tl.zeros([QV, 2 * WP], dtype=tl.float32)
+        r_dot = tl.zeros([QV], dtype=tl.float32)
+        for c0 in tl.static_range(0, BLOCK_D, DC):  # D in chunks of DC dims
+            dd = c0 + tl.arange(0, DC)
+            q = tl.load(q_rows[:, None] + dd[None, :], mask=q_ok[:, None] & (dd < D)[None, :], other=0.0)  # [QV, DC]
+            mu = tl.load(mu_ptr + c_rows[:, :, None] * D + dd[None, None, :],
+                         mask=c_ok[:, :, None] & (dd < D)[None, None, :], other=0.0)  # fmt: skip
+            dot += tl.sum(mu * q[:, None, :], 2)
+            r_mu = tl.load(mu_ptr + r_row * D + dd, mask=has_root & (dd < D), other=0.0)
+            r_dot += tl.sum(r_mu[None, :] * q, 1)
+        rad = tl.load(rad_ptr + c_rows, mask=c_ok, other=0.0)
+        amax = tl.load(a_ptr + c_rows, mask=c_ok, other=0.0)
+        e = tl.load(e_ptr + c_rows, mask=c_ok, other=0).to(tl.float32)
+        prior = lm * amax * tl.math.erf(sig * (pos[:, None] - e) / two_cell)
+        c_key = tl.where(c_ok, scale * (dot + radius_weight * qnorm[:, None] * rad) + prior, float("-inf"))
+        c_gidx = tl.where(c_ok, (c_ts >> lvl) + c_ix, _BIG)
         r_rad = tl.load(rad_ptr + r_row, mask=has_root, other=0.0)
         r_amax = tl.load(a_ptr + r_row, mask=has_root, other=0.0)
         r_e = tl.load(e_ptr + r_row, mask=has_root, other=0).to(tl.float32)
@@ -248,8 +254,8 @@ def _fsb_search_rows_kernel(
     sigma_ptr, lam_ptr,  # fp32 [Hq]
     beams_ptr,  # int [T, Hq, 2 W] (out): each forest's beam, slot = rank
     T, N, C1, HB, G, Hq, scale, radius_weight, two_cell, D,
-    BLOCK_D: tl.constexpr, CELL: tl.constexpr, QBLOCK: tl.constexpr, QV: tl.constexpr, W: tl.constexpr,
-    WP: tl.constexpr,
+    BLOCK_D: tl.constexpr, DC: tl.constexpr, CELL: tl.constexpr, QBLOCK: tl.constexpr, QV: tl.constexpr,
+    W: tl.constexpr, WP: tl.constexpr,
 ):  # fmt: skip
     """The beams of QV consecutive queries of one query head (QV divides QBLOCK: they share their
     block's element counts), both forests (`_search_forest_rows`); the rerank follows
@@ -260,7 +266,8 @@ def _fsb_search_rows_kernel(
     rows = i0 + tl.arange(0, QV).to(tl.int64)
     row_ok = rows < T
     d = tl.arange(0, BLOCK_D)
-    q = tl.load(q_ptr + (hq * T + rows)[:, None] * D + d[None, :], mask=row_ok[:, None] & (d < D)[None, :], other=0.0)
+    q_rows = q_ptr + (hq * T + rows) * D  # [QV] pointers to the queries' rows
+    q = tl.load(q_rows[:, None] + d[None, :], mask=row_ok[:, None] & (d < D)[None, :], other=0.0)
     qnorm = tl.sqrt(tl.sum(q * q, 1))
     pos = rows.to(tl.float32)
     sig = tl.load(sigma_ptr + hq)
@@ -268,10 +275,11 @@ def _fsb_search_rows_kernel(
     node0 = h * N
     n_all = (i0 // QBLOCK) * QBLOCK // CELL
     n_high = tl.load(hp_ptr + h * C1 + n_all)
-    found_all = _search_forest_rows(n_all, base_ptr, q, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr, e_ptr,
-                                    cell_ptr, scale, radius_weight, two_cell, D, N, BLOCK_D, QV, W, WP)  # fmt: skip
-    found_high = _search_forest_rows(n_high, base_ptr + HB, q, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr,
-                                     e_ptr, cell_ptr, scale, radius_weight, two_cell, D, N, BLOCK_D, QV, W, WP)  # fmt: skip
+    found_all = _search_forest_rows(n_all, base_ptr, q_rows, row_ok, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr,
+                                    e_ptr, cell_ptr, scale, radius_weight, two_cell, D, N, BLOCK_D, DC, QV, W, WP)  # fmt: skip
+    found_high = _search_forest_rows(n_high, base_ptr + HB, q_rows, row_ok, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr,
+                                     a_ptr, e_ptr, cell_ptr, scale, radius_weight, two_cell, D, N, BLOCK_D, DC, QV, W,
+                                     WP)  # fmt: skip
     slots = tl.arange(0, WP)
     out = beams_ptr + (rows * Hq + hq)[:, None] * (2 * W) + slots[None, :]
     keep = row_ok[:, None] & (slots < W)[None, :]
@@ -633,6 +641,16 @@ def search_rows(block: int) -> int:
     return rows
 
 
+SEARCH_ROWS_CHUNK = None  # dims per step of the rows search's node loads; None: `search_rows_chunk`'s rule
+
+
+def search_rows_chunk(block_d: int, rows: int) -> int:
+    """Dims of D the rows search loads at a time: SEARCH_ROWS_CHUNK if set, else what keeps a
+    [rows, 32, chunk] float32 child tile at 16k values (64 registers a thread on 8 warps), at least 16."""
+    chunk = SEARCH_ROWS_CHUNK or max(16, 512 // rows)
+    return min(block_d, next_pow2(chunk))
+
+
 def rerank_mode() -> str:
     """The prefill rerank: RERANK_ENV if set ("tile" / "query"), else RERANK_DEFAULT (read at each call)."""
     mode = os.environ.get(RERANK_ENV, "").strip() or RERANK_DEFAULT
@@ -691,8 +709,8 @@ def _run(q, k, cfg: FreeSoloConfig, return_found: bool, num_warps: int, trace, r
                 tables.e[0].contiguous(), tables.cell[0].contiguous(), tables.base.contiguous(), high_prefix[0].contiguous(),
                 sigma, lam, beams, T, max(N, 1), high_prefix.shape[-1], tables.base.shape[1], G, Hq,
                 float(D**-0.5), float(cfg.radius_weight), float(2 * cfg.cell), D,
-                BLOCK_D=next_pow2(D), CELL=cfg.cell, QBLOCK=cfg.block, QV=per_program, W=cfg.beam, WP=WP,
-                num_warps=min(8, per_program),
+                BLOCK_D=next_pow2(D), DC=search_rows_chunk(next_pow2(D), per_program), CELL=cfg.cell,
+                QBLOCK=cfg.block, QV=per_program, W=cfg.beam, WP=WP, num_warps=min(8, per_program),
             )  # fmt: skip
         else:
             launch(_fsb_search_kernel, (T, Hq),
