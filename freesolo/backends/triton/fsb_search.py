@@ -14,7 +14,15 @@ a time: statistics, content codes, stable sorts per dyadic segment). Then one la
    by one descending `tl.sort` of int64 keys (key bits, index, lane) over the children, the
    root merged in by its rank, the fields gathered by lane (no host work).
 2. Rerank: the <= 2 * beam found cells (duplicates dropped), rho = logsumexp over the cell's s
-   tokens of scale * q . k, top-K by (rho desc, c desc), -1 padded.
+   tokens of scale * q . k, top-K by (rho desc, c desc), -1 padded. By default (since s39,
+   `rerank_mode`) the search stores the beams and `_fsb_rerank_tile_kernel` reranks tiles of
+   RERANK_TILE_ROWS queries: the union of a tile's found cells (`attention.tile_unions`) is scored
+   once per cell with a tensor-core dot, each query keeping its own cells; "query" mode runs
+   `_rerank` inside the search program instead. Either reads the keys in their storage dtype.
+
+`FREESOLO_TRITON_FSB_SEARCH_ROWS=N` (opt-in, `search_rows`): `_fsb_search_rows_kernel` searches N
+queries of a block per program (`_search_forest_rows`, the same rule on [N, beam] frontiers), so
+nodes that several of them expand are loaded from L2 once.
 
 Decode (`decode_select_cells`): `_fsb_decode_search_kernel`, one program per (row, query head)
 and forest (the two forests' searches side by side: half the sequential depth of a step), then
