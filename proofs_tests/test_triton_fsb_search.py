@@ -224,6 +224,29 @@ def test_cuda_paper_size_equals_torch_search_but_near_ties():
     assert not wide, f"selections differ from the torch search at entries with wide float64 margins: {wide[:4]}"
 
 
+def _row_beside_loud_row(seed: int, T: int, Hq: int, Hkv: int, **kw):
+    """Two rows of random q / k (D 8), the second at 1e3x norms, and a config fit to the first:
+    (q, k, cfg, qt, kt) as float64 arrays and float32 tensors on DEVICE."""
+    rng = np.random.default_rng(seed)
+    q, k = rng.standard_normal((2, T, Hq, 8)), rng.standard_normal((2, T, Hkv, 8))
+    q[1] *= 1e3
+    k[1] *= 1e3
+    cfg = _cfg(k[:1], **kw)
+    return (q, k, cfg, *_tensors(q, k))
+
+
+def _assert_first_row_exact(q, k, cfg, qt, kt):
+    """Row 0 alone: beams == the torch search's, selection == the torch search's and the float64
+    oracle's; L12 bitwise: row 0 beside the loud row == row 0 alone. Returns row 0's (idx, found)."""
+    idx, found = fsb_select_cells(qt[:1], kt[:1], cfg, return_found=True)
+    torch.testing.assert_close(found.cpu(), torch_beams(qt[:1].cpu(), kt[:1].cpu(), cfg), rtol=0, atol=0)
+    torch.testing.assert_close(idx.cpu(), torch_select(qt[:1].cpu(), kt[:1].cpu(), cfg), rtol=0, atol=0)
+    np.testing.assert_array_equal(idx.cpu().numpy(), select_cells_fsb(q[:1], k[:1], cfg))
+    both, found_both = fsb_select_cells(qt, kt, cfg, return_found=True)
+    assert torch.equal(both[:1], idx) and torch.equal(found_both[:1], found)
+    return idx, found
+
+
 @pytest.mark.parametrize(
     "seed, T, Hq, Hkv, rows, cells, kw",
     [
@@ -242,19 +265,9 @@ def test_tile_rerank_equals_torch_and_oracle(monkeypatch, seed, T, Hq, Hkv, rows
     monkeypatch.setenv(fsb_search.SEARCH_ROWS_ENV, "4")  # (the interpreter runs the 4-query search ~4x faster)
     monkeypatch.setattr(fsb_search, "RERANK_TILE_ROWS", rows)
     monkeypatch.setattr(fsb_search, "RERANK_TILE_CELLS", cells)
-    rng = np.random.default_rng(seed)
-    q, k = rng.standard_normal((2, T, Hq, 8)), rng.standard_normal((2, T, Hkv, 8))
-    q[1] *= 1e3
-    k[1] *= 1e3
-    cfg = _cfg(k[:1], **kw)
-    qt, kt = _tensors(q, k)
-    both, found_both = fsb_select_cells(qt, kt, cfg, return_found=True)
-    idx, found = fsb_select_cells(qt[:1], kt[:1], cfg, return_found=True)
+    q, k, cfg, qt, kt = _row_beside_loud_row(seed, T, Hq, Hkv, **kw)
+    idx, _ = _assert_first_row_exact(q, k, cfg, qt, kt)
     assert (idx >= 0).sum() > 3 * T, "too few selections: the rerank would not bite"
-    np.testing.assert_array_equal(idx.cpu().numpy(), select_cells_fsb(q[:1], k[:1], cfg))
-    torch.testing.assert_close(idx.cpu(), torch_select(qt[:1].cpu(), kt[:1].cpu(), cfg), rtol=0, atol=0)
-    torch.testing.assert_close(found.cpu(), torch_beams(qt[:1].cpu(), kt[:1].cpu(), cfg), rtol=0, atol=0)
-    assert torch.equal(both[:1], idx) and torch.equal(found_both[:1], found)
 
 
 @pytest.mark.parametrize(
@@ -275,19 +288,9 @@ def test_search_rows_equal_torch_and_oracle(monkeypatch, seed, T, Hq, Hkv, rows,
     monkeypatch.setattr(fsb_search, "SEARCH_ROWS_CHUNK", chunk)
     assert fsb_search.search_rows_chunk(8, rows) == (chunk or 8)
     assert fsb_search.search_rows(8) == rows
-    rng = np.random.default_rng(seed)
-    q, k = rng.standard_normal((2, T, Hq, 8)), rng.standard_normal((2, T, Hkv, 8))
-    q[1] *= 1e3
-    k[1] *= 1e3
-    cfg = _cfg(k[:1], **kw)
-    qt, kt = _tensors(q, k)
-    idx, found = fsb_select_cells(qt[:1], kt[:1], cfg, return_found=True)
+    q, k, cfg, qt, kt = _row_beside_loud_row(seed, T, Hq, Hkv, **kw)
+    idx, found = _assert_first_row_exact(q, k, cfg, qt, kt)
     assert (found >= 0).sum() > 2 * T, "the beams found little: the test would not bite"
-    torch.testing.assert_close(found.cpu(), torch_beams(qt[:1].cpu(), kt[:1].cpu(), cfg), rtol=0, atol=0)
-    torch.testing.assert_close(idx.cpu(), torch_select(qt[:1].cpu(), kt[:1].cpu(), cfg), rtol=0, atol=0)
-    np.testing.assert_array_equal(idx.cpu().numpy(), select_cells_fsb(q[:1], k[:1], cfg))
-    both, found_both = fsb_select_cells(qt, kt, cfg, return_found=True)
-    assert torch.equal(both[:1], idx) and torch.equal(found_both[:1], found)
     prefix = fsb_select_cells(qt[:1, :30], kt[:1, :30], cfg)
     assert torch.equal(prefix, idx[:, :30])
 
