@@ -280,6 +280,10 @@
 #   s39d_tests   the CUDA tests of the forward / backend / graph cache / L12 at the default tiles (TMA long readout on) + the FS-B tile rerank tests, 330 s
 #   s39e_tests   s39d_tests with the tile rerank the default, every FS-B search test, -rA (each test named), 345 s
 #   s40a_fsb     issue 12: the FS-B prefill search with 4 / 8 / 16 / 32 queries per program (FREESOLO_TRITON_FSB_SEARCH_ROWS) vs one, 64k / 256k / 1M, near-tie audits
+#   s40b_tests   s39e_tests' CUDA tests without the CPU-only ones, -v (each finished test named in the log, so a
+#                step killed at its limit still says which tests never finished), 290 s
+#   s40b_ncu     issue 12: Nsight Compute of one _fsb_search_kernel launch at 64k (speed of light, memory, warp
+#                states, scheduler, occupancy, instructions), --clock-control none
 #   s39b_tile    the FS-B search CUDA tests with the tile rerank (FREESOLO_TRITON_FSB_RERANK=tile)
 #   s33a_train   issue 11: train_step.py eager providers at 4k / 16k (the FS-L model's attention from the cache)
 set -u
@@ -441,6 +445,8 @@ step s39b_fsb 150 python3 benchmarks/fsb_prefill_split.py --lengths 65536 262144
 step s39c_fsb 200 python3 benchmarks/fsb_prefill_split.py --lengths 65536 262144 1048576 --providers forests search select select_tile unions tile_only --tile-shapes 32x1 32x2 64x4 16x4 --out "$W/fsb_prefill_split.json"
 step s39d_tests 330 python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark --durations=15 -k "cuda or gpu or tma or tile_rerank or rerank_mode" proofs_tests/test_triton_attention.py proofs_tests/test_triton_backend.py proofs_tests/test_triton_graphs.py proofs_tests/test_row_independence.py proofs_tests/test_triton_fsb_search.py
 step s39e_tests 345 python3 -m pytest -q -n ${NPROC:-16} -p no:benchmark -rA --durations=15 proofs_tests/test_triton_fsb_search.py proofs_tests/test_triton_attention.py proofs_tests/test_triton_backend.py proofs_tests/test_triton_graphs.py proofs_tests/test_row_independence.py -k "cuda or gpu or tma or fsb_search"
+step s40b_tests 290 python3 -m pytest -v -n ${NPROC:-16} -p no:benchmark --durations=30 proofs_tests/test_triton_fsb_search.py proofs_tests/test_triton_attention.py proofs_tests/test_triton_backend.py proofs_tests/test_triton_graphs.py proofs_tests/test_row_independence.py -k "(cuda or gpu or tma or fsb_search) and not cpu and not numba"
+step s40b_ncu 150 ncu --clock-control none --kernel-name regex:_fsb_search_kernel --launch-skip 2 --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats --section InstructionStats --section ComputeWorkloadAnalysis python3 benchmarks/fsb_prefill_split.py --lengths 65536 --providers search --rep 20 --audit 0
 step s40a_fsb 200 python3 benchmarks/fsb_prefill_split.py --lengths 65536 262144 1048576 --providers forests search select --search-rows 4 8 16 32 --out "$W/fsb_prefill_rows.json"
 step s39b_tests 400 python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark --durations=25 -k "cuda or gpu or tma or fsb" proofs_tests/test_triton_attention.py proofs_tests/test_triton_backend.py proofs_tests/test_row_independence.py proofs_tests/test_packed.py proofs_tests/test_models.py proofs_tests/test_triton_graphs.py proofs_tests/test_triton_backward.py proofs_tests/test_triton_fsb_search.py
 step s39b_tile 150 env FREESOLO_TRITON_FSB_RERANK=tile python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark proofs_tests/test_triton_fsb_search.py
