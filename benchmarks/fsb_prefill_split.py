@@ -9,6 +9,8 @@ Per length (B 1, H 16 MHA, D 64, bf16, the default FS-B config, tau = median a_c
               (`_fsb_rerank_tile_kernel`: a tile of 32 queries scores its union of found cells once)
   search_rN / select_rN   (--search-rows N ...) search / select with N queries per search program
               (FREESOLO_TRITON_FSB_SEARCH_ROWS=N: `_fsb_search_rows_kernel`)
+  search_dcN / select_dcN (--dim-chunks N ...) search / select with the one-query search loading node rows
+              N dims at a time (`fsb_search.SEARCH_DIM_CHUNK`)
   unions      the tile rerank's `tile_unions` alone (on the search's beams, computed beforehand)
   tile_only   the tile rerank's kernel alone (unions computed beforehand), at the default tile; with
               --tile-shapes ROWSxCELLS ..., also providers tile_ROWSxCELLS (queries per tile, union
@@ -69,6 +71,15 @@ def _with_env(name, value, fn, *args):
             os.environ[name] = previous
 
 
+def _with_dim_chunk(chunk, fn, *args):
+    previous = fsb_search.SEARCH_DIM_CHUNK
+    fsb_search.SEARCH_DIM_CHUNK = chunk
+    try:
+        return fn(*args)
+    finally:
+        fsb_search.SEARCH_DIM_CHUNK = previous
+
+
 def _select_tile(q, k, cfg):
     return _with_env(fsb_search.RERANK_ENV, "tile", fsb_search.fsb_select_cells, q, k, cfg)
 
@@ -110,6 +121,7 @@ def main(argv=None) -> int:
     ap.add_argument("--lengths", type=int, nargs="+", default=[65536, 262144, 1048576])
     ap.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS)
     ap.add_argument("--search-rows", type=int, nargs="*", default=[], help="queries per search program to time (search_rN, select_rN)")
+    ap.add_argument("--dim-chunks", type=int, nargs="*", default=[], help="node-row chunks of the one-query search to time (search_dcN, select_dcN)")
     ap.add_argument("--tile-shapes", nargs="*", default=[], help="tile rerank shapes ROWSxCELLS to time alone (tile_only)")
     ap.add_argument("--rep", type=int, default=100, help="do_bench rep (ms) for calls under 50 ms")
     ap.add_argument("--audit", type=int, default=8, help="differing select_tile entries audited per length (0: none)")
@@ -138,6 +150,7 @@ def main(argv=None) -> int:
         shapes = [tuple(int(x) for x in text.split("x")) for text in args.tile_shapes]
         providers = list(args.providers) + [f"tile_{r}x{c}" for r, c in shapes]
         providers += [f"{kind}_r{n}" for n in args.search_rows for kind in ("search", "select")]
+        providers += [f"{kind}_dc{n}" for n in args.dim_chunks for kind in ("search", "select")]
         parts = _TileParts(q, k, cfg) if {"unions", "tile_only"} & set(args.providers) or shapes else None
         for name in providers:
             if name == "unions":
@@ -147,6 +160,9 @@ def main(argv=None) -> int:
             elif name.startswith(("search_r", "select_r")):
                 kind, n = name.split("_r")
                 call = functools.partial(_with_env, fsb_search.SEARCH_ROWS_ENV, n, calls[kind], q, k, cfg)
+            elif name.startswith(("search_dc", "select_dc")):
+                kind, n = name.split("_dc")
+                call = functools.partial(_with_dim_chunk, int(n), calls[kind], q, k, cfg)
             elif name.startswith("tile_"):
                 r, c = (int(x) for x in name[len("tile_") :].split("x"))
                 call = functools.partial(parts.kernel_step, r, c)
@@ -156,7 +172,9 @@ def main(argv=None) -> int:
             ms = bench_ms(call, device, args.rep)
             results.append({"T": T, "provider": name, "ms": ms})
             line.append(f"{name} {ms:9.2f} ms")
-        for name in ["select_k32", "select_tile"] + [f"tile_{r}x{c}" for r, c in shapes] + [f"select_r{n}" for n in args.search_rows]:
+        for name in ["select_k32", "select_tile"] + [f"tile_{r}x{c}" for r, c in shapes] + [f"select_r{n}" for n in args.search_rows] + [
+            f"select_dc{n}" for n in args.dim_chunks
+        ]:
             if "select" not in out or name not in out:
                 continue
             differ = (out["select"] != out[name]).any(-1)

@@ -100,15 +100,21 @@ def _tensors(*arrays):
 
 
 @pytest.mark.parametrize(
-    "seed, T, Hq, Hkv, kw",
+    "seed, T, Hq, Hkv, dim_chunk, kw",
     [
-        (0, 47, 2, 1, dict(beam=3, leaf_order="content", radius_weight=1.0)),
-        (1, 40, 3, 1, dict(beam=2, leaf_order="position", radius_weight=0.5, top_k=4)),
-        (2, 41, 4, 2, dict(beam=5, leaf_order="content", radius_weight=0.0, sigma=2.0, lam=0.5)),
-        (3, 33, 2, 2, dict(beam=1, leaf_order="content", radius_weight=1.0, top_k=2)),
+        (0, 47, 2, 1, 4, dict(beam=3, leaf_order="content", radius_weight=1.0)),
+        (1, 40, 3, 1, None, dict(beam=2, leaf_order="position", radius_weight=0.5, top_k=4)),
+        (2, 41, 4, 2, 2, dict(beam=5, leaf_order="content", radius_weight=0.0, sigma=2.0, lam=0.5)),
+        (3, 33, 2, 2, 8, dict(beam=1, leaf_order="content", radius_weight=1.0, top_k=2)),
     ],
 )
-def test_beams_and_selection_equal_torch_and_oracle(seed, T, Hq, Hkv, kw):
+def test_beams_and_selection_equal_torch_and_oracle(monkeypatch, seed, T, Hq, Hkv, dim_chunk, kw):
+    """dim_chunk: the search's node rows (D 8) in steps of 4 / 2 dims (`_node_keys`' per-lane sums)
+    or all at once (8, None)."""
+    from freesolo.backends.triton import fsb_search
+
+    monkeypatch.setattr(fsb_search, "SEARCH_DIM_CHUNK", dim_chunk)
+    assert fsb_search.search_dim_chunk(8) == (dim_chunk or 8)
     rng = np.random.default_rng(seed)
     q, k = rng.standard_normal((1, T, Hq, 8)), rng.standard_normal((1, T, Hkv, 8))
     cfg = _cfg(k, **kw)

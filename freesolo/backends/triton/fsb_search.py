@@ -65,7 +65,7 @@ def _sort_key(key, gidx):
     bits mapped to a signed order (high 32 bits), then GIDX_MAX - gidx (bits 7..31)."""
     bits = (key + 0.0).to(tl.int32, bitcast=True)  # + 0.0: -0.0 -> +0.0 (equal keys, equal bits)
     bits = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # integer order == float order
-    return (bits.to(tl.int64) << 32) | ((GIDX_MAX - gidx) << 7)
+    return (bits.to(tl.int64) << 32) | ((tl.full([], GIDX_MAX, tl.int64) - gidx) << 7)
 
 
 @triton.jit
@@ -75,14 +75,28 @@ def _level_offset(h, l):
 
 
 @triton.jit
-def _node_keys(flat, ok, q, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr, e_ptr, scale, radius_weight, two_cell,
-               D, N, BLOCK_D: tl.constexpr):  # fmt: skip
-    """Keys of the nodes `flat` (int64 [M], valid where `ok`, < N): scale * (q . mu + rw * |q| * rad) + prior."""
+def _node_keys(flat, ok, q, q_row_ptr, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr, e_ptr, scale, radius_weight,
+               two_cell, D, N, BLOCK_D: tl.constexpr, DC: tl.constexpr):  # fmt: skip
+    """Keys of the nodes `flat` (int [M], valid where `ok`, < N): scale * (q . mu + rw * |q| * rad) + prior.
+
+    q: float32 [BLOCK_D] the query (zero past D); q_row_ptr: the same query in memory (any float
+    dtype), read when DC < BLOCK_D. DC == BLOCK_D: one [M, BLOCK_D] tile, q . mu summed across the
+    lanes that hold a row. DC < BLOCK_D: D in chunks of DC dims, [M, DC] tiles whose rows each sit in
+    one lane (sums inside a lane, no shuffles; q's chunk re-read from L1). The two orders of the
+    sum agree up to float32 rounding."""
     tl.device_assert(((flat >= 0) & (flat < N)) | ~ok, "FS-B search: node id out of its table")
-    d = tl.arange(0, BLOCK_D)
     rows = node0 + flat
-    mu = tl.load(mu_ptr + rows[:, None] * D + d[None, :], mask=ok[:, None] & (d[None, :] < D), other=0.0)
-    dot = tl.sum(mu * q[None, :], 1)
+    if DC == BLOCK_D:
+        d = tl.arange(0, BLOCK_D)
+        mu = tl.load(mu_ptr + rows[:, None] * D + d[None, :], mask=ok[:, None] & (d[None, :] < D), other=0.0)
+        dot = tl.sum(mu * q[None, :], 1)
+    else:
+        dot = tl.zeros(flat.shape, dtype=tl.float32)
+        for c0 in tl.static_range(0, BLOCK_D, DC):
+            dd = c0 + tl.arange(0, DC)
+            qc = tl.load(q_row_ptr + dd, mask=dd < D, other=0.0).to(tl.float32)
+            mu = tl.load(mu_ptr + rows[:, None] * D + dd[None, :], mask=ok[:, None] & (dd[None, :] < D), other=0.0)
+            dot += tl.sum(mu * qc[None, :], 1)
     rad = tl.load(rad_ptr + rows, mask=ok, other=0.0)
     amax = tl.load(a_ptr + rows, mask=ok, other=0.0)
     e = tl.load(e_ptr + rows, mask=ok, other=0).to(tl.float32)
@@ -92,23 +106,30 @@ def _node_keys(flat, ok, q, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr, 
 
 
 @triton.jit
-def _search_forest(n, base_ptr, seg_scale, q, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr, e_ptr, cell_ptr,
-                   scale, radius_weight, two_cell, D, N, trace_idx_ptr, trace_key_ptr, tracing,
-                   BLOCK_D: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, TRACE: tl.constexpr):  # fmt: skip
+def _search_forest(n, base_ptr, seg_scale, q, q_row_ptr, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr, e_ptr,
+                   cell_ptr, scale, radius_weight, two_cell, D, N, trace_idx_ptr, trace_key_ptr, tracing,
+                   BLOCK_D: tl.constexpr, DC: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
+                   TRACE: tl.constexpr):  # fmt: skip
     """Beam search of one forest over its first n elements: element cells int64 [WP] (-1 = none).
 
     base_ptr: int64 [max_height + 2] flat id of tree 0 of height h (this forest, this kv head's
     table starting at node0); the tree of segment m at base[h] + m * nodes(h) * seg_scale
     (seg_scale 0: one tree per height, the streaming `ForestTable`). Slots >= W stay empty (WP: W
     rounded up to a power of two).
+    A frontier slot holds three int32 fields: the node's flat id p in the table (levels 0..h of a
+    tree of height h stored in order from its base tb, so level l starts at tb + 2^(h+1) - 2^(h-l+1)),
+    its tree's key tk = tb + 2^(h+1) and its index g in the level across the forest (segment
+    start >> level + index in the tree's level). Child b (0 / 1) of node (p, tk, g) is
+    (2p - tk + b, tk, 2g + b); a root of height h is (tb + 2^(h+1) - 2, tb + 2^(h+1), start >> h);
+    a leaf's p is its cell's slot. Table offsets are int64 (node0 + p).
     TRACE (a debugging aid, `trace_search`): where `tracing`, each level's beam is written as
     (index in level, key) to trace_idx_ptr / trace_key_ptr [levels, W], level t = top - lvl.
     """
     slots = tl.arange(0, WP)
-    tb = tl.zeros([WP], dtype=tl.int64)  # tree base (flat id of the tree's first node)
-    th = tl.zeros([WP], dtype=tl.int64)  # tree height
-    ts = tl.zeros([WP], dtype=tl.int64)  # tree start (first element)
-    ix = tl.zeros([WP], dtype=tl.int64)  # index in level inside the tree
+    lane = tl.arange(0, 2 * WP)
+    p = tl.zeros([WP], dtype=tl.int32)  # flat id of the node (relative to node0)
+    tk = tl.zeros([WP], dtype=tl.int32)  # its tree's key
+    g = tl.zeros([WP], dtype=tl.int32)  # its index in the level across the forest
     valid = tl.zeros([WP], dtype=tl.int32)
     top = -1
     while (n >> (top + 1)) > 0:  # top = floor(log2 n): no level above it holds a node for n
@@ -116,37 +137,34 @@ def _search_forest(n, base_ptr, seg_scale, q, qnorm, pos, sig, lm, node0, mu_ptr
     for t in range(0, top + 1):
         lvl = top - t
         # the frontier's children, interleaved (slot s -> lanes 2s, 2s+1)
-        c_tb = tl.reshape(tl.join(tb, tb), [2 * WP])
-        c_th = tl.reshape(tl.join(th, th), [2 * WP])
-        c_ts = tl.reshape(tl.join(ts, ts), [2 * WP])
-        c_ix = tl.reshape(tl.join(2 * ix, 2 * ix + 1), [2 * WP])
+        first = 2 * p - tk
+        c_p = tl.reshape(tl.join(first, first + 1), [2 * WP])
+        c_tk = tl.reshape(tl.join(tk, tk), [2 * WP])
+        c_g = tl.reshape(tl.join(2 * g, 2 * g + 1), [2 * WP])
         c_ok = tl.reshape(tl.join(valid, valid), [2 * WP]) != 0
-        c_flat = tl.where(c_ok, c_tb + _level_offset(c_th, lvl) + c_ix, 0)
-        c_key = _node_keys(c_flat, c_ok, q, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr, e_ptr,
-                           scale, radius_weight, two_cell, D, N, BLOCK_D)  # fmt: skip
-        c_gidx = tl.where(c_ok, (c_ts >> lvl) + c_ix, _BIG)
+        c_key = _node_keys(tl.where(c_ok, c_p, 0), c_ok, q, q_row_ptr, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr,
+                           a_ptr, e_ptr, scale, radius_weight, two_cell, D, N, BLOCK_D, DC)  # fmt: skip
         # the root of the tree of height lvl (bit lvl of n), as a one-lane tensor
         one = tl.arange(0, 1)
         has_root = ((n >> lvl) & 1) == 1
-        r_ts = ((n >> (lvl + 1)) << (lvl + 1)) + one * 0
-        r_tb = tl.load(base_ptr + lvl) + (r_ts >> lvl) * ((2 << lvl) - 1) * seg_scale
+        r_start = ((n >> (lvl + 1)) << (lvl + 1)).to(tl.int32)
+        r_tb = (tl.load(base_ptr + lvl) + (r_start >> lvl) * ((2 << lvl) - 1) * seg_scale).to(tl.int32)
+        r_tk = r_tb + (2 << lvl)
+        r_p = r_tk - 2
+        r_g = r_start >> lvl
         r_ok = (one == 0) & has_root
-        r_flat = tl.where(r_ok, r_tb + _level_offset(lvl + one * 0, lvl), 0)
-        r_key = _node_keys(r_flat, r_ok, q, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr, e_ptr,
-                           scale, radius_weight, two_cell, D, N, BLOCK_D)  # fmt: skip
-        r_gidx = tl.where(r_ok, r_ts >> lvl, _BIG)
+        r_key = _node_keys(tl.where(r_ok, r_p + one * 0, 0), r_ok, q, q_row_ptr, qnorm, pos, sig, lm, node0, mu_ptr,
+                           rad_ptr, a_ptr, e_ptr, scale, radius_weight, two_cell, D, N, BLOCK_D, DC)  # fmt: skip
         # the new frontier: the W best of the children and the root by (key desc, index in level
         # asc), a total order (indices in a level are distinct). Each child gets one int64 sort key:
         # order-preserving key bits (high 32), then GIDX_MAX - index (25 bits), then its lane (7
-        # bits); one descending sort ranks the children, the root is merged in by its rank, and
-        # the frontier's fields are gathered by lane.
-        tl.device_assert((c_gidx <= GIDX_MAX) | ~c_ok, "FS-B search: index in level past 2^25")
-        lane = tl.arange(0, 2 * WP)
-        c_packed = tl.where(c_ok, _sort_key(c_key, c_gidx) | lane.to(tl.int64), _INT64_MIN)
+        # bits); one descending sort ranks the children, the root is merged in by its rank; a
+        # picked child's index comes back from its sort key, its p and tk by its lane.
+        tl.device_assert((c_g <= GIDX_MAX) | ~c_ok, "FS-B search: index in level past 2^25")
+        c_packed = tl.where(c_ok, _sort_key(c_key, c_g) | lane.to(tl.int64), _INT64_MIN)
         ranked = tl.sort(c_packed, 0, descending=True)  # [2 * WP]: best child first
         r_key_s = tl.max(r_key, 0)
-        r_gidx_s = tl.min(r_gidx, 0)
-        r_packed = _sort_key(r_key_s, r_gidx_s)  # (its lane bits 0: keys differ in their index bits)
+        r_packed = _sort_key(r_key_s, r_g)  # (its lane bits 0: keys differ in their index bits)
         best = tl.gather(ranked, slots, 0)  # [WP]: the WP best children
         rank = tl.sum(((best > r_packed) & (slots < W)).to(tl.int32), 0)  # children that beat the root
         take_root = has_root & (rank < W)
@@ -155,19 +173,16 @@ def _search_forest(n, base_ptr, seg_scale, q, qnorm, pos, sig, lm, node0, mu_ptr
         from_child = (pick != _INT64_MIN) & ~is_root
         at = (pick & (2 * WP - 1)).to(tl.int32)  # the picked child's lane
         new_valid = (slots < W) & (is_root | from_child)
-        tb = tl.where(is_root, tl.max(r_tb, 0), tl.gather(c_tb, at, 0))
-        th = tl.where(is_root, lvl, tl.gather(c_th, at, 0)).to(tl.int64)
-        ts = tl.where(is_root, tl.max(r_ts, 0), tl.gather(c_ts, at, 0))
-        ix = tl.where(is_root, 0, tl.gather(c_ix, at, 0))  # a root: index 0
+        p = tl.where(is_root, r_p, tl.gather(c_p, at, 0))
+        tk = tl.where(is_root, r_tk, tl.gather(c_tk, at, 0))
+        g = tl.where(is_root, r_g, (((pick >> 7) & GIDX_MAX) ^ GIDX_MAX).to(tl.int32))  # GIDX_MAX - x == x ^ GIDX_MAX
         valid = new_valid.to(tl.int32)
         if TRACE:
-            g_sel = tl.where(is_root, r_gidx_s, tl.gather(c_gidx, at, 0))
             k_sel = tl.where(is_root, r_key_s, tl.gather(c_key, at, 0))
-            tl.store(trace_idx_ptr + t * W + slots, tl.where(new_valid, g_sel, -1), mask=tracing & (slots < W))
+            tl.store(trace_idx_ptr + t * W + slots, tl.where(new_valid, g, -1).to(tl.int64), mask=tracing & (slots < W))
             tl.store(trace_key_ptr + t * W + slots, k_sel, mask=tracing & new_valid)
-    tl.device_assert(((tb + ix >= 0) & (tb + ix < N)) | (valid == 0), "FS-B search: leaf id out of its table")
-    leaf = tl.where(valid != 0, tb + ix, 0)  # level 0: the tree's leaves come first
-    return tl.load(cell_ptr + node0 + leaf, mask=valid != 0, other=-1)
+    tl.device_assert(((p >= 0) & (p < N)) | (valid == 0), "FS-B search: leaf id out of its table")
+    return tl.load(cell_ptr + node0 + tl.where(valid != 0, p, 0), mask=valid != 0, other=-1)
 
 
 @triton.jit
@@ -357,6 +372,7 @@ def _fsb_search_kernel(
     two_cell,
     D,
     BLOCK_D: tl.constexpr,
+    DC: tl.constexpr,
     CELL: tl.constexpr,
     QBLOCK: tl.constexpr,
     W: tl.constexpr,
@@ -381,12 +397,13 @@ def _fsb_search_kernel(
     node0 = h * N
     n_all = (i // QBLOCK) * QBLOCK // CELL  # cells available to the query's block
     n_high = tl.load(hp_ptr + h * C1 + n_all)
-    found_all = _search_forest(n_all, base_ptr, 1, q, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr, e_ptr, cell_ptr,
-                               scale, radius_weight, two_cell, D, N, trace_idx_ptr, trace_key_ptr, tracing,
-                               BLOCK_D, W, WP, TRACE)  # fmt: skip
-    found_high = _search_forest(n_high, base_ptr + HB, 1, q, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr, e_ptr,
-                                cell_ptr, scale, radius_weight, two_cell, D, N, trace_idx_ptr + TRACE_LEVELS * W,
-                                trace_key_ptr + TRACE_LEVELS * W, tracing, BLOCK_D, W, WP, TRACE)  # fmt: skip
+    q_row = q_ptr + (hq * T + i) * D
+    found_all = _search_forest(n_all, base_ptr, 1, q, q_row, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr, e_ptr,
+                               cell_ptr, scale, radius_weight, two_cell, D, N, trace_idx_ptr, trace_key_ptr, tracing,
+                               BLOCK_D, DC, W, WP, TRACE)  # fmt: skip
+    found_high = _search_forest(n_high, base_ptr + HB, 1, q, q_row, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr,
+                                e_ptr, cell_ptr, scale, radius_weight, two_cell, D, N, trace_idx_ptr + TRACE_LEVELS * W,
+                                trace_key_ptr + TRACE_LEVELS * W, tracing, BLOCK_D, DC, W, WP, TRACE)  # fmt: skip
     if FOUND:
         slots = tl.arange(0, WP)
         tl.store(found_ptr + i * stride_ft + hq * stride_fh + slots, found_all, mask=slots < W)
@@ -509,7 +526,8 @@ def _fsb_decode_search_kernel(
     hq = bh % (Hkv * G)
     h = hq // G
     d = tl.arange(0, BLOCK_D)
-    q = tl.load(q_ptr + b * stride_qb + hq * stride_qh + d, mask=d < D, other=0.0).to(tl.float32)
+    q_row = q_ptr + b * stride_qb + hq * stride_qh
+    q = tl.load(q_row + d, mask=d < D, other=0.0).to(tl.float32)
     qnorm = tl.sqrt(tl.sum(q * q, 0))
     pos_i = tl.load(pos_ptr)  # int64
     pos = pos_i.to(tl.float32)
@@ -519,14 +537,14 @@ def _fsb_decode_search_kernel(
     no_trace = bh < 0  # TRACE is off: nothing is stored
     if forest == 0:
         n_all = (pos_i // QBLOCK) * (QBLOCK // CELL)
-        found = _search_forest(n_all, base_a_ptr, 0, q, qnorm, pos, sig, lm, plane * Na, mu_a_ptr, rad_a_ptr, a_a_ptr,
-                               e_a_ptr, cell_a_ptr, scale, radius_weight, two_cell, D, Na, found_ptr, found_ptr,
-                               no_trace, BLOCK_D, W, WP, False)  # fmt: skip
+        found = _search_forest(n_all, base_a_ptr, 0, q, q_row, qnorm, pos, sig, lm, plane * Na, mu_a_ptr, rad_a_ptr,
+                               a_a_ptr, e_a_ptr, cell_a_ptr, scale, radius_weight, two_cell, D, Na, found_ptr, found_ptr,
+                               no_trace, BLOCK_D, BLOCK_D, W, WP, False)  # fmt: skip
     else:
         n_high = tl.load(n_high_ptr + plane)
-        found = _search_forest(n_high, base_h_ptr, 0, q, qnorm, pos, sig, lm, plane * Nh, mu_h_ptr, rad_h_ptr, a_h_ptr,
-                               e_h_ptr, cell_h_ptr, scale, radius_weight, two_cell, D, Nh, found_ptr, found_ptr,
-                               no_trace, BLOCK_D, W, WP, False)  # fmt: skip
+        found = _search_forest(n_high, base_h_ptr, 0, q, q_row, qnorm, pos, sig, lm, plane * Nh, mu_h_ptr, rad_h_ptr,
+                               a_h_ptr, e_h_ptr, cell_h_ptr, scale, radius_weight, two_cell, D, Nh, found_ptr, found_ptr,
+                               no_trace, BLOCK_D, BLOCK_D, W, WP, False)  # fmt: skip
     tl.store(found_ptr + (bh * 2 + forest) * WP + tl.arange(0, WP), found)
 
 
@@ -659,6 +677,19 @@ def search_rows_chunk(block_d: int, rows: int) -> int:
     return min(block_d, next_pow2(chunk))
 
 
+# dims per step of the one-query prefill search's node loads (`search_dim_chunk`; None: all of D at once).
+# 16: sm_90 SASS of the search kernel (D 64, beam 16), per level: 707 instructions and 96 registers a
+# thread, against 846 / 104 with all of D at once (the sum across lanes: shuffles) and 1046 / 160 before
+# s40 (int64 frontier fields, four gathers a level)
+SEARCH_DIM_CHUNK = 16
+
+
+def search_dim_chunk(block_d: int) -> int:
+    """Dims of D the one-query prefill search (`_node_keys`) loads per step: SEARCH_DIM_CHUNK
+    (a power of two) capped at block_d, or block_d when unset."""
+    return min(block_d, SEARCH_DIM_CHUNK or block_d)
+
+
 def rerank_mode() -> str:
     """The prefill rerank: RERANK_ENV if set ("tile" / "query"), else RERANK_DEFAULT (read at each call)."""
     mode = os.environ.get(RERANK_ENV, "").strip() or RERANK_DEFAULT
@@ -728,8 +759,8 @@ def _run(q, k, cfg: FreeSoloConfig, return_found: bool, num_warps: int, trace, r
                 -1 if trace is None else trace[1], -1 if trace is None else trace[2], stride_ft, stride_fh,
                 T, max(N, 1), high_prefix.shape[-1], tables.base.shape[1], G,
                 float(D**-0.5), float(cfg.radius_weight), float(2 * cfg.cell), D,
-                BLOCK_D=next_pow2(D), CELL=cfg.cell, QBLOCK=cfg.block, W=cfg.beam, WP=WP,
-                K=K, KP=next_pow2(K), FOUND=return_found or keep, TRACE=trace is not None,
+                BLOCK_D=next_pow2(D), DC=search_dim_chunk(next_pow2(D)), CELL=cfg.cell, QBLOCK=cfg.block, W=cfg.beam,
+                WP=WP, K=K, KP=next_pow2(K), FOUND=return_found or keep, TRACE=trace is not None,
                 TRACE_LEVELS=TRACE_LEVELS, RERANK=rerank and not tiled, num_warps=num_warps,
             )  # fmt: skip
         if tiled:
