@@ -6,13 +6,14 @@ a time: statistics, content codes, stable sorts per dyadic segment). Then one la
 
 1. For each forest (all cells, high-norm cells): the level-wise beam search of spec §6.4 over the
    query block's element count n, from the tallest tree's root down to the leaves. The frontier
-   (at most `beam` nodes) lives in registers as (tree base, tree height, tree start, index in
-   level); at level l the candidates are the frontier's children and the root of the tree of
-   height l when bit l of n is set. Node key = scale * (q . mu + radius_weight * |q| * rad)
-   + lam * A * erf(sigma * (i - e) / (2 s)); the new frontier is the `beam` candidates first by
-   (key desc, index in level asc): the torch search's (sort by index, stable sort by key) order,
-   by one descending `tl.sort` of int64 keys (key bits, index, lane) over the children, the
-   root merged in by its rank, the fields gathered by lane (no host work).
+   (at most `beam` nodes) lives in registers as int32 (node id, tree key, index in level), see
+   `_search_forest`; at level l the candidates are the frontier's children and the root of the
+   tree of height l when bit l of n is set. Node key = scale * (q . mu + radius_weight * |q| *
+   rad) + lam * A * erf(sigma * (i - e) / (2 s)), the node rows read SEARCH_DIM_CHUNK dims at a
+   time; the new frontier is the `beam` candidates first by (key desc, index in level asc): the
+   torch search's (sort by index, stable sort by key) order, by one descending `tl.sort` of int64
+   keys (key bits, index, lane) over the children, the root merged in by its rank, the index read
+   back from the sort key and the other fields gathered by lane (no host work).
 2. Rerank: the <= 2 * beam found cells (duplicates dropped), rho = logsumexp over the cell's s
    tokens of scale * q . k, top-K by (rho desc, c desc), -1 padded. By default (since s39,
    `rerank_mode`) the search stores the beams and `_fsb_rerank_tile_kernel` reranks tiles of
