@@ -7,8 +7,6 @@ Per length (B 1, H 16 MHA, D 64, bf16, the default FS-B config, tau = median a_c
   select_k32  the same with float32 keys (the bytes of the rerank before s39: keys widened on the host)
   select_tile `fsb_select_cells` with FREESOLO_TRITON_FSB_RERANK=tile: the search, then the tile rerank
               (`_fsb_rerank_tile_kernel`: a tile of 32 queries scores its union of found cells once)
-  search_rN / select_rN   (--search-rows N ...) search / select with N queries per search program
-              (FREESOLO_TRITON_FSB_SEARCH_ROWS=N: `_fsb_search_rows_kernel`)
   search_dcN / select_dcN (--dim-chunks N ...) search / select with the one-query search loading node rows
               N dims at a time (`fsb_search.SEARCH_DIM_CHUNK`)
   unions      the tile rerank's `tile_unions` alone (on the search's beams, computed beforehand)
@@ -120,7 +118,6 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", type=int, nargs="+", default=[65536, 262144, 1048576])
     ap.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS)
-    ap.add_argument("--search-rows", type=int, nargs="*", default=[], help="queries per search program to time (search_rN, select_rN)")
     ap.add_argument("--dim-chunks", type=int, nargs="*", default=[], help="node-row chunks of the one-query search to time (search_dcN, select_dcN)")
     ap.add_argument("--tile-shapes", nargs="*", default=[], help="tile rerank shapes ROWSxCELLS to time alone (tile_only)")
     ap.add_argument("--rep", type=int, default=100, help="do_bench rep (ms) for calls under 50 ms")
@@ -149,7 +146,6 @@ def main(argv=None) -> int:
         out, line = {}, []
         shapes = [tuple(int(x) for x in text.split("x")) for text in args.tile_shapes]
         providers = list(args.providers) + [f"tile_{r}x{c}" for r, c in shapes]
-        providers += [f"{kind}_r{n}" for n in args.search_rows for kind in ("search", "select")]
         providers += [f"{kind}_dc{n}" for n in args.dim_chunks for kind in ("search", "select")]
         parts = _TileParts(q, k, cfg) if {"unions", "tile_only"} & set(args.providers) or shapes else None
         for name in providers:
@@ -157,9 +153,6 @@ def main(argv=None) -> int:
                 call = parts.union_step
             elif name == "tile_only":
                 call = parts.kernel_step
-            elif name.startswith(("search_r", "select_r")):
-                kind, n = name.split("_r")
-                call = functools.partial(_with_env, fsb_search.SEARCH_ROWS_ENV, n, calls[kind], q, k, cfg)
             elif name.startswith(("search_dc", "select_dc")):
                 kind, n = name.split("_dc")
                 call = functools.partial(_with_dim_chunk, int(n), calls[kind], q, k, cfg)
@@ -172,7 +165,7 @@ def main(argv=None) -> int:
             ms = bench_ms(call, device, args.rep)
             results.append({"T": T, "provider": name, "ms": ms})
             line.append(f"{name} {ms:9.2f} ms")
-        for name in ["select_k32", "select_tile"] + [f"tile_{r}x{c}" for r, c in shapes] + [f"select_r{n}" for n in args.search_rows] + [
+        for name in ["select_k32", "select_tile"] + [f"tile_{r}x{c}" for r, c in shapes] + [
             f"select_dc{n}" for n in args.dim_chunks
         ]:
             if "select" not in out or name not in out:

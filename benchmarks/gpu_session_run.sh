@@ -279,15 +279,16 @@
 #   s39c_fsb     s39b_fsb with the tile rerank in 4 cells per step and the tile shapes 32x1 / 32x2 / 64x4 / 16x4 timed alone
 #   s39d_tests   the CUDA tests of the forward / backend / graph cache / L12 at the default tiles (TMA long readout on) + the FS-B tile rerank tests, 330 s
 #   s39e_tests   s39d_tests with the tile rerank the default, every FS-B search test, -rA (each test named), 345 s
-#   s40a_fsb     issue 12: the FS-B prefill search with 4 / 8 / 16 / 32 queries per program (FREESOLO_TRITON_FSB_SEARCH_ROWS) vs one, 64k / 256k / 1M, near-tie audits
+#   s40a_fsb     (ran in s40 call2: the opt-in 4 / 8 / 16 / 32-query search, removed in s40; the step is gone)
 #   s40b_tests   s39e_tests' CUDA tests without the CPU-only ones, -v (each finished test named in the log, so a
 #                step killed at its limit still says which tests never finished), 290 s
 #   s40b_ncu     issue 12: Nsight Compute of one _fsb_search_kernel launch at 64k (speed of light, memory, warp
 #                states, scheduler, occupancy, instructions), --clock-control none
 #   s40c_fsb     issue 12: the s40 one-query search (int32 frontier fields; node rows in chunks of 64 / 16 / 8 / 4
 #                dims) against the s39 kernel (.ab/pre_s40: `git archive` of the s39 freesolo and benchmarks, carried)
-#                and the 4-query rows search, same run, 64k / 256k / 1M
+#                same run, 64k / 256k / 1M (in call6 also the 4-query search, removed since)
 #   s40c_tests   the CUDA tests of the FS-B search, decode, caches and models (the search's level step changed)
+#   s40d_tests   the FS-B search's CUDA tests after the 4-query search's removal (the dim-chunk near-tie test)
 #   s39b_tile    the FS-B search CUDA tests with the tile rerank (FREESOLO_TRITON_FSB_RERANK=tile)
 #   s33a_train   issue 11: train_step.py eager providers at 4k / 16k (the FS-L model's attention from the cache)
 set -u
@@ -451,9 +452,9 @@ step s39d_tests 330 python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark --durat
 step s39e_tests 345 python3 -m pytest -q -n ${NPROC:-16} -p no:benchmark -rA --durations=15 proofs_tests/test_triton_fsb_search.py proofs_tests/test_triton_attention.py proofs_tests/test_triton_backend.py proofs_tests/test_triton_graphs.py proofs_tests/test_row_independence.py -k "cuda or gpu or tma or fsb_search"
 step s40b_tests 290 python3 -m pytest -v -n ${NPROC:-16} -p no:benchmark --durations=30 proofs_tests/test_triton_fsb_search.py proofs_tests/test_triton_attention.py proofs_tests/test_triton_backend.py proofs_tests/test_triton_graphs.py proofs_tests/test_row_independence.py -k "(cuda or gpu or tma or fsb_search) and not cpu and not numba"
 step s40b_ncu 150 ncu --clock-control none --kernel-name regex:_fsb_search_kernel --launch-skip 2 --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats --section InstructionStats --section ComputeWorkloadAnalysis python3 benchmarks/fsb_prefill_split.py --lengths 65536 --providers search --rep 20 --audit 0
-step s40c_fsb 200 bash -c "python3 .ab/pre_s40/benchmarks/fsb_prefill_split.py --lengths 65536 262144 1048576 --providers search select --out $W/fsb_prefill_pre_s40.json && python3 benchmarks/fsb_prefill_split.py --lengths 65536 262144 1048576 --providers forests search select --dim-chunks 64 8 4 --search-rows 4 --out $W/fsb_prefill_s40.json"
+step s40c_fsb 200 bash -c "python3 .ab/pre_s40/benchmarks/fsb_prefill_split.py --lengths 65536 262144 1048576 --providers search select --out $W/fsb_prefill_pre_s40.json && python3 benchmarks/fsb_prefill_split.py --lengths 65536 262144 1048576 --providers forests search select --dim-chunks 64 8 4 --out $W/fsb_prefill_s40.json"
+step s40d_tests 150 python3 -m pytest -v -n ${NPROC:-16} -p no:benchmark --durations=10 proofs_tests/test_triton_fsb_search.py -k "cuda or dim_chunk or tile_rerank or rerank_mode"
 step s40c_tests 200 python3 -m pytest -v -n ${NPROC:-16} -p no:benchmark --durations=20 proofs_tests/test_triton_fsb_search.py proofs_tests/test_triton_decode.py proofs_tests/test_cache_gpu.py proofs_tests/test_models.py -k "(cuda or gpu or fsb) and not cpu"
-step s40a_fsb 200 python3 benchmarks/fsb_prefill_split.py --lengths 65536 262144 1048576 --providers forests search select --search-rows 4 8 16 32 --out "$W/fsb_prefill_rows.json"
 step s39b_tests 400 python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark --durations=25 -k "cuda or gpu or tma or fsb" proofs_tests/test_triton_attention.py proofs_tests/test_triton_backend.py proofs_tests/test_row_independence.py proofs_tests/test_packed.py proofs_tests/test_models.py proofs_tests/test_triton_graphs.py proofs_tests/test_triton_backward.py proofs_tests/test_triton_fsb_search.py
 step s39b_tile 150 env FREESOLO_TRITON_FSB_RERANK=tile python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark proofs_tests/test_triton_fsb_search.py
 step s33a_attn 330 python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fsl_eager triton_fs triton_fs_eager triton_fsl_graph sdpa_causal flex_swa512 --shapes H16-D64 --modes fwd fwd+bwd --lengths 4096 8192 16384 65536 --budget-s 290 --rep-ms 30 --out "$W" --tag _s33a

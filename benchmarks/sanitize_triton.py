@@ -187,21 +187,23 @@ def main(parts=("forward_backward", "decode", "fsb_search", "fsb_build", "fsb_bu
 
 def fsb_search():
     """The Triton FS-B beam search + rerank (issue 12), MHA and GQA, T not a multiple of the block:
-    the per-query rerank, the tile rerank (the default) and the 4-query search (`_fsb_search_rows_kernel`)."""
+    the per-query rerank and the tile rerank (the default), node rows in chunks of 16 dims (the
+    default; D 32: two chunks) and all at once."""
     from freesolo.backends.triton import fsb_search as search
 
-    modes = (("query", "1"), ("tile", "1"), ("tile", "4"))
+    modes = (("query", 16), ("tile", 16), ("tile", None))
     for Hq, Hkv in ((4, 4), (4, 2)):
         cfg = freesolo.FreeSoloConfig(variant="fsb", window=64, cell=8, block=32, beam=4, top_k=2)
         q = torch.randn(2, 301, Hq, 32, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(2, 301, Hkv, 32, device="cuda", dtype=torch.bfloat16)
         cfg = cfg.replace(tau=freesolo.calibrate_tau(k.float(), cfg))
-        for rerank, rows in modes:
-            os.environ[search.RERANK_ENV], os.environ[search.SEARCH_ROWS_ENV] = rerank, rows
+        for rerank, chunk in modes:
+            os.environ[search.RERANK_ENV], search.SEARCH_DIM_CHUNK = rerank, chunk
             idx = search.fsb_select_cells(q, k, cfg)
             torch.cuda.synchronize()
-            print("fsb_search", Hq, Hkv, f"rerank={rerank} rows={rows}", "ok", tuple(idx.shape), int(idx.max()))
-    del os.environ[search.RERANK_ENV], os.environ[search.SEARCH_ROWS_ENV]
+            print("fsb_search", Hq, Hkv, f"rerank={rerank} dim_chunk={chunk}", "ok", tuple(idx.shape), int(idx.max()))
+    del os.environ[search.RERANK_ENV]
+    search.SEARCH_DIM_CHUNK = 16
 
 
 def forward_backward(long_block):

@@ -268,7 +268,6 @@ def test_tile_rerank_equals_torch_and_oracle(monkeypatch, seed, T, Hq, Hkv, rows
     from freesolo.backends.triton import fsb_search
 
     monkeypatch.setenv(fsb_search.RERANK_ENV, "tile")
-    monkeypatch.setenv(fsb_search.SEARCH_ROWS_ENV, "4")  # (the interpreter runs the 4-query search ~4x faster)
     monkeypatch.setattr(fsb_search, "RERANK_TILE_ROWS", rows)
     monkeypatch.setattr(fsb_search, "RERANK_TILE_CELLS", cells)
     q, k, cfg, qt, kt = _row_beside_loud_row(seed, T, Hq, Hkv, **kw)
@@ -276,53 +275,21 @@ def test_tile_rerank_equals_torch_and_oracle(monkeypatch, seed, T, Hq, Hkv, rows
     assert (idx >= 0).sum() > 3 * T, "too few selections: the rerank would not bite"
 
 
-@pytest.mark.parametrize(
-    "seed, T, Hq, Hkv, rows, chunk, kw",
-    [
-        (0, 47, 2, 1, 4, None, dict(beam=3, top_k=3, leaf_order="content")),  # the last program holds 3 queries
-        (2, 41, 4, 2, 8, 4, dict(beam=5, top_k=4, sigma=2.0, lam=0.5, leaf_order="position", radius_weight=0.5)),
-    ],
-)
-def test_search_rows_equal_torch_and_oracle(monkeypatch, seed, T, Hq, Hkv, rows, chunk, kw):
-    """FREESOLO_TRITON_FSB_SEARCH_ROWS > 1 (`_fsb_search_rows_kernel`: several queries of a block per
-    program; node rows loaded `chunk` dims at a time: D 8 in two steps of 4, or whole): the beams equal
-    the torch search's, the selection the torch search's and the float64 oracle's; L12 bitwise (a
-    row beside a row of 1e3x norms, a prefix of the sequence)."""
+def test_search_dim_chunk_setting(monkeypatch):
+    """search_dim_chunk: SEARCH_DIM_CHUNK capped at the padded head dim; unset: the whole of it."""
     from freesolo.backends.triton import fsb_search
 
-    monkeypatch.setenv(fsb_search.SEARCH_ROWS_ENV, str(rows))
-    monkeypatch.setattr(fsb_search, "SEARCH_ROWS_CHUNK", chunk)
-    assert fsb_search.search_rows_chunk(8, rows) == (chunk or 8)
-    assert fsb_search.search_rows(8) == rows
-    q, k, cfg, qt, kt = _row_beside_loud_row(seed, T, Hq, Hkv, **kw)
-    idx, found = _assert_first_row_exact(q, k, cfg, qt, kt)
-    assert (found >= 0).sum() > 2 * T, "the beams found little: the test would not bite"
-    prefix = fsb_select_cells(qt[:1, :30], kt[:1, :30], cfg)
-    assert torch.equal(prefix, idx[:, :30])
-
-
-def test_search_rows_setting(monkeypatch):
-    """search_rows: halved until it divides the query block; a bad value raises."""
-    from freesolo.backends.triton import fsb_search
-
-    monkeypatch.setenv(fsb_search.SEARCH_ROWS_ENV, "16")
-    assert fsb_search.search_rows(128) == 16 and fsb_search.search_rows(8) == 8 and fsb_search.search_rows(12) == 4
-    for bad in ("3", "0", "128", "x"):
-        monkeypatch.setenv(fsb_search.SEARCH_ROWS_ENV, bad)
-        with pytest.raises(ValueError, match="power of two"):
-            fsb_search.search_rows(128)
-    monkeypatch.delenv(fsb_search.SEARCH_ROWS_ENV)
-    assert fsb_search.search_rows(128) == fsb_search.SEARCH_ROWS_DEFAULT
-    # D in chunks that keep a [rows, 32, chunk] float32 child tile at 16k values, at least 16 dims
-    assert [fsb_search.search_rows_chunk(64, r) for r in (2, 4, 8, 16, 32, 64)] == [64, 64, 64, 32, 16, 16]
-    assert fsb_search.search_rows_chunk(128, 4) == 128 and fsb_search.search_rows_chunk(8, 32) == 8
+    assert fsb_search.search_dim_chunk(64) == fsb_search.SEARCH_DIM_CHUNK == 16
+    assert fsb_search.search_dim_chunk(8) == 8
+    monkeypatch.setattr(fsb_search, "SEARCH_DIM_CHUNK", None)
+    assert fsb_search.search_dim_chunk(128) == 128
 
 
 @CUDA_ONLY
-@pytest.mark.parametrize("rows", [4, 16])
-def test_cuda_search_rows_differ_at_near_ties_only(monkeypatch, rows):
-    """Paper config, T = 16384, GQA 4, bf16: the selection with `rows` queries per search program
-    equals the one-query search's except at float32 near-ties (float64 margin below 1e-3)."""
+def test_cuda_dim_chunks_differ_at_near_ties_only(monkeypatch):
+    """Paper config, T = 16384, GQA 4, bf16: the search reading node rows 16 dims at a time (the
+    default: per-lane sums) equals the one reading all of D at once (sums across lanes) except at
+    float32 near-ties (float64 margin below 1e-3)."""
     from freesolo.backends.triton import fsb_search
 
     torch.manual_seed(2)
@@ -330,16 +297,16 @@ def test_cuda_search_rows_differ_at_near_ties_only(monkeypatch, rows):
     q = torch.randn(1, T, Hq, D, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(1, T, Hkv, D, device="cuda", dtype=torch.bfloat16)
     cfg = FreeSoloConfig(variant="fsb", tau=float(D**0.5) * 1.4)
-    monkeypatch.setenv(fsb_search.SEARCH_ROWS_ENV, "1")
+    monkeypatch.setattr(fsb_search, "SEARCH_DIM_CHUNK", None)
     ref, ref_found = fsb_select_cells(q, k, cfg, return_found=True)
-    monkeypatch.setenv(fsb_search.SEARCH_ROWS_ENV, str(rows))
+    monkeypatch.setattr(fsb_search, "SEARCH_DIM_CHUNK", 16)
     idx, found = fsb_select_cells(q, k, cfg, return_found=True)
     assert (idx[:, cfg.block :] >= 0).all(), "every query past the first block selects top_k cells"
     differ = (idx != ref).any(-1) | (found != ref_found).any(-1)
     assert differ.float().mean().item() <= 0.002, f"{differ.float().mean().item():.4%} of the beams or selections differ"
     entries = [tuple(int(x) for x in e) for e in differ.nonzero()[:64].tolist()]
     wide = [r for r in near_tie_audit(q, k, cfg, entries) if r["margin"] > 1e-3]
-    assert not wide, f"the {rows}-query search differs at entries with wide float64 margins: {wide[:4]}"
+    assert not wide, f"the chunked search differs at entries with wide float64 margins: {wide[:4]}"
 
 
 def test_rerank_mode_refuses_unknown(monkeypatch):

@@ -246,7 +246,7 @@ def test_knob_list_names_every_triton_switch_of_the_kernels():
     named = set()
     for path in root.glob("*.py"):
         named |= set(re.findall(r'"(FREESOLO_TRITON_[A-Z_]+)"', path.read_text()))
-    fsb_prefill = {"FREESOLO_TRITON_FSB_SEARCH", "FREESOLO_TRITON_FSB_RERANK", "FREESOLO_TRITON_FSB_SEARCH_ROWS"}
+    fsb_prefill = {"FREESOLO_TRITON_FSB_SEARCH", "FREESOLO_TRITON_FSB_RERANK"}
     assert named - set(graphs.KNOB_ENVS) == {graphs.GRAPHS_ENV} | fsb_prefill, named
 
 

@@ -21,10 +21,6 @@ a time: statistics, content codes, stable sorts per dyadic segment). Then one la
    once per cell with a tensor-core dot, each query keeping its own cells; "query" mode runs
    `_rerank` inside the search program instead. Either reads the keys in their storage dtype.
 
-`FREESOLO_TRITON_FSB_SEARCH_ROWS=N` (opt-in, `search_rows`): `_fsb_search_rows_kernel` searches N
-queries of a block per program (`_search_forest_rows`, the same rule on [N, beam] frontiers), so
-nodes that several of them expand are loaded from L2 once.
-
 Decode (`decode_select_cells`): `_fsb_decode_search_kernel`, one program per (row, query head)
 and forest (the two forests' searches side by side: half the sequential depth of a step), then
 `_fsb_decode_rerank_kernel`, one program per (row, query head): the same `_search_forest` and
@@ -184,131 +180,6 @@ def _search_forest(n, base_ptr, seg_scale, q, q_row_ptr, qnorm, pos, sig, lm, no
             tl.store(trace_key_ptr + t * W + slots, k_sel, mask=tracing & new_valid)
     tl.device_assert(((p >= 0) & (p < N)) | (valid == 0), "FS-B search: leaf id out of its table")
     return tl.load(cell_ptr + node0 + tl.where(valid != 0, p, 0), mask=valid != 0, other=-1)
-
-
-@triton.jit
-def _search_forest_rows(n, base_ptr, q_rows, q_ok, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr, e_ptr,
-                        cell_ptr, scale, radius_weight, two_cell, D, N,
-                        BLOCK_D: tl.constexpr, DC: tl.constexpr, QV: tl.constexpr, W: tl.constexpr,
-                        WP: tl.constexpr):  # fmt: skip
-    """`_search_forest` for QV queries at once that share the forest's element count n (queries
-    of one query block): q_rows [QV] pointers to their float32 query rows (valid where q_ok),
-    qnorm / pos [QV]; returns their found cells int64 [QV, WP] (-1 = none). Each query keeps its
-    own beam (the same level-wise rule, key by key); the QV queries' child tiles [QV, 2 * WP, D]
-    are loaded by one program, DC dims at a time (registers), so a node that several of them
-    expand is fetched from the SM's L1 after its first load instead of from L2 per query.
-    Node keys are sums over D in another order than `_search_forest`'s: equal up to float32
-    rounding. One tree per height at base[h] + m * nodes(h) (the prefill layout, seg_scale 1)."""
-    slots = tl.arange(0, WP)
-    slots2 = tl.broadcast_to(slots[None, :], (QV, WP))
-    lane = tl.broadcast_to(tl.arange(0, 2 * WP)[None, :], (QV, 2 * WP))
-    tb = tl.zeros([QV, WP], dtype=tl.int64)  # tree base (flat id of the tree's first node)
-    th = tl.zeros([QV, WP], dtype=tl.int64)  # tree height
-    ts = tl.zeros([QV, WP], dtype=tl.int64)  # tree start (first element)
-    ix = tl.zeros([QV, WP], dtype=tl.int64)  # index in level inside the tree
-    valid = tl.zeros([QV, WP], dtype=tl.int32)
-    top = -1
-    while (n >> (top + 1)) > 0:
-        top += 1
-    for t in range(0, top + 1):
-        lvl = top - t
-        c_tb = tl.reshape(tl.join(tb, tb), [QV, 2 * WP])
-        c_th = tl.reshape(tl.join(th, th), [QV, 2 * WP])
-        c_ts = tl.reshape(tl.join(ts, ts), [QV, 2 * WP])
-        c_ix = tl.reshape(tl.join(2 * ix, 2 * ix + 1), [QV, 2 * WP])
-        c_ok = tl.reshape(tl.join(valid, valid), [QV, 2 * WP]) != 0
-        c_flat = tl.where(c_ok, c_tb + _level_offset(c_th, lvl) + c_ix, 0)
-        tl.device_assert(((c_flat >= 0) & (c_flat < N)) | ~c_ok, "FS-B search: node id out of its table")
-        c_rows = node0 + c_flat
-        # the root of the tree of height lvl (bit lvl of n): the same node for every query
-        has_root = ((n >> lvl) & 1) == 1
-        r_ts = (n >> (lvl + 1)) << (lvl + 1)
-        r_tb = tl.load(base_ptr + lvl) + (r_ts >> lvl) * ((2 << lvl) - 1)
-        r_row = node0 + tl.where(has_root, r_tb + _level_offset(lvl, lvl), 0)
-        tl.device_assert((r_row - node0 < N) | ~has_root, "FS-B search: root id out of its table")
-        dot = tl.zeros([QV, 2 * WP], dtype=tl.float32)
-        r_dot = tl.zeros([QV], dtype=tl.float32)
-        for c0 in tl.static_range(0, BLOCK_D, DC):  # D in chunks of DC dims
-            dd = c0 + tl.arange(0, DC)
-            q = tl.load(q_rows[:, None] + dd[None, :], mask=q_ok[:, None] & (dd < D)[None, :], other=0.0)  # [QV, DC]
-            mu = tl.load(mu_ptr + c_rows[:, :, None] * D + dd[None, None, :],
-                         mask=c_ok[:, :, None] & (dd < D)[None, None, :], other=0.0)  # fmt: skip
-            dot += tl.sum(mu * q[:, None, :], 2)
-            r_mu = tl.load(mu_ptr + r_row * D + dd, mask=has_root & (dd < D), other=0.0)
-            r_dot += tl.sum(r_mu[None, :] * q, 1)
-        rad = tl.load(rad_ptr + c_rows, mask=c_ok, other=0.0)
-        amax = tl.load(a_ptr + c_rows, mask=c_ok, other=0.0)
-        e = tl.load(e_ptr + c_rows, mask=c_ok, other=0).to(tl.float32)
-        prior = lm * amax * tl.math.erf(sig * (pos[:, None] - e) / two_cell)
-        c_key = tl.where(c_ok, scale * (dot + radius_weight * qnorm[:, None] * rad) + prior, float("-inf"))
-        c_gidx = tl.where(c_ok, (c_ts >> lvl) + c_ix, _BIG)
-        r_rad = tl.load(rad_ptr + r_row, mask=has_root, other=0.0)
-        r_amax = tl.load(a_ptr + r_row, mask=has_root, other=0.0)
-        r_e = tl.load(e_ptr + r_row, mask=has_root, other=0).to(tl.float32)
-        r_key = scale * (r_dot + radius_weight * qnorm * r_rad) + lm * r_amax * tl.math.erf(sig * (pos - r_e) / two_cell)
-        r_gidx = r_ts >> lvl
-        tl.device_assert((c_gidx <= GIDX_MAX) | ~c_ok, "FS-B search: index in level past 2^25")
-        c_packed = tl.where(c_ok, _sort_key(c_key, c_gidx) | lane.to(tl.int64), _INT64_MIN)
-        ranked = tl.sort(c_packed, 1, descending=True)  # [QV, 2 * WP]: each query's best child first
-        r_packed = _sort_key(r_key, r_gidx + tl.zeros([QV], dtype=tl.int64))  # [QV]
-        best = tl.gather(ranked, slots2, 1)  # [QV, WP]
-        rank = tl.sum(((best > r_packed[:, None]) & (slots2 < W)).to(tl.int32), 1)  # children that beat the root
-        take_root = has_root & (rank < W)
-        is_root = take_root[:, None] & (slots2 == rank[:, None])
-        pick = tl.gather(ranked, tl.where(take_root[:, None] & (slots2 > rank[:, None]), slots2 - 1, slots2), 1)
-        from_child = (pick != _INT64_MIN) & ~is_root
-        at = (pick & (2 * WP - 1)).to(tl.int32)
-        new_valid = (slots2 < W) & (is_root | from_child)
-        tb = tl.where(is_root, r_tb, tl.gather(c_tb, at, 1))
-        th = tl.where(is_root, lvl, tl.gather(c_th, at, 1)).to(tl.int64)
-        ts = tl.where(is_root, r_ts, tl.gather(c_ts, at, 1))
-        ix = tl.where(is_root, 0, tl.gather(c_ix, at, 1))
-        valid = new_valid.to(tl.int32)
-    tl.device_assert(((tb + ix >= 0) & (tb + ix < N)) | (valid == 0), "FS-B search: leaf id out of its table")
-    leaf = tl.where(valid != 0, tb + ix, 0)
-    return tl.load(cell_ptr + node0 + leaf, mask=valid != 0, other=-1)
-
-
-@triton.jit
-def _fsb_search_rows_kernel(
-    q_ptr,  # fp32 [Hq, T, D]: one row (hq = h * G + g)
-    mu_ptr, rad_ptr, a_ptr, e_ptr, cell_ptr,  # both forests' node tables (SearchTables), as `_fsb_search_kernel`'s
-    base_ptr,  # int64 [2, HB]
-    hp_ptr,  # int64 [Hkv, C + 1]
-    sigma_ptr, lam_ptr,  # fp32 [Hq]
-    beams_ptr,  # int [T, Hq, 2 W] (out): each forest's beam, slot = rank
-    T, N, C1, HB, G, Hq, scale, radius_weight, two_cell, D,
-    BLOCK_D: tl.constexpr, DC: tl.constexpr, CELL: tl.constexpr, QBLOCK: tl.constexpr, QV: tl.constexpr,
-    W: tl.constexpr, WP: tl.constexpr,
-):  # fmt: skip
-    """The beams of QV consecutive queries of one query head (QV divides QBLOCK: they share their
-    block's element counts), both forests (`_search_forest_rows`); the rerank follows
-    (`_fsb_rerank_tile_kernel`)."""
-    i0 = tl.program_id(0).to(tl.int64) * QV
-    hq = tl.program_id(1).to(tl.int64)
-    h = hq // G
-    rows = i0 + tl.arange(0, QV).to(tl.int64)
-    row_ok = rows < T
-    d = tl.arange(0, BLOCK_D)
-    q_rows = q_ptr + (hq * T + rows) * D  # [QV] pointers to the queries' rows
-    q = tl.load(q_rows[:, None] + d[None, :], mask=row_ok[:, None] & (d < D)[None, :], other=0.0)
-    qnorm = tl.sqrt(tl.sum(q * q, 1))
-    pos = rows.to(tl.float32)
-    sig = tl.load(sigma_ptr + hq)
-    lm = tl.load(lam_ptr + hq)
-    node0 = h * N
-    n_all = (i0 // QBLOCK) * QBLOCK // CELL
-    n_high = tl.load(hp_ptr + h * C1 + n_all)
-    found_all = _search_forest_rows(n_all, base_ptr, q_rows, row_ok, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr,
-                                    e_ptr, cell_ptr, scale, radius_weight, two_cell, D, N, BLOCK_D, DC, QV, W, WP)  # fmt: skip
-    found_high = _search_forest_rows(n_high, base_ptr + HB, q_rows, row_ok, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr,
-                                     a_ptr, e_ptr, cell_ptr, scale, radius_weight, two_cell, D, N, BLOCK_D, DC, QV, W,
-                                     WP)  # fmt: skip
-    slots = tl.arange(0, WP)
-    out = beams_ptr + (rows * Hq + hq)[:, None] * (2 * W) + slots[None, :]
-    keep = row_ok[:, None] & (slots < W)[None, :]
-    tl.store(out, found_all, mask=keep)
-    tl.store(out + W, found_high, mask=keep)
 
 
 @triton.jit
@@ -649,39 +520,13 @@ RERANK_TILE_ROWS = 32  # queries per program of the tile rerank (its union holds
 RERANK_TILE_CELLS = 1
 
 
-SEARCH_ROWS_ENV = "FREESOLO_TRITON_FSB_SEARCH_ROWS"  # queries per program of the prefill search (a power of two <= 64)
-# 1: `_fsb_search_kernel`, one program per (query, head). > 1: `_fsb_search_rows_kernel` (with the tile
-# rerank or without a rerank; not yet timed on a GPU, so off by default).
-SEARCH_ROWS_DEFAULT = 1
-
-
-def search_rows(block: int) -> int:
-    """Queries per program of the prefill search: SEARCH_ROWS_ENV if set, else SEARCH_ROWS_DEFAULT,
-    halved until it divides the query block (the queries of a program share their element counts)."""
-    text = os.environ.get(SEARCH_ROWS_ENV, "").strip()
-    rows = int(text) if text.lstrip("-").isdigit() else None
-    if text and (rows is None or rows < 1 or rows > 64 or rows & (rows - 1)):
-        raise ValueError(f"{SEARCH_ROWS_ENV}={text!r} must be a power of two from 1 to 64")
-    rows = rows or SEARCH_ROWS_DEFAULT
-    while block % rows:
-        rows //= 2
-    return rows
-
-
-SEARCH_ROWS_CHUNK = None  # dims per step of the rows search's node loads; None: `search_rows_chunk`'s rule
-
-
-def search_rows_chunk(block_d: int, rows: int) -> int:
-    """Dims of D the rows search loads at a time: SEARCH_ROWS_CHUNK if set, else what keeps a
-    [rows, 32, chunk] float32 child tile at 16k values (64 registers a thread on 8 warps), at least 16."""
-    chunk = SEARCH_ROWS_CHUNK or max(16, 512 // rows)
-    return min(block_d, next_pow2(chunk))
-
-
-# dims per step of the one-query prefill search's node loads (`search_dim_chunk`; None: all of D at once).
+# dims per step of the prefill search's node loads (`search_dim_chunk`; None: all of D at once).
 # 16: sm_90 SASS of the search kernel (D 64, beam 16), per level: 707 instructions and 96 registers a
 # thread, against 846 / 104 with all of D at once (the sum across lanes: shuffles) and 1046 / 160 before
-# s40 (int64 frontier fields, four gathers a level)
+# s40 (int64 frontier fields, four gathers a level). H100 (s40 call6, bf16 H16 D64, search alone with
+# the forests): 39.7 / 135.4 / 599.0 ms at 64k / 256k / 1M; all of D 42.9 / 148.9 / 658.9; chunks of 8
+# 45.0 / 162.4 / 746.4, of 4 59.4 / 239.2 / 1126.6; the s39 kernel 52.3 / 195.5 / 872.1; the s39 opt-in
+# search of 4 queries a program (removed in s40) 49.4 / 178.0 / 792.0. Same selections everywhere.
 SEARCH_DIM_CHUNK = 16
 
 
@@ -742,28 +587,17 @@ def _run(q, k, cfg: FreeSoloConfig, return_found: bool, num_warps: int, trace, r
         N = tables.mu.shape[2]
         found_b = beams if keep else found[b]
         stride_ft, stride_fh = (Hq * W2, W2) if keep else (W2, T * W2)
-        per_program = search_rows(cfg.block) if keep and trace is None else 1
-        if per_program > 1:
-            launch(_fsb_search_rows_kernel, (-(-T // per_program), Hq),
-                q4[b], tables.mu[0].contiguous(), tables.rad[0].contiguous(), tables.A[0].contiguous(),
-                tables.e[0].contiguous(), tables.cell[0].contiguous(), tables.base.contiguous(), high_prefix[0].contiguous(),
-                sigma, lam, beams, T, max(N, 1), high_prefix.shape[-1], tables.base.shape[1], G, Hq,
-                float(D**-0.5), float(cfg.radius_weight), float(2 * cfg.cell), D,
-                BLOCK_D=next_pow2(D), DC=search_rows_chunk(next_pow2(D), per_program), CELL=cfg.cell,
-                QBLOCK=cfg.block, QV=per_program, W=cfg.beam, WP=WP, num_warps=min(8, per_program),
-            )  # fmt: skip
-        else:
-            launch(_fsb_search_kernel, (T, Hq),
-                q4[b], k_rows[b], tables.mu[0].contiguous(), tables.rad[0].contiguous(), tables.A[0].contiguous(),
-                tables.e[0].contiguous(), tables.cell[0].contiguous(), tables.base.contiguous(), high_prefix[0].contiguous(),
-                sigma, lam, out[b], found_b, trace_idx, trace_key,
-                -1 if trace is None else trace[1], -1 if trace is None else trace[2], stride_ft, stride_fh,
-                T, max(N, 1), high_prefix.shape[-1], tables.base.shape[1], G,
-                float(D**-0.5), float(cfg.radius_weight), float(2 * cfg.cell), D,
-                BLOCK_D=next_pow2(D), DC=search_dim_chunk(next_pow2(D)), CELL=cfg.cell, QBLOCK=cfg.block, W=cfg.beam,
-                WP=WP, K=K, KP=next_pow2(K), FOUND=return_found or keep, TRACE=trace is not None,
-                TRACE_LEVELS=TRACE_LEVELS, RERANK=rerank and not tiled, num_warps=num_warps,
-            )  # fmt: skip
+        launch(_fsb_search_kernel, (T, Hq),
+            q4[b], k_rows[b], tables.mu[0].contiguous(), tables.rad[0].contiguous(), tables.A[0].contiguous(),
+            tables.e[0].contiguous(), tables.cell[0].contiguous(), tables.base.contiguous(), high_prefix[0].contiguous(),
+            sigma, lam, out[b], found_b, trace_idx, trace_key,
+            -1 if trace is None else trace[1], -1 if trace is None else trace[2], stride_ft, stride_fh,
+            T, max(N, 1), high_prefix.shape[-1], tables.base.shape[1], G,
+            float(D**-0.5), float(cfg.radius_weight), float(2 * cfg.cell), D,
+            BLOCK_D=next_pow2(D), DC=search_dim_chunk(next_pow2(D)), CELL=cfg.cell, QBLOCK=cfg.block, W=cfg.beam,
+            WP=WP, K=K, KP=next_pow2(K), FOUND=return_found or keep, TRACE=trace is not None,
+            TRACE_LEVELS=TRACE_LEVELS, RERANK=rerank and not tiled, num_warps=num_warps,
+        )  # fmt: skip
         if tiled:
             _rerank_tiles(q4[b], k_rows[b], beams, out[b], cfg, G, q.dtype, tile_unions)
         if keep and return_found:
