@@ -48,11 +48,11 @@ from ._common import launch, next_pow2, same_device  # (importing _common also p
 __all__ = ["MAX_BEAM", "MAX_FOREST_CELLS", "TRACE_LEVELS", "decode_select_cells", "fsb_select_cells", "trace_search"]
 
 MAX_BEAM = 64  # the frontier lives in registers: [2 * beam, D] node tiles; 2 * beam lanes fit the sort key's 7 lane bits
-_BIG = tl.constexpr(2**62)  # the index in level of an invalid candidate (after every real one)
 
 
 _INT64_MIN = tl.constexpr(-(2**63))
 MAX_FOREST_CELLS = 2**25  # cells of one forest the search's sort keys can index (T < 2^30 tokens at cell 32)
+MAX_TABLE_NODES = 2**31 - 1  # nodes of one kv head's table: the frontier holds node ids as int32 (`_search_forest`)
 GIDX_MAX = tl.constexpr(MAX_FOREST_CELLS - 1)
 
 
@@ -63,12 +63,6 @@ def _sort_key(key, gidx):
     bits = (key + 0.0).to(tl.int32, bitcast=True)  # + 0.0: -0.0 -> +0.0 (equal keys, equal bits)
     bits = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # integer order == float order
     return (bits.to(tl.int64) << 32) | ((tl.full([], GIDX_MAX, tl.int64) - gidx) << 7)
-
-
-@triton.jit
-def _level_offset(h, l):
-    """Index of the first node of level l inside a tree of height h (levels 0..h stored in order)."""
-    return (1 << (h + 1)) - (1 << (h - l + 1))
 
 
 @triton.jit
@@ -585,6 +579,8 @@ def _run(q, k, cfg: FreeSoloConfig, return_found: bool, num_warps: int, trace, r
     for b in rows:  # one row at a time: its tables are built from its own keys (L12)
         tables, high_prefix = build_row_forests(k_rows[b : b + 1].to(torch.float32), cfg, outward=True)
         N = tables.mu.shape[2]
+        if N > MAX_TABLE_NODES:  # (a float32 mu table of 2^31 nodes is 512 GiB per kv head at D 64: not reached in practice)
+            raise ValueError(f"FS-B search: {N} nodes per kv head's table, the int32 frontier indexes at most {MAX_TABLE_NODES}")
         found_b = beams if keep else found[b]
         stride_ft, stride_fh = (Hq * W2, W2) if keep else (W2, T * W2)
         launch(_fsb_search_kernel, (T, Hq),
