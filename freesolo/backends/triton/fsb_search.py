@@ -144,8 +144,10 @@ def _search_forest(n, base_ptr, seg_scale, q, q_row_ptr, qnorm, pos, sig, lm, no
         r_p = r_tk - 2
         r_g = r_start >> lvl
         r_ok = (one == 0) & has_root
+        # (one row: its key summed across the lanes from the q in registers, all of D at once; its rows in
+        # chunks cost 67 more SASS instructions a level, 707 against 640 at D 64)
         r_key = _node_keys(tl.where(r_ok, r_p + one * 0, 0), r_ok, q, q_row_ptr, qnorm, pos, sig, lm, node0, mu_ptr,
-                           rad_ptr, a_ptr, e_ptr, scale, radius_weight, two_cell, D, N, BLOCK_D, DC)  # fmt: skip
+                           rad_ptr, a_ptr, e_ptr, scale, radius_weight, two_cell, D, N, BLOCK_D, BLOCK_D)  # fmt: skip
         # the new frontier: the W best of the children and the root by (key desc, index in level
         # asc), a total order (indices in a level are distinct). Each child gets one int64 sort key:
         # order-preserving key bits (high 32), then GIDX_MAX - index (25 bits), then its lane (7
