@@ -71,22 +71,14 @@ def _with_env(name, value, fn, *args):
             os.environ[name] = previous
 
 
-def _with_dim_chunk(chunk, fn, *args):
-    previous = fsb_search.SEARCH_DIM_CHUNK
-    fsb_search.SEARCH_DIM_CHUNK = chunk
+def _with_search_setting(name, value, fn, *args):
+    """fn(*args) with the module constant fsb_search.<name> set to value (restored after)."""
+    previous = getattr(fsb_search, name)
+    setattr(fsb_search, name, value)
     try:
         return fn(*args)
     finally:
-        fsb_search.SEARCH_DIM_CHUNK = previous
-
-
-def _with_maxnreg(registers, fn, *args):
-    previous = fsb_search.SEARCH_MAXNREG
-    fsb_search.SEARCH_MAXNREG = registers
-    try:
-        return fn(*args)
-    finally:
-        fsb_search.SEARCH_MAXNREG = previous
+        setattr(fsb_search, name, previous)
 
 
 def _select_tile(q, k, cfg):
@@ -168,10 +160,10 @@ def main(argv=None) -> int:
                 call = parts.kernel_step
             elif name.startswith(("search_dc", "select_dc")):
                 kind, n = name.split("_dc")
-                call = functools.partial(_with_dim_chunk, int(n), calls[kind], q, k, cfg)
+                call = functools.partial(_with_search_setting, "SEARCH_DIM_CHUNK", int(n), calls[kind], q, k, cfg)
             elif name.startswith(("search_mr", "select_mr")):
                 kind, n = name.split("_mr")
-                call = functools.partial(_with_maxnreg, int(n), calls[kind], q, k, cfg)
+                call = functools.partial(_with_search_setting, "SEARCH_MAXNREG", int(n), calls[kind], q, k, cfg)
             elif name.startswith("tile_"):
                 r, c = (int(x) for x in name[len("tile_") :].split("x"))
                 call = functools.partial(parts.kernel_step, r, c)

@@ -72,9 +72,9 @@ def _node_keys(flat, ok, q, q_row_ptr, qnorm, pos, sig, lm, node0, mu_ptr, rad_p
 
     q: float32 [BLOCK_D] the query (zero past D); q_row_ptr: the same query in memory (any float
     dtype), read when DC < BLOCK_D. DC == BLOCK_D: one [M, BLOCK_D] tile, q . mu summed across the
-    lanes that hold a row. DC < BLOCK_D: D in chunks of DC dims, [M, DC] tiles whose rows each sit in
-    one lane (sums inside a lane, no shuffles; q's chunk re-read from L1). The two orders of the
-    sum agree up to float32 rounding."""
+    lanes that hold a row (16 lanes at D 64). DC < BLOCK_D: D in chunks of DC dims, [M, DC] tiles
+    whose rows span fewer lanes (4 at DC 16: fewer shuffles, more of the sum inside a lane; q's
+    chunk re-read from L1). The two orders of the sum agree up to float32 rounding."""
     tl.device_assert(((flat >= 0) & (flat < N)) | ~ok, "FS-B search: node id out of its table")
     rows = node0 + flat
     if DC == BLOCK_D:
@@ -519,8 +519,8 @@ RERANK_TILE_CELLS = 1
 # dims per step of the prefill search's node loads (`search_dim_chunk`; None: all of D at once).
 # 16: sm_90 SASS of the search kernel (D 64, beam 16), per level: 707 instructions and 96 registers a
 # thread, against 846 / 104 with all of D at once (the sum across lanes: shuffles) and 1046 / 160 before
-# s40 (int64 frontier fields, four gathers a level). H100 (s40 call6, bf16 H16 D64, search alone with
-# the forests): 39.7 / 135.4 / 599.0 ms at 64k / 256k / 1M; all of D 42.9 / 148.9 / 658.9; chunks of 8
+# s40 (int64 frontier fields, four gathers a level). H100 (s40 call6, bf16 H16 D64, forests + search):
+# 39.7 / 135.4 / 599.0 ms at 64k / 256k / 1M; all of D 42.9 / 148.9 / 658.9; chunks of 8
 # 45.0 / 162.4 / 746.4, of 4 59.4 / 239.2 / 1126.6; the s39 kernel 52.3 / 195.5 / 872.1; the s39 opt-in
 # search of 4 queries a program (removed in s40) 49.4 / 178.0 / 792.0. Same selections everywhere.
 SEARCH_DIM_CHUNK = 16
