@@ -9,6 +9,8 @@ Per length (B 1, H 16 MHA, D 64, bf16, the default FS-B config, tau = median a_c
               (`_fsb_rerank_tile_kernel`: a tile of 32 queries scores its union of found cells once)
   search_dcN / select_dcN (--dim-chunks N ...) search / select with the one-query search loading node rows
               N dims at a time (`fsb_search.SEARCH_DIM_CHUNK`)
+  search_mrN / select_mrN (--maxnregs N ...) search / select with the search launched at maxnreg N
+              (`fsb_search.SEARCH_MAXNREG`)
   unions      the tile rerank's `tile_unions` alone (on the search's beams, computed beforehand)
   tile_only   the tile rerank's kernel alone (unions computed beforehand), at the default tile; with
               --tile-shapes ROWSxCELLS ..., also providers tile_ROWSxCELLS (queries per tile, union
@@ -120,6 +122,7 @@ def main(argv=None) -> int:
     ap.add_argument("--lengths", type=int, nargs="+", default=[65536, 262144, 1048576])
     ap.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS)
     ap.add_argument("--dim-chunks", type=int, nargs="*", default=[], help="node-row chunks of the one-query search to time (search_dcN, select_dcN)")
+    ap.add_argument("--maxnregs", type=int, nargs="*", default=[], help="maxnreg values of the search launch to time (search_mrN, select_mrN)")
     ap.add_argument("--tile-shapes", nargs="*", default=[], help="tile rerank shapes ROWSxCELLS to time alone (tile_only)")
     ap.add_argument("--rep", type=int, default=100, help="do_bench rep (ms) for calls under 50 ms")
     ap.add_argument("--audit", type=int, default=8, help="differing select_tile entries audited per length (0: none)")
@@ -148,6 +151,7 @@ def main(argv=None) -> int:
         shapes = [tuple(int(x) for x in text.split("x")) for text in args.tile_shapes]
         providers = list(args.providers) + [f"tile_{r}x{c}" for r, c in shapes]
         providers += [f"{kind}_dc{n}" for n in args.dim_chunks for kind in ("search", "select")]
+        providers += [f"{kind}_mr{n}" for n in args.maxnregs for kind in ("search", "select")]
         parts = _TileParts(q, k, cfg) if {"unions", "tile_only"} & set(args.providers) or shapes else None
         for name in providers:
             if name == "unions":
@@ -157,6 +161,9 @@ def main(argv=None) -> int:
             elif name.startswith(("search_dc", "select_dc")):
                 kind, n = name.split("_dc")
                 call = functools.partial(_with_search_setting, "SEARCH_DIM_CHUNK", int(n), calls[kind], q, k, cfg)
+            elif name.startswith(("search_mr", "select_mr")):
+                kind, n = name.split("_mr")
+                call = functools.partial(_with_search_setting, "SEARCH_MAXNREG", int(n), calls[kind], q, k, cfg)
             elif name.startswith("tile_"):
                 r, c = (int(x) for x in name[len("tile_") :].split("x"))
                 call = functools.partial(parts.kernel_step, r, c)
@@ -168,7 +175,7 @@ def main(argv=None) -> int:
             line.append(f"{name} {ms:9.2f} ms")
         for name in ["select_k32", "select_tile"] + [f"tile_{r}x{c}" for r, c in shapes] + [
             f"select_dc{n}" for n in args.dim_chunks
-        ]:
+        ] + [f"select_mr{n}" for n in args.maxnregs]:
             if "select" not in out or name not in out:
                 continue
             differ = (out["select"] != out[name]).any(-1)

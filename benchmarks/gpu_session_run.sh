@@ -289,6 +289,10 @@
 #                same run, 64k / 256k / 1M (in call6 also the 4-query search, removed since)
 #   s40c_tests   the CUDA tests of the FS-B search, decode, caches and models (the search's level step changed)
 #   s40d_tests   the FS-B search's CUDA tests after the 4-query search's removal (the dim-chunk near-tie test)
+#   s41a_fsb     issue 12 (branch s41-search-root): the root's key with all of D at once, and the search at maxnreg
+#                88 / 80 / 72, against main (.ab/pre_s41:
+#                `git archive main freesolo benchmarks` without benchmarks/results, carried), same run, 64k / 256k / 1M
+#   s41a_tests   the FS-B search / decode CUDA tests on the branch
 #   s39b_tile    the FS-B search CUDA tests with the tile rerank (FREESOLO_TRITON_FSB_RERANK=tile)
 #   s33a_train   issue 11: train_step.py eager providers at 4k / 16k (the FS-L model's attention from the cache)
 set -u
@@ -450,6 +454,8 @@ step s39b_fsb 150 python3 benchmarks/fsb_prefill_split.py --lengths 65536 262144
 step s39c_fsb 200 python3 benchmarks/fsb_prefill_split.py --lengths 65536 262144 1048576 --providers forests search select select_tile unions tile_only --tile-shapes 32x1 32x2 64x4 16x4 --out "$W/fsb_prefill_split.json"
 step s39d_tests 330 python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark --durations=15 -k "cuda or gpu or tma or tile_rerank or rerank_mode" proofs_tests/test_triton_attention.py proofs_tests/test_triton_backend.py proofs_tests/test_triton_graphs.py proofs_tests/test_row_independence.py proofs_tests/test_triton_fsb_search.py
 step s39e_tests 345 python3 -m pytest -q -n ${NPROC:-16} -p no:benchmark -rA --durations=15 proofs_tests/test_triton_fsb_search.py proofs_tests/test_triton_attention.py proofs_tests/test_triton_backend.py proofs_tests/test_triton_graphs.py proofs_tests/test_row_independence.py -k "cuda or gpu or tma or fsb_search"
+step s41a_fsb 200 bash -c "python3 .ab/pre_s41/benchmarks/fsb_prefill_split.py --lengths 65536 262144 1048576 --providers forests search select --out $W/fsb_prefill_main.json && python3 benchmarks/fsb_prefill_split.py --lengths 65536 262144 1048576 --providers search select --maxnregs 88 80 72 --out $W/fsb_prefill_root.json"
+step s41a_tests 200 python3 -m pytest -v -n ${NPROC:-16} -p no:benchmark --durations=20 proofs_tests/test_triton_fsb_search.py proofs_tests/test_triton_decode.py proofs_tests/test_cache_gpu.py proofs_tests/test_models.py -k "(cuda or gpu or fsb) and not cpu"
 step s40b_tests 290 python3 -m pytest -v -n ${NPROC:-16} -p no:benchmark --durations=30 proofs_tests/test_triton_fsb_search.py proofs_tests/test_triton_attention.py proofs_tests/test_triton_backend.py proofs_tests/test_triton_graphs.py proofs_tests/test_row_independence.py -k "(cuda or gpu or tma or fsb_search) and not cpu and not numba"
 step s40b_ncu 150 ncu --clock-control none --kernel-name regex:_fsb_search_kernel --launch-skip 2 --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats --section InstructionStats --section ComputeWorkloadAnalysis python3 benchmarks/fsb_prefill_split.py --lengths 65536 --providers search --rep 20 --audit 0
 step s40c_fsb 200 bash -c "python3 .ab/pre_s40/benchmarks/fsb_prefill_split.py --lengths 65536 262144 1048576 --providers search select --out $W/fsb_prefill_pre_s40.json && python3 benchmarks/fsb_prefill_split.py --lengths 65536 262144 1048576 --providers forests search select --dim-chunks 64 8 4 --out $W/fsb_prefill_s40.json"

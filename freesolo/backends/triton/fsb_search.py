@@ -144,8 +144,10 @@ def _search_forest(n, base_ptr, seg_scale, q, q_row_ptr, qnorm, pos, sig, lm, no
         r_p = r_tk - 2
         r_g = r_start >> lvl
         r_ok = (one == 0) & has_root
+        # (one row: its key summed across the lanes from the q in registers, all of D at once; its rows in
+        # chunks cost 67 more SASS instructions a level, 707 against 640 at D 64)
         r_key = _node_keys(tl.where(r_ok, r_p + one * 0, 0), r_ok, q, q_row_ptr, qnorm, pos, sig, lm, node0, mu_ptr,
-                           rad_ptr, a_ptr, e_ptr, scale, radius_weight, two_cell, D, N, BLOCK_D, DC)  # fmt: skip
+                           rad_ptr, a_ptr, e_ptr, scale, radius_weight, two_cell, D, N, BLOCK_D, BLOCK_D)  # fmt: skip
         # the new frontier: the W best of the children and the root by (key desc, index in level
         # asc), a total order (indices in a level are distinct). Each child gets one int64 sort key:
         # order-preserving key bits (high 32), then GIDX_MAX - index (25 bits), then its lane (7
@@ -524,6 +526,12 @@ RERANK_TILE_CELLS = 1
 SEARCH_DIM_CHUNK = 16
 
 
+# registers a thread the prefill search may use (the `maxnreg` launch option; None: the compiler's choice, 96
+# at D 64). Offline (benchmarks/fsb_search_sass.py, s40): 88 registers keep the level at 697 instructions without
+# spills (23 warps a SM instead of 21); 72 / 64 spill and take 739 / 783. Not yet timed on a GPU.
+SEARCH_MAXNREG = None
+
+
 def search_dim_chunk(block_d: int) -> int:
     """Dims of D the one-query prefill search (`_node_keys`) loads per step: SEARCH_DIM_CHUNK
     (a power of two) capped at block_d, or block_d when unset."""
@@ -593,6 +601,7 @@ def _run(q, k, cfg: FreeSoloConfig, return_found: bool, num_warps: int, trace, r
             BLOCK_D=next_pow2(D), DC=search_dim_chunk(next_pow2(D)), CELL=cfg.cell, QBLOCK=cfg.block, W=cfg.beam,
             WP=WP, K=K, KP=next_pow2(K), FOUND=return_found or keep, TRACE=trace is not None,
             TRACE_LEVELS=TRACE_LEVELS, RERANK=rerank and not tiled, num_warps=num_warps,
+            **({} if SEARCH_MAXNREG is None else {"maxnreg": SEARCH_MAXNREG}),
         )  # fmt: skip
         if tiled:
             _rerank_tiles(q4[b], k_rows[b], beams, out[b], cfg, G, q.dtype, tile_unions)
