@@ -528,8 +528,11 @@ SEARCH_DIM_CHUNK = 16
 
 # registers a thread the prefill search may use (the `maxnreg` launch option; None: the compiler's choice, 96
 # at D 64). Offline (benchmarks/fsb_search_sass.py, s40): 88 registers keep the level at 697 instructions without
-# spills (23 warps a SM instead of 21); 72 / 64 spill and take 739 / 783. Not yet timed on a GPU.
-SEARCH_MAXNREG = None
+# spills (23 warps a SM instead of 21); 72 / 64 spill and take 739 / 783. On an H100 (s41 call1, bf16, H 16, D 64,
+# search alone at 64k / 256k / 1M, same run): None 41.4 / 133.6 / 584.3 ms, 88: 42.7 / 134.0 / 588.4, 80: 40.6 /
+# 133.1 / 581.4, 72: 38.8 / 131.0 / 574.5; the same selections at every cap. So 72: the spills cost less than the
+# occupancy gains.
+SEARCH_MAXNREG = 72
 
 
 def search_dim_chunk(block_d: int) -> int:
