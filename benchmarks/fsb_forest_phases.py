@@ -8,9 +8,12 @@ phase called alone on the same inputs, CUDA events, median of --reps calls:
   codes         `content_codes` of the float64 means
   table_all     `build_node_table` of the all-cells forest
   table_high    the high-norm cells' gather and `build_node_table` of their forest
-  forests       `build_row_forests` as the search calls it (every phase above but to_f32)
-Then a torch.profiler table of the CUDA kernels of one `build_row_forests` call at the longest length,
-and the peak memory of one call.
+  forests       the torch `build_row_forests` (every phase above but to_f32): the search's builder until s41
+  stats_triton  `fsb_forests.row_cell_stats`: one Triton pass over the bf16 keys (stats32 + stats64 + to_f32)
+  tables_triton `fsb_forests.cells_node_table` of both forests (table_all + table_high)
+  forests_triton `fsb_forests.row_forests` on the bf16 keys: the search's builder since s41
+Then a torch.profiler table of the CUDA kernels of one call of each builder at the longest length (the
+torch one with the keys' float32 copy that the search made for it), and the peak memory of one call.
     python benchmarks/fsb_forest_phases.py --lengths 262144 1048576 --out results/fsb_forest_phases.json
 `--dry-run`: CPU, T = 256: plumbing only.
 """
@@ -23,6 +26,9 @@ import statistics
 import sys
 import time
 
+if "--dry-run" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -32,6 +38,7 @@ from gpu_attention import _tau, _versions, smoke_or_gpu, write_json  # noqa: E40
 from freesolo import FreeSoloConfig  # noqa: E402
 from freesolo.backends.torch._ops import cell_stats  # noqa: E402
 from freesolo.backends.torch.fsb import build_node_table, build_row_forests, content_codes  # noqa: E402
+from freesolo.backends.triton import fsb_forests  # noqa: E402
 from freesolo.reference.forest import hyperplanes  # noqa: E402
 
 __all__ = ["main"]
@@ -58,8 +65,9 @@ def _time_ms(fn, device, reps: int) -> float:
     return statistics.median(times)
 
 
-def _phases(k32: torch.Tensor, cfg: FreeSoloConfig) -> dict:
-    """{phase: zero-argument callable} on k32 [1, Hkv, T, D] float32 (inputs of later phases precomputed)."""
+def _phases(k_rows: torch.Tensor, k32: torch.Tensor, cfg: FreeSoloConfig) -> dict:
+    """{phase: zero-argument callable} on k_rows [1, Hkv, T, D] (storage dtype) and k32 (its float32 copy),
+    the inputs of later phases precomputed."""
     Hkv, D = k32.shape[1], k32.shape[3]
     dev = k32.device
     planes = torch.as_tensor(hyperplanes(cfg.hash_seed, Hkv, cfg.hash_bits, D), device=dev)
@@ -80,6 +88,10 @@ def _phases(k32: torch.Tensor, cfg: FreeSoloConfig) -> dict:
             torch.gather(codes, 2, hc), Mh, cfg, True,
         )  # fmt: skip
 
+    def tables_triton():
+        fsb_forests.cells_node_table(kbar, a, None, codes, C, cfg, True)
+        fsb_forests.cells_node_table(kbar, a, hc, torch.gather(codes, 2, hc), Mh, cfg, True)
+
     return {
         "stats32": lambda: cell_stats(k32, cfg.cell),
         "stats64": lambda: cell_stats(k32.to(torch.float64), cfg.cell),
@@ -87,6 +99,9 @@ def _phases(k32: torch.Tensor, cfg: FreeSoloConfig) -> dict:
         "table_all": lambda: build_node_table(kbar, a, cells, codes, C, cfg, True),
         "table_high": table_high,
         "forests": lambda: build_row_forests(k32, cfg, outward=True),
+        "stats_triton": lambda: fsb_forests.row_cell_stats(k_rows, cfg.cell),
+        "tables_triton": tables_triton,
+        "forests_triton": lambda: fsb_forests.row_forests(k_rows, cfg),
     }
 
 
@@ -129,21 +144,24 @@ def main(argv=None) -> int:
         k32 = k_rows.to(torch.float32)
         rec = {"T": T, **shape, "dtype": str(dtype).replace("torch.", ""), "ms": {}}
         rec["ms"]["to_f32"] = _time_ms(lambda: k_rows.to(torch.float32), device, args.reps)
-        for name, fn in _phases(k32, cfg).items():
+        for name, fn in _phases(k_rows, k32, cfg).items():
             rec["ms"][name] = _time_ms(fn, device, args.reps)
-        if device.type == "cuda":
+        builders = {"torch": lambda: build_row_forests(k_rows.to(torch.float32), cfg, outward=True),
+                    "triton": lambda: fsb_forests.row_forests(k_rows, cfg)}  # fmt: skip
+        for name, build in builders.items() if device.type == "cuda" else ():
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated()
-            build_row_forests(k32, cfg, outward=True)
+            build()
             torch.cuda.synchronize()
-            rec["forests_peak_extra_gib"] = (torch.cuda.max_memory_allocated() - before) / 2**30
+            rec[f"peak_extra_gib_{name}"] = (torch.cuda.max_memory_allocated() - before) / 2**30
             if T == max(lengths):
-                rec["kernels"] = _kernel_table(lambda: build_row_forests(k32, cfg, outward=True), args.top)
-        print(f"T={T:>8}: " + " | ".join(f"{n} {v:8.2f} ms" for n, v in rec["ms"].items())
-              + (f" | peak +{rec['forests_peak_extra_gib']:.2f} GiB" if "forests_peak_extra_gib" in rec else ""), flush=True)
-        for row in rec.get("kernels", []):
-            print(f"    {row['ms']:9.3f} ms x {row['launches']:4d}  {row['name']}")
+                rec[f"kernels_{name}"] = _kernel_table(build, args.top)
+        peaks = " | ".join(f"{key} {v:.2f}" for key, v in rec.items() if key.startswith("peak_extra_gib"))
+        print(f"T={T:>8}: " + " | ".join(f"{n} {v:8.2f} ms" for n, v in rec["ms"].items()) + (f" | {peaks}" if peaks else ""), flush=True)
+        for name in builders:
+            for row in rec.get(f"kernels_{name}", []):
+                print(f"    [{name}] {row['ms']:9.3f} ms x {row['launches']:4d}  {row['name']}")
         results.append(rec)
         del k, k_rows, k32
     if args.out:

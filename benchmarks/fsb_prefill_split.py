@@ -1,7 +1,10 @@
 """Where the Triton FS-B prefill selection spends its time (issue 12): the forests, the search, the rerank.
 
 Per length (B 1, H 16 MHA, D 64, bf16, the default FS-B config, tau = median a_c per head), same run:
-  forests     `build_row_forests` alone (torch ops on the GPU: statistics, codes, sorts)
+  forests     the search's forests alone (`fsb_search.row_forests`: since s41 the Triton statistics of
+              `fsb_forests` inside the torch build's codes and sorts)
+  forests_torch / select_forests_torch   the forests / select with FREESOLO_TRITON_FSB_FORESTS=torch (the
+              torch build on float32 keys: the search's builder until s40)
   search      the forests + `_fsb_search_kernel` without its rerank (`fsb_search._run(..., rerank=False)`)
   select      `fsb_select_cells`: forests + search + rerank, the rerank reading the bf16 keys
   select_k32  the same with float32 keys (the bytes of the rerank before s39: keys widened on the host)
@@ -41,18 +44,18 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from gpu_attention import _tau, _versions, bench_ms, plot_lines, smoke_or_gpu, write_results  # noqa: E402 (benchmarks/ is this script's folder)
 
 from freesolo import FreeSoloConfig  # noqa: E402
-from freesolo.backends.torch.fsb import build_row_forests  # noqa: E402
 from freesolo.backends.triton import fsb_search  # noqa: E402
 from freesolo.backends.triton.fsb_audit import near_tie_audit  # noqa: E402
 
 __all__ = ["main"]
 
 SHAPE = {"B": 1, "Hq": 16, "Hkv": 16, "D": 64}
-PROVIDERS = ("forests", "search", "select", "select_k32", "select_tile", "unions", "tile_only")
+PROVIDERS = ("forests", "forests_torch", "search", "select", "select_forests_torch", "select_k32", "select_tile", "unions",
+             "tile_only")  # fmt: skip
 
 
 def _forests(q, k, cfg):
-    return build_row_forests(k.permute(0, 2, 1, 3).to(torch.float32), cfg, outward=True)
+    return fsb_search.row_forests(k.permute(0, 2, 1, 3).contiguous(), cfg)
 
 
 def _search(q, k, cfg):
@@ -139,6 +142,8 @@ def main(argv=None) -> int:
         "select": lambda q, k, cfg: fsb_search.fsb_select_cells(q, k, cfg),
         "select_k32": lambda q, k, cfg: fsb_search.fsb_select_cells(q, k.to(torch.float32), cfg),
         "select_tile": _select_tile,
+        "forests_torch": functools.partial(_with_env, fsb_search.FORESTS_ENV, "torch", _forests),
+        "select_forests_torch": functools.partial(_with_env, fsb_search.FORESTS_ENV, "torch", fsb_search.fsb_select_cells),
     }
     results = []
     t_start = time.perf_counter()
@@ -173,7 +178,7 @@ def main(argv=None) -> int:
             ms = bench_ms(call, device, args.rep)
             results.append({"T": T, "provider": name, "ms": ms})
             line.append(f"{name} {ms:9.2f} ms")
-        for name in ["select_k32", "select_tile"] + [f"tile_{r}x{c}" for r, c in shapes] + [
+        for name in ["select_k32", "select_tile", "select_forests_torch"] + [f"tile_{r}x{c}" for r, c in shapes] + [
             f"select_dc{n}" for n in args.dim_chunks
         ] + [f"select_mr{n}" for n in args.maxnregs]:
             if "select" not in out or name not in out:

@@ -41,12 +41,15 @@ __all__ = [
     "beam_search_forests",
     "block_element_counts",
     "build_row_forests",
+    "cells_node_table",
+    "row_cell_stats",
     "build_node_table",
     "build_segments",
     "content_codes",
     "fsb_bytes_per_query",
     "fsb_select",
     "row_candidates",
+    "segment_leaf_order",
     "level_offset",
     "tree_nodes",
 ]
@@ -100,6 +103,20 @@ def tree_nodes(h: int) -> int:
     return (2 << h) - 1
 
 
+def segment_leaf_order(codes: torch.Tensor, h: int, cfg: FreeSoloConfig) -> torch.Tensor:
+    """The leaves of the trees of height h over codes int64 [B, Hkv, n] (n a multiple of 2^h, position
+    order): int64 [B, Hkv, n], the element at each leaf (aligned segments of 2^h elements, each stably
+    sorted by code for cfg.leaf_order "content", in position order otherwise; spec §6.2)."""
+    B, Hkv, n = codes.shape
+    size = 1 << h
+    nseg = n // size
+    if cfg.leaf_order == "content":
+        perm = torch.sort(codes.reshape(B, Hkv, nseg, size), dim=-1, stable=True).indices
+    else:
+        perm = torch.arange(size, device=codes.device).expand(B, Hkv, nseg, size)
+    return (torch.arange(nseg, device=codes.device)[:, None] * size + perm).reshape(B, Hkv, n)
+
+
 def build_segments(elems: dict, h: int, cfg: FreeSoloConfig, outward: bool) -> dict:
     """The trees of height h over consecutive aligned segments of 2^h elements (spec §6.2-§6.3).
 
@@ -113,11 +130,7 @@ def build_segments(elems: dict, h: int, cfg: FreeSoloConfig, outward: bool) -> d
     size = 1 << h
     nseg = n // size
     dev = kbar.device
-    if cfg.leaf_order == "content":
-        perm = torch.sort(codes.reshape(B, Hkv, nseg, size), dim=-1, stable=True).indices
-    else:
-        perm = torch.arange(size, device=dev).expand(B, Hkv, nseg, size)
-    ranks = (torch.arange(nseg, device=dev)[:, None] * size + perm).reshape(B, Hkv, n)  # leaf order
+    ranks = segment_leaf_order(codes, h, cfg)
     kb = torch.gather(kbar, 2, ranks[..., None].expand(B, Hkv, n, D))  # (B, Hkv, n, D)
     aa = torch.gather(a, 2, ranks)
     cc = torch.gather(cells, 2, ranks)
@@ -274,38 +287,51 @@ def beam_search(table: NodeTable, n, q, qnorm, pos, sigma, lam, cfg: FreeSoloCon
     return beam_search_forests(SearchTables([table]), n[..., None], q, qnorm, pos, sigma, lam, cfg)
 
 
-def build_row_forests(k, cfg: FreeSoloConfig, outward: bool) -> tuple:
+def row_cell_stats(k: torch.Tensor, cell: int) -> tuple:
+    """The per-cell statistics `build_row_forests` needs, with torch ops: (kbar, a) of k in its own
+    dtype (the tables' statistics) and (kbar64, a64) from float64 (the content codes and the tau
+    test, spec §6.2). k [B, Hkv, T, D] unrotated keys; kbar [B, Hkv, C, D], a [B, Hkv, C]."""
+    kbar, a = cell_stats(k, cell)
+    kbar64, a64 = cell_stats(k.to(torch.float64), cell)
+    return kbar, a, kbar64, a64
+
+
+def cells_node_table(kbar, a, cells, codes, M: int, cfg: FreeSoloConfig, outward: bool) -> NodeTable:
+    """`build_node_table` over the elements cells (int64 [B, Hkv, M], None: every cell in order) of
+    the per-cell statistics kbar [B, Hkv, C, D], a [B, Hkv, C]; codes: the elements' codes [B, Hkv, M]."""
+    if cells is None:
+        C = a.shape[-1]
+        return build_node_table(kbar, a, torch.arange(C, device=a.device).expand(a.shape), codes, C, cfg, outward)
+    B, Hkv, _, D = kbar.shape
+    return build_node_table(torch.gather(kbar, 2, cells[..., None].expand(B, Hkv, M, D)), torch.gather(a, 2, cells),
+                            cells, codes, M, cfg, outward)  # fmt: skip
+
+
+def build_row_forests(k, cfg: FreeSoloConfig, outward: bool, stats=row_cell_stats, node_table=cells_node_table) -> tuple:
     """Both FS-B forests of one row (spec §6.2-§6.3), built with torch ops on k's device.
 
-    k: [1, Hkv, T, D] unrotated keys (compute dtype; statistics of the complete cells C = T // s).
+    k: [1, Hkv, T, D] unrotated keys (statistics of the complete cells C = T // s).
     outward: round node radii up (any dtype below float64).
+    stats: k, cell -> (kbar, a, kbar64, a64) as `row_cell_stats` (the default: torch ops on k in its
+        own dtype, the compute dtype); node_table: as `cells_node_table` (the default: torch ops).
+        The Triton backend passes its kernels (`triton.fsb_forests`) and the keys in their storage dtype.
     Returns (SearchTables of [the all-cells forest, the high-norm forest], high_prefix int64
     [1, Hkv, C + 1]: the number of high-norm cells among the first c cells).
     """
     B, Hkv, _, D = k.shape
-    s, dev = cfg.cell, k.device
+    dev = k.device
     tau = torch.as_tensor(cfg.tau_array(Hkv), dtype=torch.float64, device=dev)  # (Hkv,)
     planes = torch.as_tensor(hyperplanes(cfg.hash_seed, Hkv, cfg.hash_bits, D), device=dev)  # (Hkv, r, D)
-    kbar, a = cell_stats(k, s)  # (B, Hkv, C, D), (B, Hkv, C) in compute dtype
+    kbar, a, kbar64, a64 = stats(k, cfg.cell)  # (B, Hkv, C, D), (B, Hkv, C); codes and the tau test from float64
     C = a.shape[-1]
-    kbar64, a64 = cell_stats(k.to(torch.float64), s)  # codes and the tau test from float64 (spec §6.2)
     codes = content_codes(kbar64, planes) if cfg.leaf_order == "content" else torch.zeros_like(a64, dtype=torch.int64)
-    all_cells = torch.arange(C, device=dev).expand(B, Hkv, C)
-    t_all = build_node_table(kbar, a, all_cells, codes, C, cfg, outward)
+    t_all = node_table(kbar, a, None, codes, C, cfg, outward)
     high = a64 > tau.view(1, Hkv, 1)  # (B, Hkv, C)
     order = torch.sort((~high).to(torch.int8), dim=-1, stable=True).indices  # high cells first, increasing
     n_high = high.sum(dim=-1)  # (B, Hkv)
     Mh = int(n_high.max()) if C else 0
     hc = order[:, :, :Mh]  # (B, Hkv, Mh) high cells (rows with fewer: padding never read)
-    t_high = build_node_table(
-        torch.gather(kbar, 2, hc[..., None].expand(B, Hkv, Mh, D)),
-        torch.gather(a, 2, hc),
-        hc,
-        torch.gather(codes, 2, hc),
-        Mh,
-        cfg,
-        outward,
-    )
+    t_high = node_table(kbar, a, hc, torch.gather(codes, 2, hc), Mh, cfg, outward)
     high_prefix = torch.cat([torch.zeros(B, Hkv, 1, dtype=torch.int64, device=dev), torch.cumsum(high, -1)], -1)
     return SearchTables([t_all, t_high]), high_prefix
 

@@ -1,7 +1,8 @@
 """FS-B selection with a Triton beam search and rerank (spec §6.4-§6.5, §7).
 
-The forests are built by the torch backend's `build_row_forests` (torch ops on the GPU, one row at
-a time: statistics, content codes, stable sorts per dyadic segment). Then one launch of
+The forests are built one row at a time (`row_forests`): by default (`forests_mode`, since s41) with
+the torch backend's `build_row_forests` around Triton kernels for the cell statistics and the node
+statistics (`fsb_forests`), or ("torch") wholly with torch ops. Then one launch of
 `_fsb_search_kernel` per row, one program per (query, query head):
 
 1. For each forest (all cells, high-norm cells): the level-wise beam search of spec §6.4 over the
@@ -45,7 +46,7 @@ import triton.language as tl
 from ...config import FreeSoloConfig
 from ._common import launch, next_pow2, same_device  # (importing _common also patches the interpreter's loop bounds for NumPy >= 2.4)
 
-__all__ = ["MAX_BEAM", "MAX_FOREST_CELLS", "TRACE_LEVELS", "decode_select_cells", "fsb_select_cells", "trace_search"]
+__all__ = ["MAX_BEAM", "MAX_FOREST_CELLS", "TRACE_LEVELS", "decode_select_cells", "forests_mode", "fsb_select_cells", "row_forests", "trace_search"]
 
 MAX_BEAM = 64  # the frontier lives in registers: [2 * beam, D] node tiles; 2 * beam lanes fit the sort key's 7 lane bits
 
@@ -549,10 +550,36 @@ def rerank_mode() -> str:
     return mode
 
 
+FORESTS_ENV = "FREESOLO_TRITON_FSB_FORESTS"  # "triton": `fsb_forests.row_forests`; "torch": `torch.fsb.build_row_forests`
+# H100 (s41 call2, bf16, H 16, D 64): the torch build takes 116 ms at 1M, 84 of them in its per-level ops. The
+# Triton node statistics sum the means in float64 and round once (the torch build averages in float32): the
+# searches then differ at float32 near-ties only (`test_cuda_forests_differ_at_near_ties_only`).
+FORESTS_DEFAULT = "triton"
+
+
+def forests_mode() -> str:
+    """The prefill forests' builder: FORESTS_ENV if set ("triton" / "torch"), else FORESTS_DEFAULT (read at each call)."""
+    mode = os.environ.get(FORESTS_ENV, "").strip() or FORESTS_DEFAULT
+    if mode not in ("triton", "torch"):
+        raise ValueError(f"{FORESTS_ENV}={mode!r} must be 'triton' or 'torch'")
+    return mode
+
+
+def row_forests(k_row: torch.Tensor, cfg: FreeSoloConfig) -> tuple:
+    """Both forests of one row, k_row [1, Hkv, T, D] unrotated keys in their storage dtype, by the
+    `forests_mode` builder: (SearchTables with float32 statistics, high_prefix int64 [1, Hkv, C + 1])."""
+    if forests_mode() == "triton":
+        from .fsb_forests import row_forests as triton_row_forests
+
+        return triton_row_forests(k_row, cfg)
+    from ..torch.fsb import build_row_forests
+
+    return build_row_forests(k_row.to(torch.float32), cfg, outward=True)
+
+
 def _run(q, k, cfg: FreeSoloConfig, return_found: bool, num_warps: int, trace, rerank: bool = True):
     """fsb_select_cells / trace_search. rerank=False (a timing aid: the search alone) leaves the
     selection -1 and skips the rerank's loads."""
-    from ..torch.fsb import build_row_forests
     from .attention import tile_unions
 
     _check(q, k, cfg)
@@ -562,7 +589,7 @@ def _run(q, k, cfg: FreeSoloConfig, return_found: bool, num_warps: int, trace, r
     K = cfg.top_k
     q4 = q.detach().to(torch.float32).permute(0, 2, 1, 3).contiguous()  # (B, Hq, T, D)
     # the rerank reads the keys in their storage dtype (half the bytes of float32 for 16-bit keys;
-    # widened in the kernel, exactly); the forests are built from float32 rows, one row at a time
+    # widened in the kernel, exactly); so do the forests, one row at a time (`row_forests`)
     k_rows = k.detach().permute(0, 2, 1, 3).contiguous()  # (B, Hkv, T, D)
     sigma = torch.as_tensor(cfg.per_head("sigma", Hq), dtype=torch.float32, device=q.device)
     lam = torch.as_tensor(cfg.per_head("lam", Hq), dtype=torch.float32, device=q.device)
@@ -588,7 +615,7 @@ def _run(q, k, cfg: FreeSoloConfig, return_found: bool, num_warps: int, trace, r
     beams = torch.empty(T, Hq, W2, dtype=torch.int32, device=q.device) if keep else None
     rows = range(B) if trace is None else [trace[0]]
     for b in rows:  # one row at a time: its tables are built from its own keys (L12)
-        tables, high_prefix = build_row_forests(k_rows[b : b + 1].to(torch.float32), cfg, outward=True)
+        tables, high_prefix = row_forests(k_rows[b : b + 1], cfg)
         N = tables.mu.shape[2]
         if N > MAX_TABLE_NODES:  # (a float32 mu table of 2^31 nodes is 512 GiB per kv head at D 64: not reached in practice)
             raise ValueError(f"FS-B search: {N} nodes per kv head's table, the int32 frontier indexes at most {MAX_TABLE_NODES}")
