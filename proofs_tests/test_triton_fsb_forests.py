@@ -53,10 +53,12 @@ def _cfg(k: torch.Tensor, cell: int, **kw) -> FreeSoloConfig:
     return FreeSoloConfig(**{**base, **kw})
 
 
-def _ulps(x: torch.Tensor, y: torch.Tensor) -> float:
-    """Largest |x - y| in units of y's float32 spacing (0 where equal)."""
-    spacing = torch.finfo(torch.float32).eps * y.double().abs().clamp_min(torch.finfo(torch.float32).tiny)
-    return float(((x.double() - y.double()).abs() / spacing).max()) if x.numel() else 0.0
+def _assert_fp32_stats_close(kbar, a, ref_kbar, ref_a, k):
+    """Float32 cell statistics within float32 rounding of the torch backend's: a within 8 ulps (torch sums the squares in float32); kbar
+    (means of keys that partly cancel, summed in float32 by torch) within 2 ulps of k's largest magnitude."""
+    eps = torch.finfo(torch.float32).eps
+    torch.testing.assert_close(a, ref_a, rtol=8 * eps, atol=0)
+    torch.testing.assert_close(kbar, ref_kbar, rtol=0, atol=2 * eps * k.abs().max().item())
 
 
 @pytest.mark.parametrize("T, Hkv, D, cell", [(70, 2, 16, 4), (61, 1, 24, 3), (33, 3, 8, 4)])
@@ -71,7 +73,7 @@ def test_cell_stats_match_torch(T, Hkv, D, cell):
     else:
         torch.testing.assert_close(kbar64, ref[2], rtol=1e-15, atol=1e-15)
     torch.testing.assert_close(a64, ref[3], rtol=2e-16, atol=0)
-    assert _ulps(kbar, ref[0]) <= 1 and _ulps(a, ref[1]) <= 1
+    _assert_fp32_stats_close(kbar, a, ref[0], ref[1], k)
 
 
 def _assert_tables_close(got, ref):
@@ -198,7 +200,7 @@ def test_cuda_paper_size_tables_match_torch():
     stats = fsb_forests.row_cell_stats(k, cfg.cell)
     ref_stats = torch_fsb.row_cell_stats(k.float(), cfg.cell)
     assert torch.equal(stats[2], ref_stats[2]) and torch.equal(stats[3], ref_stats[3])
-    assert _ulps(stats[0], ref_stats[0]) <= 1 and _ulps(stats[1], ref_stats[1]) <= 1
+    _assert_fp32_stats_close(stats[0], stats[1], ref_stats[0], ref_stats[1], k)
     got, prefix = fsb_forests.row_forests(k, cfg)
     ref, ref_prefix = torch_fsb.build_row_forests(k.float(), cfg, outward=True)
     assert torch.equal(prefix, ref_prefix) and got.max_height >= 10
@@ -224,3 +226,40 @@ def test_cuda_forests_differ_at_near_ties_only(monkeypatch):
     entries = [tuple(int(x) for x in e) for e in differ.nonzero()[:32].tolist()]
     wide = [r for r in near_tie_audit(q, k, cfg, entries) if r["margin"] > 1e-3]
     assert not wide, f"the Triton forests' selection differs at entries with wide float64 margins: {wide[:4]}"
+
+
+_AOT = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from freesolo.backends.triton import fsb_forests as ff
+
+def compile_sm90(kernel, pointers, constants, floats=(), int64=()):
+    names = kernel.arg_names
+    signature = {n: pointers[n] if n in pointers else "constexpr" if n in constants else "fp32" if n in floats
+                 else "i64" if n in int64 else "i32" for n in names}
+    source = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(k),): v for k, v in constants.items()})
+    triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+
+compile_sm90(ff._row_stats_kernel, {"K": "*bf16", "KBAR": "*fp32", "A": "*fp32", "KBAR64": "*fp64", "A64": "*fp64"},
+             dict(CELL=32, CELL_P=32, CB=ff.STATS_CELLS, BLOCK_D=64))
+table = {"KBAR": "*fp32", "A": "*fp32", "LEAF": "*i64", "MU": "*fp32", "RAD": "*fp32", "AN": "*fp32", "E": "*i64",
+         "CELLID": "*i64"}
+compile_sm90(ff._levels_kernel, table, dict(R=ff.LEAF_BLOCK, LOG_R=ff.LEAF_BLOCK.bit_length() - 1, BLOCK_D=64),
+             floats=("outward",), int64=("base",))
+compile_sm90(ff._upper_level_kernel, table, dict(R=ff.LEAF_BLOCK, BLOCK_D=64), floats=("outward",), int64=("base",))
+print("compiled")
+"""
+
+
+def test_kernels_compile_for_sm90():
+    """The interpreter runs what the compiler may refuse (s41: a constexpr assigned in an unrolled loop
+    failed only on the GPU): the three kernels compile ahead of time for sm_90 with Triton's own ptxas,
+    in a process without TRITON_INTERPRET, at the paper sizes (D 64, cell 32)."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", _AOT], env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]

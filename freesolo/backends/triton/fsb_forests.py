@@ -122,19 +122,19 @@ def _levels_kernel(
     nodes_h = (2 << h) - 1
     for lvl in tl.static_range(LOG_R + 1):
         if lvl <= h:
-            GROUP: tl.constexpr = 1 << lvl
-            NG: tl.constexpr = R // GROUP
-            xs = tl.reshape(x, [NG, GROUP, BLOCK_D])
-            mu = (tl.sum(xs.to(tl.float64), axis=1) / GROUP).to(tl.float32)  # [NG, BLOCK_D]
+            # (the group size 2^lvl and the node count R / 2^lvl written out: a constexpr cannot be
+            # reassigned in an unrolled loop)
+            xs = tl.reshape(x, [R >> lvl, 1 << lvl, BLOCK_D])
+            mu = (tl.sum(xs.to(tl.float64), axis=1) / (1 << lvl)).to(tl.float32)  # [R >> lvl, BLOCK_D]
             diff = xs - tl.expand_dims(mu, 1)
-            rad = tl.max(tl.sqrt_rn(tl.sum(diff * diff, axis=2)), axis=1)  # [NG]
+            rad = tl.max(tl.sqrt_rn(tl.sum(diff * diff, axis=2)), axis=1)  # [R >> lvl]
             if lvl == 0:
                 rad = rad * 0.0
             else:
                 rad = rad * outward
-            a_node = tl.max(tl.reshape(a, [NG, GROUP]), axis=1)
-            cell_min = tl.min(tl.reshape(cell, [NG, GROUP]), axis=1)
-            first = p0 + tl.arange(0, NG).to(tl.int64) * GROUP  # first leaf of each node
+            a_node = tl.max(tl.reshape(a, [R >> lvl, 1 << lvl]), axis=1)
+            cell_min = tl.min(tl.reshape(cell, [R >> lvl, 1 << lvl]), axis=1)
+            first = p0 + tl.arange(0, R >> lvl).to(tl.int64) * (1 << lvl)  # first leaf of each node
             tree = first >> h
             in_level = (first & ((1 << h) - 1)) >> lvl
             node = base + tree * nodes_h + ((2 << h) - (2 << (h - lvl))) + in_level
