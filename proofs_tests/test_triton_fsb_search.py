@@ -302,7 +302,10 @@ def test_cuda_dim_chunks_differ_at_near_ties_only(monkeypatch):
     monkeypatch.setattr(fsb_search, "SEARCH_DIM_CHUNK", 16)
     idx, found = fsb_select_cells(q, k, cfg, return_found=True)
     assert (idx[:, cfg.block :] >= 0).all(), "every query past the first block selects top_k cells"
-    differ = (idx != ref).any(-1) | (found != ref_found).any(-1)
+    # the beams as sets: their order (key desc) is not part of the selection (the rerank sorts by rho), and
+    # two kept nodes of nearly equal keys may swap places without any near-tie at the kept / dropped boundary
+    # that `near_tie_audit` measures (s41 call4: one such swap at (0, 14351, 6), margin 1.2e-3)
+    differ = (idx != ref).any(-1) | (found.sort(-1).values != ref_found.sort(-1).values).any(-1)
     assert differ.float().mean().item() <= 0.002, f"{differ.float().mean().item():.4%} of the beams or selections differ"
     entries = [tuple(int(x) for x in e) for e in differ.nonzero()[:64].tolist()]
     wide = [r for r in near_tie_audit(q, k, cfg, entries) if r["margin"] > 1e-3]
