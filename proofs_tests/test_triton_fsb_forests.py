@@ -8,7 +8,7 @@
   and 4 tokens, GQA-free rows of 1 and 3 kv heads, high-norm forests included;
 - the radii cover their leaves: every node's rad >= the float64 distance of each of its leaves
   to the node's stored mu (the bound the search relies on);
-- a small LEAF_BLOCK sends the upper levels through `_upper_level_kernel`: same tables;
+- a small LEAF_BLOCK sends the upper levels through `_upper_mu_kernel` / `_upper_radius_kernel`: same tables;
 - the search on the Triton forests equals the float64 oracle's selection (small random cases);
   on CUDA at paper sizes it differs from the search on the torch forests at float32 near-ties only;
 - bad input raises.
@@ -125,7 +125,7 @@ def _leaf_distances(table) -> list:
 
 @pytest.mark.parametrize("leaf_block", [None, 4])
 def test_radii_cover_their_leaves(monkeypatch, leaf_block):
-    if leaf_block is not None:  # levels > 2 through `_upper_level_kernel`
+    if leaf_block is not None:  # levels > 2 through the upper-level kernels
         monkeypatch.setattr(fsb_forests, "LEAF_BLOCK", leaf_block)
     k = _keys(5, 260, 2, 16) * 3.0
     cfg = _cfg(k, 4)
@@ -243,20 +243,26 @@ def compile_sm90(kernel, pointers, constants, floats=(), int64=()):
 
 compile_sm90(ff._row_stats_kernel, {"K": "*bf16", "KBAR": "*fp32", "A": "*fp32", "KBAR64": "*fp64", "A64": "*fp64"},
              dict(CELL=32, CELL_P=32, CB=ff.STATS_CELLS, BLOCK_D=64))
-table = {"KBAR": "*fp32", "A": "*fp32", "LEAF": "*i64", "MU": "*fp32", "RAD": "*fp32", "AN": "*fp32", "E": "*i64",
-         "CELLID": "*i64"}
-for h in (None, 1):  # Triton makes an int argument equal to 1 a constexpr: h = 1 takes the unrolled levels' static ifs
+table = {"MU": "*fp32", "RAD": "*fp32", "AN": "*fp32", "E": "*i64", "CELLID": "*i64"}
+stats = {"KBAR": "*fp32", "A": "*fp32", "LEAF": "*i64"}
+log_r = ff.LEAF_BLOCK.bit_length() - 1
+for h in (None, 1):  # Triton makes an int argument equal to 1 a constexpr (s41 call3 failed only there)
     extra = {} if h is None else {"h": h}
-    compile_sm90(ff._levels_kernel, table, dict(R=ff.LEAF_BLOCK, LOG_R=ff.LEAF_BLOCK.bit_length() - 1, BLOCK_D=64, **extra),
-                 floats=("outward",), int64=("base",))
-compile_sm90(ff._upper_level_kernel, table, dict(R=ff.LEAF_BLOCK, BLOCK_D=64), floats=("outward",), int64=("base",))
+    for store in (False, True):
+        compile_sm90(ff._levels_kernel, {**stats, **table, "SUMS": "*fp64"},
+                     dict(R=ff.LEAF_BLOCK, LOG_R=log_r, STORE_SUMS=store, BLOCK_D=64, **extra),
+                     floats=("outward",), int64=("base",))
+compile_sm90(ff._upper_mu_kernel, {**table, "SUMS_IN": "*fp64", "SUMS_OUT": "*fp64"}, dict(NB=ff.UPPER_NODES, BLOCK_D=64),
+             int64=("base",))
+compile_sm90(ff._upper_radius_kernel, {**stats, **table}, dict(R=ff.LEAF_BLOCK, LOG_R=log_r, BLOCK_D=64),
+             floats=("outward",), int64=("base",))
 print("compiled")
 """
 
 
 def test_kernels_compile_for_sm90():
     """The interpreter runs what the compiler may refuse (s41: a constexpr assigned in an unrolled loop
-    failed only on the GPU, where h = 1 specialized to a constexpr): the three kernels compile ahead of
+    failed only on the GPU, where h = 1 specialized to a constexpr): the kernels compile ahead of
     time for sm_90 with Triton's own ptxas, in a process without TRITON_INTERPRET, at the paper sizes
     (D 64, cell 32), the levels kernel also with h = 1."""
     import subprocess

@@ -8,12 +8,17 @@ high-norm cells and stable sorts per dyadic segment stay torch ops) with two pie
    the torch backend computes them from a float64 copy of k) and their float32 roundings, the
    tables' kbar and a. For 16-bit keys the float64 sums of a cell are exact, so kbar64 and a64 are
    the torch backend's bits and kbar is the correctly rounded mean.
-2. `_levels_kernel` and `_upper_level_kernel`: the node statistics of every tree of height h,
-   written straight into the flat node table (`torch.fsb.NodeTable` layout; no per-level torch ops
-   and no concatenation). A `_levels_kernel` program holds LEAF_BLOCK consecutive leaves (several
-   whole trees when 2^h < LEAF_BLOCK) and makes levels 0 .. log2(LEAF_BLOCK) from that one load;
-   each level above is one `_upper_level_kernel` launch, one program per node, two passes over
-   its leaves (mean, then covering radius).
+2. The node statistics of every tree of height h, written straight into the flat node table
+   (`torch.fsb.NodeTable` layout; no per-level torch ops and no concatenation), two passes over
+   the leaves:
+   - `_levels_kernel`: a program holds LEAF_BLOCK consecutive leaves (several whole trees when
+     2^h < LEAF_BLOCK) and makes levels 0 .. log2(LEAF_BLOCK) from that one load;
+   - above that level, `_upper_mu_kernel` (one launch per level, O(nodes)) adds the children's
+     float64 sums into the parents' (so mu has the bits of a direct sum when the sums are exact,
+     as they are for the means of 16-bit keys), A and e from the children;
+   - `_upper_radius_kernel`: each program of LEAF_BLOCK leaves merges its leaves' largest
+     distance to every upper ancestor's mu into that ancestor's radius by an atomic max (a max
+     is the same in any order: deterministic bits).
 
 Node statistics (spec §6.3): mu = mean of the leaves' kbar, summed in float64 and rounded once to
 float32 (the torch backend averages in float32: the two differ in the last bits, so the searches
@@ -41,6 +46,7 @@ from ._common import launch, next_pow2
 __all__ = ["LEAF_BLOCK", "STATS_CELLS", "row_cell_stats", "cells_node_table", "row_forests"]
 
 LEAF_BLOCK = 64  # leaves one `_levels_kernel` program holds (levels 0 .. 6 of every tree from one load)
+UPPER_NODES = 16  # nodes one `_upper_mu_kernel` program makes
 STATS_CELLS = 2  # cells one `_row_stats_kernel` program reduces (a [2, 32, 64] float64 tile at the paper sizes)
 
 
@@ -92,11 +98,22 @@ def _store_nodes(MU, RAD, AN, E, CELLID, g, N_TAB, node, ok, mu, rad, a_node, e_
 
 
 @triton.jit
+def _node_ids(base, first, h, lvl):
+    """Flat ids of the level-lvl nodes of the height-h trees (tree t at base + t * nodes(h), levels
+    0 .. h inside it, `torch.fsb.level_offset`) whose first leaves are `first` (leaf positions, trees one
+    after another). Levels above h (masked nodes of `_levels_kernel`) get some id, never a negative shift
+    (h and lvl may both be constexprs: Triton makes an int argument equal to 1 one)."""
+    level_offset = (2 << h) - (2 << tl.maximum(h - lvl, 0))
+    return base + (first >> h) * ((2 << h) - 1) + level_offset + ((first & ((1 << h) - 1)) >> lvl)
+
+
+@triton.jit
 def _levels_kernel(
     KBAR,  # fp32 [Hkv, C, D] cell means
     A,  # fp32 [Hkv, C] cell max key norms
     LEAF,  # int64 [Hkv, n]: the cell at each leaf of the height-h trees (leaf order, trees one after another)
     MU, RAD, AN, E, CELLID,  # the node table [Hkv, N_TAB(, D)]
+    SUMS,  # fp64 [Hkv, n / R, D]: the float64 sums of the level-LOG_R nodes (written when STORE_SUMS)
     C,
     N_TAB,
     n,  # leaves of the height-h trees (a multiple of 2^h)
@@ -107,9 +124,11 @@ def _levels_kernel(
     outward,  # fp32 factor of the radii (1 + 8 eps)
     R: tl.constexpr,  # leaves per program (LEAF_BLOCK)
     LOG_R: tl.constexpr,
+    STORE_SUMS: tl.constexpr,  # h > LOG_R: the levels above are made from these sums
     BLOCK_D: tl.constexpr,
 ):
-    """Levels 0 .. min(h, LOG_R) of the trees of height h over the leaves [pid * R, pid * R + R)."""
+    """Levels 0 .. min(h, LOG_R) of the trees of height h over the leaves [pid * R, pid * R + R): every
+    level's statistics are computed, those of levels above h (groups across trees) are not stored."""
     g = tl.program_id(1).to(tl.int64)
     p0 = tl.program_id(0).to(tl.int64) * R
     p = p0 + tl.arange(0, R).to(tl.int64)
@@ -119,70 +138,87 @@ def _levels_kernel(
     cell = tl.load(LEAF + g * n + p, mask=ok, other=0)
     x = tl.load(KBAR + (g * C + cell)[:, None] * D + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
     a = tl.load(A + g * C + cell, mask=ok, other=0.0)
-    nodes_h = (2 << h) - 1
+    sums = x.to(tl.float64)  # [R >> lvl, BLOCK_D]: float64 sums of each level's nodes (exact for 16-bit keys' means)
+    a_node = a
+    cell_min = cell
     for lvl in tl.static_range(LOG_R + 1):
-        if lvl <= h:
-            # (the group size 2^lvl and the node count R / 2^lvl written out: a constexpr cannot be
-            # reassigned in an unrolled loop)
-            xs = tl.reshape(x, [R >> lvl, 1 << lvl, BLOCK_D])
-            mu = (tl.sum(xs.to(tl.float64), axis=1) / (1 << lvl)).to(tl.float32)  # [R >> lvl, BLOCK_D]
-            diff = xs - tl.expand_dims(mu, 1)
-            rad = tl.max(tl.sqrt_rn(tl.sum(diff * diff, axis=2)), axis=1)  # [R >> lvl]
-            if lvl == 0:
-                rad = rad * 0.0
-            else:
-                rad = rad * outward
-            a_node = tl.max(tl.reshape(a, [R >> lvl, 1 << lvl]), axis=1)
-            cell_min = tl.min(tl.reshape(cell, [R >> lvl, 1 << lvl]), axis=1)
-            first = p0 + tl.arange(0, R >> lvl).to(tl.int64) * (1 << lvl)  # first leaf of each node
-            tree = first >> h
-            in_level = (first & ((1 << h) - 1)) >> lvl
-            node = base + tree * nodes_h + ((2 << h) - (2 << (h - lvl))) + in_level
-            cell_node = cell_min if lvl == 0 else cell_min * 0 - 1
-            _store_nodes(MU, RAD, AN, E, CELLID, g, N_TAB, node, first < n, mu, rad, a_node, cell_min * cell_size,
-                         cell_node, d, d_ok, D)  # fmt: skip
+        # (sizes written out, R >> lvl nodes of 1 << lvl leaves: a constexpr cannot be reassigned in an unrolled loop)
+        if lvl > 0:  # a level's sums, A and e from its children's
+            sums = tl.sum(tl.reshape(sums, [R >> lvl, 2, BLOCK_D]), axis=1)
+            a_node = tl.max(tl.reshape(a_node, [R >> lvl, 2]), axis=1)
+            cell_min = tl.min(tl.reshape(cell_min, [R >> lvl, 2]), axis=1)
+        mu = (sums / (1 << lvl)).to(tl.float32)  # [R >> lvl, BLOCK_D]
+        if lvl == 0:
+            rad = tl.zeros([R], tl.float32)
+            cell_node = cell_min
+        else:
+            diff = tl.reshape(x, [R >> lvl, 1 << lvl, BLOCK_D]) - tl.expand_dims(mu, 1)
+            rad = tl.max(tl.sqrt_rn(tl.sum(diff * diff, axis=2)), axis=1) * outward  # [R >> lvl]
+            cell_node = tl.full([R >> lvl], -1, tl.int64)
+        first = p0 + tl.arange(0, R >> lvl).to(tl.int64) * (1 << lvl)  # first leaf of each node
+        _store_nodes(MU, RAD, AN, E, CELLID, g, N_TAB, _node_ids(base, first, h, lvl), (first < n) & (lvl <= h),
+                     mu, rad, a_node, cell_min * cell_size, cell_node, d, d_ok, D)  # fmt: skip
+    if STORE_SUMS:
+        row = g * (n // R) + tl.program_id(0).to(tl.int64)
+        tl.store(SUMS + row * D + d, tl.reshape(sums, [BLOCK_D]), mask=d_ok)
 
 
 @triton.jit
-def _upper_level_kernel(
-    KBAR, A, LEAF, MU, RAD, AN, E, CELLID, C, N_TAB, n, base, h, lvl, D, cell_size, outward,
-    R: tl.constexpr,
+def _upper_mu_kernel(
+    SUMS_IN,  # fp64 [Hkv, n >> (lvl - 1), D]: the sums of level lvl - 1's nodes
+    SUMS_OUT,  # fp64 [Hkv, n >> lvl, D]: written
+    MU, RAD, AN, E, CELLID, N_TAB, n, base, h, lvl, D,
+    NB: tl.constexpr,  # nodes per program
     BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """Level lvl > log2(R) of the trees of height h: one program per node u of the level (trees one
-    after another), its 2^lvl leaves read R at a time, twice (the mean, then the covering radius)."""
+    """mu, A, e and cell of the level-lvl nodes (lvl > log2(LEAF_BLOCK)) from their two children: the
+    float64 sums add (exact for 16-bit keys' means), A is their max, e their min. The radius is
+    `_upper_radius_kernel`'s (rad is left 0 here)."""
     g = tl.program_id(1).to(tl.int64)
-    u = tl.program_id(0).to(tl.int64)
-    group = tl.full([], 1, tl.int64) << lvl
-    p0 = u * group
-    j = tl.arange(0, R).to(tl.int64)
+    u = tl.program_id(0).to(tl.int64) * NB + tl.arange(0, NB).to(tl.int64)  # [NB] nodes of the level
+    ok = u < (n >> lvl)
     d = tl.arange(0, BLOCK_D).to(tl.int64)
     d_ok = d < D
-    acc = tl.zeros([BLOCK_D], tl.float64)
-    a_max = tl.zeros([R], tl.float32)
-    cell_min = tl.full([R], 2**62, tl.int64)
-    for s in range(0, group, R):
-        cell = tl.load(LEAF + g * n + p0 + s + j)
-        x = tl.load(KBAR + (g * C + cell)[:, None] * D + d[None, :], mask=d_ok[None, :], other=0.0)
-        acc += tl.sum(x.to(tl.float64), axis=0)
-        a_max = tl.maximum(a_max, tl.load(A + g * C + cell))
-        cell_min = tl.minimum(cell_min, cell)
-    mu = (acc / group.to(tl.float64)).to(tl.float32)  # [BLOCK_D]
-    rad_sq = tl.zeros([R], tl.float32)
-    for s in range(0, group, R):
-        cell = tl.load(LEAF + g * n + p0 + s + j)
-        x = tl.load(KBAR + (g * C + cell)[:, None] * D + d[None, :], mask=d_ok[None, :], other=0.0)
+    m = ok[:, None] & d_ok[None, :]
+    rows_in = g * (n >> (lvl - 1)) + 2 * u
+    s = tl.load(SUMS_IN + rows_in[:, None] * D + d[None, :], mask=m, other=0.0)
+    s += tl.load(SUMS_IN + (rows_in + 1)[:, None] * D + d[None, :], mask=m, other=0.0)
+    tl.store(SUMS_OUT + (g * (n >> lvl) + u)[:, None] * D + d[None, :], s, mask=m)
+    first = u << lvl
+    left = g * N_TAB + _node_ids(base, first, h, lvl - 1)
+    right = g * N_TAB + _node_ids(base, first + (1 << (lvl - 1)), h, lvl - 1)
+    a_node = tl.maximum(tl.load(AN + left, mask=ok, other=0.0), tl.load(AN + right, mask=ok, other=0.0))
+    e_node = tl.minimum(tl.load(E + left, mask=ok, other=0), tl.load(E + right, mask=ok, other=0))
+    mu = (s / (tl.full([], 1, tl.int64) << lvl).to(tl.float64)).to(tl.float32)
+    _store_nodes(MU, RAD, AN, E, CELLID, g, N_TAB, _node_ids(base, first, h, lvl), ok, mu, tl.zeros([NB], tl.float32),
+                 a_node, e_node, tl.full([NB], -1, tl.int64), d, d_ok, D)  # fmt: skip
+
+
+@triton.jit
+def _upper_radius_kernel(
+    KBAR, LEAF, MU, RAD, C, N_TAB, n, base, h, D, outward,
+    R: tl.constexpr,
+    LOG_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """The covering radii of the levels LOG_R + 1 .. h (their mu made by `_upper_mu_kernel`): the
+    program of leaves [pid * R, pid * R + R) (inside one node of each such level) takes the max of
+    its leaves' distances to the node's mu and merges it into RAD (zeroed beforehand) by an atomic
+    max: the max of a set, the same bits in any order."""
+    g = tl.program_id(1).to(tl.int64)
+    p0 = tl.program_id(0).to(tl.int64) * R
+    p = p0 + tl.arange(0, R).to(tl.int64)
+    d = tl.arange(0, BLOCK_D).to(tl.int64)
+    d_ok = d < D
+    cell = tl.load(LEAF + g * n + p)
+    x = tl.load(KBAR + (g * C + cell)[:, None] * D + d[None, :], mask=d_ok[None, :], other=0.0)
+    for lvl in range(LOG_R + 1, h + 1):
+        row = g * N_TAB + _node_ids(base, p0, h, lvl)
+        mu = tl.load(MU + row * D + d, mask=d_ok, other=0.0)
         diff = x - mu[None, :]
-        rad_sq = tl.maximum(rad_sq, tl.sum(diff * diff, axis=1))
-    # sqrt_rn is monotone: the max of the leaves' norms is the sqrt of the max of their squares
-    rad = tl.sqrt_rn(tl.max(rad_sq, axis=0)) * outward
-    tree = p0 >> h
-    in_level = (p0 & ((1 << h) - 1)) >> lvl
-    node = base + tree * ((2 << h) - 1) + ((2 << h) - (2 << (h - lvl))) + in_level
-    one = tl.arange(0, 1).to(tl.int64)
-    _store_nodes(MU, RAD, AN, E, CELLID, g, N_TAB, node + one, one == 0, mu[None, :], rad + one * 0.0,
-                 tl.max(a_max, axis=0) + one * 0.0, tl.min(cell_min, axis=0) * cell_size + one * 0,
-                 one - 1, d, d_ok, D)  # fmt: skip
+        # x * outward is monotone in x: the max of the scaled distances is the scaled max
+        far = tl.max(tl.sqrt_rn(tl.sum(diff * diff, axis=1)), axis=0) * outward
+        tl.atomic_max(RAD + row, far, sem="relaxed")
 
 
 def _check_row(k: torch.Tensor) -> None:
@@ -228,24 +264,37 @@ def cells_node_table(kbar, a, cells, codes, M: int, cfg: FreeSoloConfig, outward
         base.append(base[-1] + (M >> h) * tree_nodes(h))
     N = base[-1]
     mu = torch.empty(1, Hkv, N, D, dtype=torch.float32, device=dev)
-    rad = torch.empty(1, Hkv, N, dtype=torch.float32, device=dev)
+    rad = torch.zeros(1, Hkv, N, dtype=torch.float32, device=dev)  # the upper levels' radii: atomic maxima from 0
     A = torch.empty(1, Hkv, N, dtype=torch.float32, device=dev)
     e = torch.empty(1, Hkv, N, dtype=torch.int64, device=dev)
     cell_id = torch.empty(1, Hkv, N, dtype=torch.int64, device=dev)
     kbar, a = kbar.contiguous(), a.contiguous()
-    log_r = LEAF_BLOCK.bit_length() - 1
+    R = LEAF_BLOCK
+    log_r = R.bit_length() - 1
     factor = 1.0 + 8 * torch.finfo(torch.float32).eps
-    common = dict(BLOCK_D=next_pow2(D))
+    block_d = next_pow2(D)
     for h in range(H + 1):
         n = (M >> h) << h  # elements covered by the complete segments of height h
         ranks = segment_leaf_order(codes[:, :, :n], h, cfg)  # the element at each leaf
         leaf = (ranks if cells is None else torch.gather(cells[:, :, :n], 2, ranks)).contiguous()
-        args = (kbar, a, leaf, mu, rad, A, e, cell_id, C, N, n, base[h], h)
-        launch(_levels_kernel, (triton.cdiv(n, LEAF_BLOCK), Hkv), *args, D, cfg.cell, factor,
-               R=LEAF_BLOCK, LOG_R=log_r, num_warps=4, **common)  # fmt: skip
+        upper = h > log_r  # levels above log_r: from the level-log_r sums, then the radii
+        sums = torch.empty(Hkv, n >> log_r if upper else 1, D, dtype=torch.float64, device=dev)
+        launch(_levels_kernel, (triton.cdiv(n, R), Hkv),
+            kbar, a, leaf, mu, rad, A, e, cell_id, sums, C, N, n, base[h], h, D, cfg.cell, factor,
+            R=R, LOG_R=log_r, STORE_SUMS=upper, BLOCK_D=block_d, num_warps=4,
+        )  # fmt: skip
+        if not upper:
+            continue
         for lvl in range(log_r + 1, h + 1):
-            launch(_upper_level_kernel, (n >> lvl, Hkv), *args, lvl, D, cfg.cell, factor,
-                   R=LEAF_BLOCK, num_warps=4, **common)  # fmt: skip
+            sums_up = torch.empty(Hkv, n >> lvl, D, dtype=torch.float64, device=dev)
+            launch(_upper_mu_kernel, (triton.cdiv(n >> lvl, UPPER_NODES), Hkv),
+                sums, sums_up, mu, rad, A, e, cell_id, N, n, base[h], h, lvl, D,
+                NB=UPPER_NODES, BLOCK_D=block_d, num_warps=4,
+            )  # fmt: skip
+            sums = sums_up
+        launch(_upper_radius_kernel, (n // R, Hkv),
+            kbar, leaf, mu, rad, C, N, n, base[h], h, D, factor, R=R, LOG_R=log_r, BLOCK_D=block_d, num_warps=4,
+        )  # fmt: skip
     return NodeTable(mu, rad, A, e, cell_id, torch.tensor(base, device=dev), H)
 
 
