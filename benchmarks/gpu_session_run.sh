@@ -298,6 +298,7 @@
 #                (SEARCH_MAXNREG 72, the Triton forests by default)
 #   s41c_fsb     issue 12: the forests' phases with the Triton builder; fsb_prefill_split with the Triton forests
 #                against the torch ones (64k / 256k / 1M); triton_fsb vs triton_fs forward at 256k / 1M
+#   s41d_probe   issue 12: fsb_dimchunk_probe.py with the Triton and the torch forests (the s41 call4 test failure)
 #   s39b_tile    the FS-B search CUDA tests with the tile rerank (FREESOLO_TRITON_FSB_RERANK=tile)
 #   s33a_train   issue 11: train_step.py eager providers at 4k / 16k (the FS-L model's attention from the cache)
 set -u
@@ -464,6 +465,7 @@ step s41a_tests 200 python3 -m pytest -v -n ${NPROC:-16} -p no:benchmark --durat
 step s41b_forest 150 python3 benchmarks/fsb_forest_phases.py --lengths 262144 1048576 --out $W/fsb_forest_phases.json
 step s41c_tests 240 python3 -m pytest -v -n ${NPROC:-16} -p no:benchmark --durations=20 proofs_tests/test_triton_fsb_forests.py proofs_tests/test_triton_fsb_search.py proofs_tests/test_triton_decode.py proofs_tests/test_cache_gpu.py proofs_tests/test_models.py -k "(cuda or gpu or fsb or forests) and not cpu"
 step s41c_fsb 300 bash -c "python3 benchmarks/fsb_forest_phases.py --lengths 262144 1048576 --out $W/fsb_forest_phases.json; python3 benchmarks/fsb_prefill_split.py --lengths 65536 262144 1048576 --providers forests forests_torch search select select_forests_torch --out $W/fsb_prefill_s41.json; python3 benchmarks/gpu_attention.py --providers triton_fsb triton_fs --shapes H16-D64 --modes fwd --lengths 262144 1048576 --budget-s 140 --out $W --tag _fsb_s41"
+step s41d_probe 150 bash -c "python3 benchmarks/fsb_dimchunk_probe.py; FREESOLO_TRITON_FSB_FORESTS=torch python3 benchmarks/fsb_dimchunk_probe.py"
 step s40b_tests 290 python3 -m pytest -v -n ${NPROC:-16} -p no:benchmark --durations=30 proofs_tests/test_triton_fsb_search.py proofs_tests/test_triton_attention.py proofs_tests/test_triton_backend.py proofs_tests/test_triton_graphs.py proofs_tests/test_row_independence.py -k "(cuda or gpu or tma or fsb_search) and not cpu and not numba"
 step s40b_ncu 150 ncu --clock-control none --kernel-name regex:_fsb_search_kernel --launch-skip 2 --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats --section InstructionStats --section ComputeWorkloadAnalysis python3 benchmarks/fsb_prefill_split.py --lengths 65536 --providers search --rep 20 --audit 0
 step s40c_fsb 200 bash -c "python3 .ab/pre_s40/benchmarks/fsb_prefill_split.py --lengths 65536 262144 1048576 --providers search select --out $W/fsb_prefill_pre_s40.json && python3 benchmarks/fsb_prefill_split.py --lengths 65536 262144 1048576 --providers forests search select --dim-chunks 64 8 4 --out $W/fsb_prefill_s40.json"
