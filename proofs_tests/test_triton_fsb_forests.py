@@ -8,7 +8,7 @@
   and 4 tokens, GQA-free rows of 1 and 3 kv heads, high-norm forests included;
 - the radii cover their leaves: every node's rad >= the float64 distance of each of its leaves
   to the node's stored mu (the bound the search relies on);
-- a small LEAF_BLOCK sends the upper levels through `_upper_mu_kernel` / `_upper_radius_kernel`: same tables;
+- a small LEAF_BLOCK sends the upper levels through `_upper_mu_kernel` and the atomic radii: same tables;
 - the search on the Triton forests equals the float64 oracle's selection (small random cases);
   on CUDA at paper sizes it differs from the search on the torch forests at float32 near-ties only;
 - bad input raises.
@@ -250,12 +250,11 @@ for h in (None, 1):  # Triton makes an int argument equal to 1 a constexpr (s41 
     extra = {} if h is None else {"h": h}
     for store in (False, True):
         compile_sm90(ff._levels_kernel, {**stats, **table, "SUMS": "*fp64"},
-                     dict(R=ff.LEAF_BLOCK, LOG_R=log_r, STORE_SUMS=store, BLOCK_D=64, **extra),
-                     floats=("outward",), int64=("base",))
+                     dict(R=ff.LEAF_BLOCK, LOG_R=log_r, STORE_SUMS=store, BLOCK_D=64, **extra), int64=("base",))
+    compile_sm90(ff._radius_kernel, {**stats, **table}, dict(R=ff.LEAF_BLOCK, LOG_R=log_r, BLOCK_D=64, **extra),
+                 floats=("outward",), int64=("base",))
 compile_sm90(ff._upper_mu_kernel, {**table, "SUMS_IN": "*fp64", "SUMS_OUT": "*fp64"}, dict(NB=ff.UPPER_NODES, BLOCK_D=64),
              int64=("base",))
-compile_sm90(ff._upper_radius_kernel, {**stats, **table}, dict(R=ff.LEAF_BLOCK, LOG_R=log_r, BLOCK_D=64),
-             floats=("outward",), int64=("base",))
 print("compiled")
 """
 

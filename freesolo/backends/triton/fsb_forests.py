@@ -12,13 +12,14 @@ high-norm cells and stable sorts per dyadic segment stay torch ops) with two pie
    (`torch.fsb.NodeTable` layout; no per-level torch ops and no concatenation), two passes over
    the leaves:
    - `_levels_kernel`: a program holds LEAF_BLOCK consecutive leaves (several whole trees when
-     2^h < LEAF_BLOCK) and makes levels 0 .. log2(LEAF_BLOCK) from that one load;
-   - above that level, `_upper_mu_kernel` (one launch per level, O(nodes)) adds the children's
-     float64 sums into the parents' (so mu has the bits of a direct sum when the sums are exact,
-     as they are for the means of 16-bit keys), A and e from the children;
-   - `_upper_radius_kernel`: each program of LEAF_BLOCK leaves merges its leaves' largest
-     distance to every upper ancestor's mu into that ancestor's radius by an atomic max (a max
-     is the same in any order: deterministic bits).
+     2^h < LEAF_BLOCK) and makes mu, A, e of levels 0 .. log2(LEAF_BLOCK), each level's float64
+     sums from its children's (exact for the means of 16-bit keys, so in any order the bits of a
+     direct sum); above that level `_upper_mu_kernel` (one launch per level, O(nodes)) does the
+     same from the children's stored sums;
+   - `_radius_kernel`: each program of LEAF_BLOCK leaves computes its leaves' distances to their
+     ancestors' mu at every level, stores the radii of the nodes inside the block and merges its
+     largest distance into each larger ancestor's radius by an atomic max (a max is the same in
+     any order: deterministic bits).
 
 Node statistics (spec §6.3): mu = mean of the leaves' kbar, summed in float64 and rounded once to
 float32 (the torch backend averages in float32: the two differ in the last bits, so the searches
@@ -121,14 +122,14 @@ def _levels_kernel(
     h,
     D,
     cell_size,
-    outward,  # fp32 factor of the radii (1 + 8 eps)
     R: tl.constexpr,  # leaves per program (LEAF_BLOCK)
     LOG_R: tl.constexpr,
     STORE_SUMS: tl.constexpr,  # h > LOG_R: the levels above are made from these sums
     BLOCK_D: tl.constexpr,
 ):
-    """Levels 0 .. min(h, LOG_R) of the trees of height h over the leaves [pid * R, pid * R + R): every
-    level's statistics are computed, those of levels above h (groups across trees) are not stored."""
+    """mu, A, e and cell of levels 0 .. min(h, LOG_R) of the trees of height h over the leaves
+    [pid * R, pid * R + R), each level's float64 sums from its children's (levels above h, groups
+    across trees, are computed and not stored). The radii are `_radius_kernel`'s."""
     g = tl.program_id(1).to(tl.int64)
     p0 = tl.program_id(0).to(tl.int64) * R
     p = p0 + tl.arange(0, R).to(tl.int64)
@@ -136,28 +137,20 @@ def _levels_kernel(
     d = tl.arange(0, BLOCK_D).to(tl.int64)
     d_ok = d < D
     cell = tl.load(LEAF + g * n + p, mask=ok, other=0)
-    x = tl.load(KBAR + (g * C + cell)[:, None] * D + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
-    a = tl.load(A + g * C + cell, mask=ok, other=0.0)
-    sums = x.to(tl.float64)  # [R >> lvl, BLOCK_D]: float64 sums of each level's nodes (exact for 16-bit keys' means)
-    a_node = a
+    sums = tl.load(KBAR + (g * C + cell)[:, None] * D + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0).to(tl.float64)
+    a_node = tl.load(A + g * C + cell, mask=ok, other=0.0)
     cell_min = cell
     for lvl in tl.static_range(LOG_R + 1):
         # (sizes written out, R >> lvl nodes of 1 << lvl leaves: a constexpr cannot be reassigned in an unrolled loop)
-        if lvl > 0:  # a level's sums, A and e from its children's
+        if lvl > 0:  # a level's float64 sums (exact for 16-bit keys' means), A and e from its children's
             sums = tl.sum(tl.reshape(sums, [R >> lvl, 2, BLOCK_D]), axis=1)
             a_node = tl.max(tl.reshape(a_node, [R >> lvl, 2]), axis=1)
             cell_min = tl.min(tl.reshape(cell_min, [R >> lvl, 2]), axis=1)
         mu = (sums / (1 << lvl)).to(tl.float32)  # [R >> lvl, BLOCK_D]
-        if lvl == 0:
-            rad = tl.zeros([R], tl.float32)
-            cell_node = cell_min
-        else:
-            diff = tl.reshape(x, [R >> lvl, 1 << lvl, BLOCK_D]) - tl.expand_dims(mu, 1)
-            rad = tl.max(tl.sqrt_rn(tl.sum(diff * diff, axis=2)), axis=1) * outward  # [R >> lvl]
-            cell_node = tl.full([R >> lvl], -1, tl.int64)
+        cell_node = cell_min if lvl == 0 else tl.full([R >> lvl], -1, tl.int64)
         first = p0 + tl.arange(0, R >> lvl).to(tl.int64) * (1 << lvl)  # first leaf of each node
         _store_nodes(MU, RAD, AN, E, CELLID, g, N_TAB, _node_ids(base, first, h, lvl), (first < n) & (lvl <= h),
-                     mu, rad, a_node, cell_min * cell_size, cell_node, d, d_ok, D)  # fmt: skip
+                     mu, tl.zeros([R >> lvl], tl.float32), a_node, cell_min * cell_size, cell_node, d, d_ok, D)  # fmt: skip
     if STORE_SUMS:
         row = g * (n // R) + tl.program_id(0).to(tl.int64)
         tl.store(SUMS + row * D + d, tl.reshape(sums, [BLOCK_D]), mask=d_ok)
@@ -173,7 +166,7 @@ def _upper_mu_kernel(
 ):  # fmt: skip
     """mu, A, e and cell of the level-lvl nodes (lvl > log2(LEAF_BLOCK)) from their two children: the
     float64 sums add (exact for 16-bit keys' means), A is their max, e their min. The radius is
-    `_upper_radius_kernel`'s (rad is left 0 here)."""
+    `_radius_kernel`'s (rad is left 0 here)."""
     g = tl.program_id(1).to(tl.int64)
     u = tl.program_id(0).to(tl.int64) * NB + tl.arange(0, NB).to(tl.int64)  # [NB] nodes of the level
     ok = u < (n >> lvl)
@@ -195,30 +188,44 @@ def _upper_mu_kernel(
 
 
 @triton.jit
-def _upper_radius_kernel(
+def _leaf_distances(x, MU, row_base, node, valid, d, d_ok, D):
+    """|x - mu| per leaf: x fp32 [R, BLOCK_D] leaves, node int64 [R] their ancestors' flat ids (mu rows
+    gathered per leaf; not read where `valid` is False), float32 differences, correctly rounded sqrt: fp32 [R]."""
+    mu = tl.load(MU + (row_base + node)[:, None] * D + d[None, :], mask=valid[:, None] & d_ok[None, :], other=0.0)
+    diff = x - mu
+    return tl.sqrt_rn(tl.sum(diff * diff, axis=1))
+
+
+@triton.jit
+def _radius_kernel(
     KBAR, LEAF, MU, RAD, C, N_TAB, n, base, h, D, outward,
     R: tl.constexpr,
     LOG_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """The covering radii of the levels LOG_R + 1 .. h (their mu made by `_upper_mu_kernel`): the
-    program of leaves [pid * R, pid * R + R) (inside one node of each such level) takes the max of
-    its leaves' distances to the node's mu and merges it into RAD (zeroed beforehand) by an atomic
-    max: the max of a set, the same bits in any order."""
+    """The covering radii of levels 1 .. h (every mu made beforehand) over the leaves [pid * R, pid * R + R):
+    rad = outward * max over a node's leaves of |leaf - mu|. Levels <= LOG_R (nodes inside the block):
+    the max of each group of leaves, stored; levels above (the block inside one node): the block's max,
+    merged into RAD (zeroed beforehand) by an atomic max, the same bits in any order."""
     g = tl.program_id(1).to(tl.int64)
     p0 = tl.program_id(0).to(tl.int64) * R
     p = p0 + tl.arange(0, R).to(tl.int64)
+    ok = p < n
     d = tl.arange(0, BLOCK_D).to(tl.int64)
     d_ok = d < D
-    cell = tl.load(LEAF + g * n + p)
-    x = tl.load(KBAR + (g * C + cell)[:, None] * D + d[None, :], mask=d_ok[None, :], other=0.0)
-    for lvl in range(LOG_R + 1, h + 1):
-        row = g * N_TAB + _node_ids(base, p0, h, lvl)
-        mu = tl.load(MU + row * D + d, mask=d_ok, other=0.0)
-        diff = x - mu[None, :]
+    cell = tl.load(LEAF + g * n + p, mask=ok, other=0)
+    x = tl.load(KBAR + (g * C + cell)[:, None] * D + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
+    row_base = g * N_TAB
+    for lvl in tl.static_range(1, LOG_R + 1):
+        far = _leaf_distances(x, MU, row_base, _node_ids(base, p, h, lvl), ok & (lvl <= h), d, d_ok, D)
         # x * outward is monotone in x: the max of the scaled distances is the scaled max
-        far = tl.max(tl.sqrt_rn(tl.sum(diff * diff, axis=1)), axis=0) * outward
-        tl.atomic_max(RAD + row, far, sem="relaxed")
+        far = tl.max(tl.reshape(far, [R >> lvl, 1 << lvl]), axis=1) * outward
+        first = p0 + tl.arange(0, R >> lvl).to(tl.int64) * (1 << lvl)
+        tl.store(RAD + row_base + _node_ids(base, first, h, lvl), far, mask=(first < n) & (lvl <= h))
+    for lvl in range(LOG_R + 1, h + 1):  # (here 2^h >= 2^lvl > R: the block is whole, inside one node)
+        ancestor = _node_ids(base, p0, h, lvl)
+        block_far = tl.max(_leaf_distances(x, MU, row_base, ancestor + p * 0, ok, d, d_ok, D), axis=0) * outward
+        tl.atomic_max(RAD + row_base + ancestor, block_far, sem="relaxed")
 
 
 def _check_row(k: torch.Tensor) -> None:
@@ -280,11 +287,9 @@ def cells_node_table(kbar, a, cells, codes, M: int, cfg: FreeSoloConfig, outward
         upper = h > log_r  # levels above log_r: from the level-log_r sums, then the radii
         sums = torch.empty(Hkv, n >> log_r if upper else 1, D, dtype=torch.float64, device=dev)
         launch(_levels_kernel, (triton.cdiv(n, R), Hkv),
-            kbar, a, leaf, mu, rad, A, e, cell_id, sums, C, N, n, base[h], h, D, cfg.cell, factor,
+            kbar, a, leaf, mu, rad, A, e, cell_id, sums, C, N, n, base[h], h, D, cfg.cell,
             R=R, LOG_R=log_r, STORE_SUMS=upper, BLOCK_D=block_d, num_warps=4,
         )  # fmt: skip
-        if not upper:
-            continue
         for lvl in range(log_r + 1, h + 1):
             sums_up = torch.empty(Hkv, n >> lvl, D, dtype=torch.float64, device=dev)
             launch(_upper_mu_kernel, (triton.cdiv(n >> lvl, UPPER_NODES), Hkv),
@@ -292,9 +297,10 @@ def cells_node_table(kbar, a, cells, codes, M: int, cfg: FreeSoloConfig, outward
                 NB=UPPER_NODES, BLOCK_D=block_d, num_warps=4,
             )  # fmt: skip
             sums = sums_up
-        launch(_upper_radius_kernel, (n // R, Hkv),
-            kbar, leaf, mu, rad, C, N, n, base[h], h, D, factor, R=R, LOG_R=log_r, BLOCK_D=block_d, num_warps=4,
-        )  # fmt: skip
+        if h > 0:
+            launch(_radius_kernel, (triton.cdiv(n, R), Hkv),
+                kbar, leaf, mu, rad, C, N, n, base[h], h, D, factor, R=R, LOG_R=log_r, BLOCK_D=block_d, num_warps=4,
+            )  # fmt: skip
     return NodeTable(mu, rad, A, e, cell_id, torch.tensor(base, device=dev), H)
 
 
