@@ -299,10 +299,12 @@
 #   s41c_fsb     issue 12: the forests' phases with the Triton builder; fsb_prefill_split with the Triton forests
 #                against the torch ones (64k / 256k / 1M); triton_fsb vs triton_fs forward at 256k / 1M
 #   s41d_probe   issue 12: fsb_dimchunk_probe.py with the Triton and the torch forests (the s41 call4 test failure)
-#   s41e_fsb     issue 12: the search skipping the keys of levels that keep all their candidates, against 58acc8a
-#                (.ab/pre_s41b, carried), 64k / 256k / 1M; triton_fsb vs triton_fs forward at 256k / 1M
+#   s41e_fsb     issue 12: the search skipping the keys of levels that keep all their candidates (7fbaf4c, reverted
+#                after this A/B: no gain at 1M), against 58acc8a (.ab/pre_s41b, carried), 64k / 256k / 1M;
+#                triton_fsb vs triton_fs forward at 256k / 1M
 #   s41e_tests   the FS-B forests / search / decode / caches / models CUDA tests
-#   s41e_same    the selections and found beams of 58acc8a and HEAD at 256k (H 16, D 64, bf16), bitwise
+#   s41e_same    the selections and found beams of 58acc8a and HEAD at 256k (H 16, D 64, bf16), bitwise (its
+#                .pt files land in the session tar: 2.4 GB, too large to come back; delete them before the tar)
 #   s39b_tile    the FS-B search CUDA tests with the tile rerank (FREESOLO_TRITON_FSB_RERANK=tile)
 #   s33a_train   issue 11: train_step.py eager providers at 4k / 16k (the FS-L model's attention from the cache)
 set -u

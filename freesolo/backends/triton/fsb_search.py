@@ -134,6 +134,8 @@ def _search_forest(n, base_ptr, seg_scale, q, q_row_ptr, qnorm, pos, sig, lm, no
         c_tk = tl.reshape(tl.join(tk, tk), [2 * WP])
         c_g = tl.reshape(tl.join(2 * g, 2 * g + 1), [2 * WP])
         c_ok = tl.reshape(tl.join(valid, valid), [2 * WP]) != 0
+        c_key = _node_keys(tl.where(c_ok, c_p, 0), c_ok, q, q_row_ptr, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr,
+                           a_ptr, e_ptr, scale, radius_weight, two_cell, D, N, BLOCK_D, DC)  # fmt: skip
         # the root of the tree of height lvl (bit lvl of n), as a one-lane tensor
         one = tl.arange(0, 1)
         has_root = ((n >> lvl) & 1) == 1
@@ -143,23 +145,10 @@ def _search_forest(n, base_ptr, seg_scale, q, q_row_ptr, qnorm, pos, sig, lm, no
         r_p = r_tk - 2
         r_g = r_start >> lvl
         r_ok = (one == 0) & has_root
-        # A level whose candidates (children and root) all fit in the beam keeps every one of them, whatever
-        # their keys: above the leaves the new frontier's order does not matter (the next level ranks all its
-        # candidates by (key, index)), so such a level skips the keys and keeps its candidates in index order
-        # (the top levels of each tree: at 1M about 4 of a forest's 15 levels). The leaves' level (the found
-        # beams' order) and a traced search compute every key.
-        keeps_all = (2 * tl.sum(valid, 0) + has_root.to(tl.int32) <= W) & (lvl > 0) & (not TRACE)
-        if keeps_all:
-            c_key = tl.where(c_ok, 0.0, float("-inf"))
-            r_key = tl.where(r_ok, 0.0, float("-inf"))
-        else:
-            c_key = _node_keys(tl.where(c_ok, c_p, 0), c_ok, q, q_row_ptr, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr,
-                               a_ptr, e_ptr, scale, radius_weight, two_cell, D, N, BLOCK_D, DC)  # fmt: skip
-            # (one row: its key summed across the lanes from the q in registers, all of D at once; its rows in
-            # chunks cost 67 more SASS instructions a level, 707 against 640 at D 64)
-            r_key = _node_keys(tl.where(r_ok, r_p + one * 0, 0), r_ok, q, q_row_ptr, qnorm, pos, sig, lm, node0,
-                               mu_ptr, rad_ptr, a_ptr, e_ptr, scale, radius_weight, two_cell, D, N, BLOCK_D,
-                               BLOCK_D)  # fmt: skip
+        # (one row: its key summed across the lanes from the q in registers, all of D at once; its rows in
+        # chunks cost 67 more SASS instructions a level, 707 against 640 at D 64)
+        r_key = _node_keys(tl.where(r_ok, r_p + one * 0, 0), r_ok, q, q_row_ptr, qnorm, pos, sig, lm, node0, mu_ptr,
+                           rad_ptr, a_ptr, e_ptr, scale, radius_weight, two_cell, D, N, BLOCK_D, BLOCK_D)  # fmt: skip
         # the new frontier: the W best of the children and the root by (key desc, index in level
         # asc), a total order (indices in a level are distinct). Each child gets one int64 sort key:
         # order-preserving key bits (high 32), then GIDX_MAX - index (25 bits), then its lane (7
