@@ -41,10 +41,10 @@ import triton
 import triton.language as tl
 
 from ...config import FreeSoloConfig
-from ..torch.fsb import NodeTable, SearchTables, build_row_forests, segment_leaf_order, tree_nodes
+from ..torch.fsb import NodeTable, build_row_forests, segment_leaf_order, tree_nodes
 from ._common import launch, next_pow2
 
-__all__ = ["LEAF_BLOCK", "STATS_CELLS", "UPPER_NODES", "cells_node_table", "forest_tables", "row_cell_stats", "row_forests"]
+__all__ = ["LEAF_BLOCK", "STATS_CELLS", "row_cell_stats", "cells_node_table", "row_forests"]
 
 LEAF_BLOCK = 64  # leaves one `_levels_kernel` program holds (levels 0 .. 6 of every tree from one load)
 UPPER_NODES = 16  # nodes one `_upper_mu_kernel` program makes
@@ -113,7 +113,7 @@ def _levels_kernel(
     KBAR,  # fp32 [Hkv, C, D] cell means
     A,  # fp32 [Hkv, C] cell max key norms
     LEAF,  # int64 [Hkv, n]: the cell at each leaf of the height-h trees (leaf order, trees one after another)
-    MU, RAD, AN, E, CELLID,  # the node table: kv head g's node x at row g * N_TAB + x (of D values in MU)
+    MU, RAD, AN, E, CELLID,  # the node table [Hkv, N_TAB(, D)]
     SUMS,  # fp64 [Hkv, n / R, D]: the float64 sums of the level-LOG_R nodes (written when STORE_SUMS)
     C,
     N_TAB,
@@ -255,46 +255,26 @@ def row_cell_stats(k: torch.Tensor, cell: int) -> tuple:
     return kbar, a, kbar64, a64
 
 
-def _bases(M: int) -> list:
-    """Flat id of the first tree of each height 0 .. H of a forest over M elements, then its node count."""
-    base = [0]
-    for h in range((M.bit_length() - 1) + 1 if M > 0 else 0):
-        base.append(base[-1] + (M >> h) * tree_nodes(h))
-    return base
-
-
-def _empty_fields(Hkv: int, N: int, D: int, device) -> dict:
-    """Node-table fields (`torch.fsb.TREE_FIELDS`) of N nodes per kv head; rad zeroed (the radius kernel's
-    atomic maxima start from 0)."""
-    return {
-        "mu": torch.empty(1, Hkv, N, D, dtype=torch.float32, device=device),
-        "rad": torch.zeros(1, Hkv, N, dtype=torch.float32, device=device),
-        "A": torch.empty(1, Hkv, N, dtype=torch.float32, device=device),
-        "e": torch.empty(1, Hkv, N, dtype=torch.int64, device=device),
-        "cell": torch.empty(1, Hkv, N, dtype=torch.int64, device=device),
-    }
-
-
-def cells_node_table(kbar, a, cells, codes, M: int, cfg: FreeSoloConfig, outward: bool, out: dict | None = None) -> NodeTable:
+def cells_node_table(kbar, a, cells, codes, M: int, cfg: FreeSoloConfig, outward: bool) -> NodeTable:
     """`torch.fsb.cells_node_table` with the node statistics made by Triton kernels: the trees over
     the elements cells (int64 [1, Hkv, M], None: every cell in order) of kbar fp32 [1, Hkv, C, D],
-    a fp32 [1, Hkv, C]; codes int64 [1, Hkv, M] the elements' content codes. out: the fields to
-    write (as `_empty_fields` makes them, of exactly this table's nodes), e.g. views of a joined table."""
+    a fp32 [1, Hkv, C]; codes int64 [1, Hkv, M] the elements' content codes."""
     if not outward:
         raise ValueError("the Triton node tables round radii outward (float32 statistics): pass outward=True")
     if kbar.dtype != torch.float32 or a.dtype != torch.float32:
         raise ValueError(f"kbar and a must be float32, got {kbar.dtype} and {a.dtype}")
     _, Hkv, C, D = kbar.shape
     dev = kbar.device
-    base = _bases(M)
-    H, N = len(base) - 2, base[-1]
-    out = _empty_fields(Hkv, N, D, dev) if out is None else out
-    mu, rad, A, e, cell_id = (out[name] for name in ("mu", "rad", "A", "e", "cell"))
-    # the kernels address node rows as kv head * stride + node: the stride of a kv head's rows, N for a table
-    # of its own, the joined table's node count for a slice of it
-    stride = rad.stride(1)
-    if any(x.shape[2] != N or x.stride(1) != stride * (D if x.dim() == 4 else 1) for x in (mu, rad, A, e, cell_id)):
-        raise ValueError(f"out must hold {N} nodes a kv head, its fields laid out alike")
+    H = M.bit_length() - 1 if M > 0 else -1
+    base = [0]
+    for h in range(H + 1):
+        base.append(base[-1] + (M >> h) * tree_nodes(h))
+    N = base[-1]
+    mu = torch.empty(1, Hkv, N, D, dtype=torch.float32, device=dev)
+    rad = torch.zeros(1, Hkv, N, dtype=torch.float32, device=dev)  # the upper levels' radii: atomic maxima from 0
+    A = torch.empty(1, Hkv, N, dtype=torch.float32, device=dev)
+    e = torch.empty(1, Hkv, N, dtype=torch.int64, device=dev)
+    cell_id = torch.empty(1, Hkv, N, dtype=torch.int64, device=dev)
     kbar, a = kbar.contiguous(), a.contiguous()
     R = LEAF_BLOCK
     log_r = R.bit_length() - 1
@@ -307,43 +287,26 @@ def cells_node_table(kbar, a, cells, codes, M: int, cfg: FreeSoloConfig, outward
         upper = h > log_r  # levels above log_r: from the level-log_r sums, then the radii
         sums = torch.empty(Hkv, n >> log_r if upper else 1, D, dtype=torch.float64, device=dev)
         launch(_levels_kernel, (triton.cdiv(n, R), Hkv),
-            kbar, a, leaf, mu, rad, A, e, cell_id, sums, C, stride, n, base[h], h, D, cfg.cell,
+            kbar, a, leaf, mu, rad, A, e, cell_id, sums, C, N, n, base[h], h, D, cfg.cell,
             R=R, LOG_R=log_r, STORE_SUMS=upper, BLOCK_D=block_d, num_warps=4,
         )  # fmt: skip
         for lvl in range(log_r + 1, h + 1):
             sums_up = torch.empty(Hkv, n >> lvl, D, dtype=torch.float64, device=dev)
             launch(_upper_mu_kernel, (triton.cdiv(n >> lvl, UPPER_NODES), Hkv),
-                sums, sums_up, mu, rad, A, e, cell_id, stride, n, base[h], h, lvl, D,
+                sums, sums_up, mu, rad, A, e, cell_id, N, n, base[h], h, lvl, D,
                 NB=UPPER_NODES, BLOCK_D=block_d, num_warps=4,
             )  # fmt: skip
             sums = sums_up
         if h > 0:
             launch(_radius_kernel, (triton.cdiv(n, R), Hkv),
-                kbar, leaf, mu, rad, C, stride, n, base[h], h, D, factor, R=R, LOG_R=log_r, BLOCK_D=block_d, num_warps=4,
+                kbar, leaf, mu, rad, C, N, n, base[h], h, D, factor, R=R, LOG_R=log_r, BLOCK_D=block_d, num_warps=4,
             )  # fmt: skip
     return NodeTable(mu, rad, A, e, cell_id, torch.tensor(base, device=dev), H)
 
 
-
-
-def forest_tables(kbar, a, forests: list, cfg: FreeSoloConfig, outward: bool) -> SearchTables:
-    """`torch.fsb.search_tables` with Triton node tables: the forests [(cells, codes, M), ...] built
-    into one joined table, each forest a slice of it (no concatenation: at 1M, H 16, D 64 the copy
-    took 4 ms and 6.9 GB)."""
-    _, Hkv, _, D = kbar.shape
-    sizes = [_bases(M)[-1] for _, _, M in forests]
-    joined = _empty_fields(Hkv, sum(sizes), D, kbar.device)
-    tables, start = [], 0
-    for (cells, codes, M), size in zip(forests, sizes):
-        part = {name: x[:, :, start : start + size] for name, x in joined.items()}
-        tables.append(cells_node_table(kbar, a, cells, codes, M, cfg, outward, out=part))
-        start += size
-    return SearchTables(tables, joined=joined)
-
-
 def row_forests(k: torch.Tensor, cfg: FreeSoloConfig) -> tuple:
     """Both FS-B forests of one row from k [1, Hkv, T, D] unrotated keys in their storage dtype:
-    `torch.fsb.build_row_forests` (outward radii) with `row_cell_stats` and `forest_tables` in Triton.
+    `torch.fsb.build_row_forests` (outward radii) with `row_cell_stats` and `cells_node_table` in Triton.
     Returns (SearchTables, high_prefix int64 [1, Hkv, C + 1])."""
     _check_row(k)
-    return build_row_forests(k, cfg, outward=True, stats=row_cell_stats, tables=forest_tables)
+    return build_row_forests(k, cfg, outward=True, stats=row_cell_stats, node_table=cells_node_table)
