@@ -303,7 +303,7 @@
 #                after this A/B: no gain at 1M), against 58acc8a (.ab/pre_s41b, carried), 64k / 256k / 1M;
 #                triton_fsb vs triton_fs forward at 256k / 1M
 #   s41e_tests   the FS-B forests / search / decode / caches / models CUDA tests
-#   s41f         issue 12: the joined node table (no concatenation): the forests / FS-B CUDA tests, the forest phases at
+#   s41f         issue 12 (branch s42-joined-tables): the joined node table (no concatenation): the CUDA tests, phases at
 #                1M, triton_fsb vs triton_fs forward at 1M (peak memory)
 #   s41e_same    the selections and found beams of 58acc8a and HEAD at 256k (H 16, D 64, bf16), bitwise (its
 #                .pt files, 2.4 GB, are deleted after the comparison: in call7 they filled the tar, which did not come back)
