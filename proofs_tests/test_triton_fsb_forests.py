@@ -11,6 +11,7 @@
 - a small LEAF_BLOCK sends the upper levels through `_upper_mu_kernel` and the atomic radii: same tables;
 - the search on the Triton forests equals the float64 oracle's selection (small random cases);
   on CUDA at paper sizes it differs from the search on the torch forests at float32 near-ties only;
+- L10's prefix property: the trees over a prefix of the keys do not change when later keys are added;
 - bad input raises.
 On a CPU machine the kernels run under the interpreter (TRITON_INTERPRET=1).
 """
@@ -169,6 +170,35 @@ def test_search_on_triton_forests_equals_oracle(monkeypatch, seed, T, Hq, Hkv, k
     idx = fsb_search.fsb_select_cells(torch.tensor(q, dtype=torch.float32, device=DEVICE), kt, cfg)
     assert (idx >= 0).sum() > 2 * T, "too few selections: the test would not bite"
     np.testing.assert_array_equal(idx.cpu().numpy(), select_cells_fsb(q, k, cfg))
+
+
+@pytest.mark.parametrize("leaf_order", ["content", "position"])
+def test_prefix_trees_do_not_see_later_cells(leaf_order):
+    """L10's "node statistics use prefix cells only" for the Triton build: the trees of a prefix of the
+    keys are bitwise the same trees when later keys exist (and the later keys change), in both forests."""
+    k = _keys(8, 520, 2, 16)
+    cfg = _cfg(k, 4, leaf_order=leaf_order)
+    T1 = 300
+    short, prefix_short = fsb_forests.row_forests(k[:, :, :T1].contiguous(), cfg)
+    other = k.clone()
+    other[:, :, T1:] = _keys(9, 520 - T1, 2, 16)
+    for keys in (k, other):
+        long, prefix_long = fsb_forests.row_forests(keys, cfg)
+        C1 = T1 // cfg.cell
+        assert torch.equal(prefix_long[:, :, : C1 + 1], prefix_short)
+        compared = 0
+        for f in range(2):  # all cells, high-norm cells (per kv head: its own number of high cells)
+            for g in range(k.shape[1]):
+                M = C1 if f == 0 else int(prefix_short[0, g, C1])
+                for h in range(M.bit_length()):
+                    nodes = (M >> h) * ((2 << h) - 1)  # the complete trees of height h over the prefix's elements
+                    s0, l0 = int(short.base[f, h]), int(long.base[f, h])
+                    for name in torch_fsb.TREE_FIELDS:
+                        a = getattr(short, name)[0, g, s0 : s0 + nodes]
+                        b = getattr(long, name)[0, g, l0 : l0 + nodes]
+                        assert torch.equal(a, b), (f, g, h, name)
+                    compared += nodes
+        assert compared > 500, "too few prefix nodes compared: the test would not bite"
 
 
 def test_refuses_bad_input(monkeypatch):
