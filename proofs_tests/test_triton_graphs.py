@@ -230,7 +230,7 @@ def test_cache_key_holds_shapes_dtypes_args_the_kernel_switches_and_inference_mo
 
 def test_knob_list_names_every_triton_switch_of_the_kernels():
     """Every FREESOLO_TRITON_* variable the forward / backward code reads is part of the key (or is
-    the cache's own switch, or FS-B's search / rerank switches: the cache never graphs FS-B)."""
+    the cache's own switch, or FS-B's search / rerank / forests switches: the cache never graphs FS-B)."""
     from freesolo.backends.triton import _common, attention, attention_bwd, selection
 
     read = {
@@ -246,7 +246,7 @@ def test_knob_list_names_every_triton_switch_of_the_kernels():
     named = set()
     for path in root.glob("*.py"):
         named |= set(re.findall(r'"(FREESOLO_TRITON_[A-Z_]+)"', path.read_text()))
-    fsb_prefill = {"FREESOLO_TRITON_FSB_SEARCH", "FREESOLO_TRITON_FSB_RERANK"}
+    fsb_prefill = {"FREESOLO_TRITON_FSB_SEARCH", "FREESOLO_TRITON_FSB_RERANK", "FREESOLO_TRITON_FSB_FORESTS"}
     assert named - set(graphs.KNOB_ENVS) == {graphs.GRAPHS_ENV} | fsb_prefill, named
 
 
