@@ -9,8 +9,8 @@ high-norm cells and stable sorts per dyadic segment stay torch ops) with two pie
    tables' kbar and a. For 16-bit keys the float64 sums of a cell are exact, so kbar64 and a64 are
    the torch backend's bits and kbar is the correctly rounded mean.
 2. The node statistics of every tree of height h, written straight into the flat node table
-   (`torch.fsb.NodeTable` layout; no per-level torch ops and no concatenation), two passes over
-   the leaves:
+   (`torch.fsb.NodeTable` layout; no per-level torch ops and no concatenation of levels; the two
+   forests' tables are still concatenated by `SearchTables`), two passes over the leaves:
    - `_levels_kernel`: a program holds LEAF_BLOCK consecutive leaves (several whole trees when
      2^h < LEAF_BLOCK) and makes mu, A, e of levels 0 .. log2(LEAF_BLOCK), each level's float64
      sums from its children's (exact for the means of 16-bit keys, so in any order the bits of a
@@ -26,9 +26,11 @@ float32 (the torch backend averages in float32: the two differ in the last bits,
 agree except at float32 near-ties); rad = max over the leaves of |kbar - mu| in float32, rounded
 outward by (1 + 8 eps) as `build_segments(..., outward=True)`; A = max a; e = s * min cell.
 
-H100 (s41 call2, bf16, H 16, D 64, FS-B defaults): the torch build took 116 ms at 1M (`benchmarks/
-fsb_forest_phases.py`: 84 ms of it in the per-level ops of the two tables, 26 ms in the float32 and
-float64 statistics).
+H100 (bf16, H 16, D 64, FS-B defaults, `benchmarks/fsb_forest_phases.py`): the torch build took 116 ms
+at 1M (s41 call2: 84 ms of it in the per-level ops of the two tables, 26 ms in the float32 and float64
+statistics); this one 31 ms (call6, same run as 115 ms for the torch build: levels 10.8, radii 4.7, the
+torch sorts 4.3, the two tables' concatenation 4.1, statistics 2.5 ms), peak 12.4 GiB above the inputs
+against 20.5.
 
 Row independence (L12): one row at a time, programs read only that row's keys.
 All pointer offsets are int64.
