@@ -325,7 +325,9 @@ step() {  # step NAME SECONDS COMMAND...: run with a timeout, log to $W/NAME.log
   local rc=$?
   local outcome; outcome=$(grep -E "^[0-9]+ (passed|failed)|^(=+ )?[0-9]+ (passed|failed)" "$W/$name.log" | tr '\n' ' ')
   echo "$name rc=$rc $((SECONDS - t0)) s: ${outcome:-$(tail -n 1 "$W/$name.log")}" | tee -a "$OUT/summary.txt"
-  tar -C "$W" -cf "$OUT/session.tar" .  # after every step: a call killed at its limit keeps what ran
+  # after every step: a call killed at its limit keeps what ran. Files over 256 MB stay out (s41 call7: two 1.2 GB
+  # tensors made the tar too large to come back, and every log with it)
+  (cd "$W" && find . -type f -size -256M -print0) | tar -C "$W" --null -T - -cf "$OUT/session.tar"
 }
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" | tee "$OUT/summary.txt"
 step tests_split 200 "${SPLIT[@]}" python3 -m pytest -q -n ${NPROC:-14} -p no:benchmark -k "cuda or gpu" proofs_tests/test_triton_attention.py proofs_tests/test_triton_backend.py proofs_tests/test_triton_backward.py proofs_tests/test_row_independence.py proofs_tests/test_packed.py proofs_tests/test_models.py
@@ -527,5 +529,5 @@ step fsb_probe 45 python3 benchmarks/fsb_eval_probe.py --lengths 4096 32768
 step torch_ab 160 python3 benchmarks/torch_readout_ab.py --out "$W/torch_readout_ab.json"
 step bwd_split 60 "${SPLIT[@]}" python3 benchmarks/triton_backward_bench.py --lengths 4096 16384 65536 --no-api --no-profile --rep 30 --out "$W/triton_backward_split.json"
 step train_step 90 "${SPLIT[@]}" python3 benchmarks/train_step.py --lengths 4096 16384 65536 --out "$W"
-tar -C "$W" -cf "$OUT/session.tar" .
+(cd "$W" && find . -type f -size -256M -print0) | tar -C "$W" --null -T - -cf "$OUT/session.tar"
 ls -la "$OUT"
