@@ -111,6 +111,19 @@ def _node_ids(base, first, h, lvl):
 
 
 @triton.jit
+def _load_leaves(KBAR, LEAF, g, n, C, D, R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The leaves [pid * R, pid * R + R) of the height-h trees of kv head g (past n: masked):
+    (p int64 [R] leaf positions, ok [R], d int64 [BLOCK_D], d_ok, cell int64 [R], x fp32 [R, BLOCK_D] their kbar)."""
+    p = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R).to(tl.int64)
+    ok = p < n
+    d = tl.arange(0, BLOCK_D).to(tl.int64)
+    d_ok = d < D
+    cell = tl.load(LEAF + g * n + p, mask=ok, other=0)
+    x = tl.load(KBAR + (g * C + cell)[:, None] * D + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
+    return p, ok, d, d_ok, cell, x
+
+
+@triton.jit
 def _levels_kernel(
     KBAR,  # fp32 [Hkv, C, D] cell means
     A,  # fp32 [Hkv, C] cell max key norms
@@ -134,12 +147,8 @@ def _levels_kernel(
     across trees, are computed and not stored). The radii are `_radius_kernel`'s."""
     g = tl.program_id(1).to(tl.int64)
     p0 = tl.program_id(0).to(tl.int64) * R
-    p = p0 + tl.arange(0, R).to(tl.int64)
-    ok = p < n
-    d = tl.arange(0, BLOCK_D).to(tl.int64)
-    d_ok = d < D
-    cell = tl.load(LEAF + g * n + p, mask=ok, other=0)
-    sums = tl.load(KBAR + (g * C + cell)[:, None] * D + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0).to(tl.float64)
+    p, ok, d, d_ok, cell, x = _load_leaves(KBAR, LEAF, g, n, C, D, R, BLOCK_D)
+    sums = x.to(tl.float64)
     a_node = tl.load(A + g * C + cell, mask=ok, other=0.0)
     cell_min = cell
     for lvl in tl.static_range(LOG_R + 1):
@@ -211,12 +220,7 @@ def _radius_kernel(
     merged into RAD (zeroed beforehand) by an atomic max, the same bits in any order."""
     g = tl.program_id(1).to(tl.int64)
     p0 = tl.program_id(0).to(tl.int64) * R
-    p = p0 + tl.arange(0, R).to(tl.int64)
-    ok = p < n
-    d = tl.arange(0, BLOCK_D).to(tl.int64)
-    d_ok = d < D
-    cell = tl.load(LEAF + g * n + p, mask=ok, other=0)
-    x = tl.load(KBAR + (g * C + cell)[:, None] * D + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
+    p, ok, d, d_ok, cell, x = _load_leaves(KBAR, LEAF, g, n, C, D, R, BLOCK_D)
     row_base = g * N_TAB
     for lvl in tl.static_range(1, LOG_R + 1):
         far = _leaf_distances(x, MU, row_base, _node_ids(base, p, h, lvl), ok & (lvl <= h), d, d_ok, D)
