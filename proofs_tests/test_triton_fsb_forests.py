@@ -8,6 +8,7 @@
   and 4 tokens, GQA-free rows of 1 and 3 kv heads, high-norm forests included;
 - the radii cover their leaves: every node's rad >= the float64 distance of each of its leaves
   to the node's stored mu (the bound the search relies on);
+- both forests written into one joined table: the same bits as each built alone and concatenated;
 - a small LEAF_BLOCK sends the upper levels through `_upper_mu_kernel` and the atomic radii: same tables;
 - the search on the Triton forests equals the float64 oracle's selection (small random cases);
   on CUDA at paper sizes it differs from the search on the torch forests at float32 near-ties only;
@@ -201,6 +202,22 @@ def test_prefix_trees_do_not_see_later_cells(leaf_order):
         assert compared > 500, "too few prefix nodes compared: the test would not bite"
 
 
+def test_joined_tables_equal_concatenated_ones():
+    """`forest_tables` writes both forests into one joined table (slices of it): the same bits as each
+    forest built alone and concatenated (the torch `SearchTables` path), node ids shifted alike."""
+    k = _keys(7, 333, 2, 16)
+    cfg = _cfg(k, 4)
+    kbar, a, _, a64 = fsb_forests.row_cell_stats(k, cfg.cell)
+    codes = torch.arange(a.shape[-1], device=a.device).expand(a.shape).contiguous() % 7
+    hc = torch.sort((a64 <= a64.median()).to(torch.int8), dim=-1, stable=True).indices[:, :, :40]
+    forests = [(None, codes, a.shape[-1]), (hc, torch.gather(codes, 2, hc), 40)]
+    joined = fsb_forests.forest_tables(kbar, a, forests, cfg, True)
+    alone = torch_fsb.SearchTables([fsb_forests.cells_node_table(kbar, a, c, co, M, cfg, True) for c, co, M in forests])
+    assert torch.equal(joined.base, alone.base) and torch.equal(joined.segment_scale, alone.segment_scale)
+    for name in torch_fsb.TREE_FIELDS:
+        assert torch.equal(getattr(joined, name), getattr(alone, name)), name
+
+
 def test_refuses_bad_input(monkeypatch):
     k = _keys(0, 64, 2, 16)
     cfg = _cfg(k, 4)
@@ -214,6 +231,11 @@ def test_refuses_bad_input(monkeypatch):
         fsb_forests.cells_node_table(kbar, a, None, codes, a.shape[-1], cfg, outward=False)
     with pytest.raises(ValueError, match="float32"):
         fsb_forests.cells_node_table(kbar.double(), a, None, codes, a.shape[-1], cfg, outward=True)
+    wrong = fsb_forests._empty_fields(2, 5, 16, k.device)  # not this table's node count
+    with pytest.raises(ValueError, match="nodes a kv head"):
+        fsb_forests.cells_node_table(kbar, a, None, codes, a.shape[-1], cfg, outward=True, out=wrong)
+    with pytest.raises(ValueError, match="joined fields"):
+        torch_fsb.SearchTables([fsb_forests.cells_node_table(kbar, a, None, codes, a.shape[-1], cfg, True)], joined=wrong)
     monkeypatch.setenv(fsb_search.FORESTS_ENV, "numpy")
     with pytest.raises(ValueError, match="FREESOLO_TRITON_FSB_FORESTS"):
         fsb_search.forests_mode()

@@ -49,6 +49,7 @@ __all__ = [
     "fsb_bytes_per_query",
     "fsb_select",
     "row_candidates",
+    "search_tables",
     "segment_leaf_order",
     "level_offset",
     "tree_nodes",
@@ -198,14 +199,20 @@ class SearchTables:
     segment_scale int64 [F] (NodeTable.one_tree_per_height: 0, else 1).
     """
 
-    def __init__(self, tables: list):
+    def __init__(self, tables: list, joined: dict | None = None):
+        """joined: {field: tensor} of all the tables one after another along the node axis, when the
+        tables are already views of them (`triton.fsb_forests.forest_tables`: no concatenation)."""
         self.max_height = max(t.max_height for t in tables)
         width = self.max_height + 2
         offsets, offset = [], 0
         for t in tables:
             offsets.append(offset)
             offset += t.mu.shape[2]
-        if len(tables) == 1:
+        if joined is not None:
+            if any(joined[name].shape[2] != offset for name in TREE_FIELDS):
+                raise ValueError(f"joined fields must hold the tables' {offset} nodes")
+            fields = joined
+        elif len(tables) == 1:
             fields = {name: getattr(tables[0], name) for name in TREE_FIELDS}
         else:
             fields = {name: torch.cat([getattr(t, name) for t in tables], dim=2) for name in TREE_FIELDS}
@@ -307,14 +314,20 @@ def cells_node_table(kbar, a, cells, codes, M: int, cfg: FreeSoloConfig, outward
                             cells, codes, M, cfg, outward)  # fmt: skip
 
 
-def build_row_forests(k, cfg: FreeSoloConfig, outward: bool, stats=row_cell_stats, node_table=cells_node_table) -> tuple:
+def search_tables(kbar, a, forests: list, cfg: FreeSoloConfig, outward: bool) -> SearchTables:
+    """The SearchTables of the forests [(cells, codes, M), ...] (as `cells_node_table` takes them) of
+    the per-cell statistics kbar, a: each built by `cells_node_table`, then concatenated."""
+    return SearchTables([cells_node_table(kbar, a, cells, codes, M, cfg, outward) for cells, codes, M in forests])
+
+
+def build_row_forests(k, cfg: FreeSoloConfig, outward: bool, stats=row_cell_stats, tables=search_tables) -> tuple:
     """Both FS-B forests of one row (spec §6.2-§6.3), built with torch ops on k's device.
 
     k: [1, Hkv, T, D] unrotated keys (statistics of the complete cells C = T // s).
     outward: round node radii up (any dtype below float64).
     stats: k, cell -> (kbar, a, kbar64, a64) as `row_cell_stats` (the default: torch ops on k in its
-        own dtype, the compute dtype); node_table: as `cells_node_table` (the default: torch ops).
-        The Triton backend passes its kernels (`triton.fsb_forests`) and the keys in their storage dtype.
+        own dtype, the compute dtype); tables: as `search_tables` (the default: torch ops). The Triton
+        backend passes its kernels (`triton.fsb_forests`) and the keys in their storage dtype.
     Returns (SearchTables of [the all-cells forest, the high-norm forest], high_prefix int64
     [1, Hkv, C + 1]: the number of high-norm cells among the first c cells).
     """
@@ -325,15 +338,14 @@ def build_row_forests(k, cfg: FreeSoloConfig, outward: bool, stats=row_cell_stat
     kbar, a, kbar64, a64 = stats(k, cfg.cell)  # (B, Hkv, C, D), (B, Hkv, C); codes and the tau test from float64
     C = a.shape[-1]
     codes = content_codes(kbar64, planes) if cfg.leaf_order == "content" else torch.zeros_like(a64, dtype=torch.int64)
-    t_all = node_table(kbar, a, None, codes, C, cfg, outward)
     high = a64 > tau.view(1, Hkv, 1)  # (B, Hkv, C)
     order = torch.sort((~high).to(torch.int8), dim=-1, stable=True).indices  # high cells first, increasing
     n_high = high.sum(dim=-1)  # (B, Hkv)
     Mh = int(n_high.max()) if C else 0
     hc = order[:, :, :Mh]  # (B, Hkv, Mh) high cells (rows with fewer: padding never read)
-    t_high = node_table(kbar, a, hc, torch.gather(codes, 2, hc), Mh, cfg, outward)
+    forests = [(None, codes, C), (hc, torch.gather(codes, 2, hc), Mh)]  # all cells, high-norm cells
     high_prefix = torch.cat([torch.zeros(B, Hkv, 1, dtype=torch.int64, device=dev), torch.cumsum(high, -1)], -1)
-    return SearchTables([t_all, t_high]), high_prefix
+    return tables(kbar, a, forests, cfg, outward), high_prefix
 
 
 def block_element_counts(high_prefix, j0: int, j1: int, cfg: FreeSoloConfig):

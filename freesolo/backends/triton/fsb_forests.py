@@ -9,8 +9,8 @@ high-norm cells and stable sorts per dyadic segment stay torch ops) with two pie
    tables' kbar and a. For 16-bit keys the float64 sums of a cell are exact, so kbar64 and a64 are
    the torch backend's bits and kbar is the correctly rounded mean.
 2. The node statistics of every tree of height h, written straight into the flat node table
-   (`torch.fsb.NodeTable` layout; no per-level torch ops and no concatenation of levels; the two
-   forests' tables are still concatenated by `SearchTables`), two passes over the leaves:
+   (`torch.fsb.NodeTable` layout; no per-level torch ops and no concatenation), two passes over
+   the leaves:
    - `_levels_kernel`: a program holds LEAF_BLOCK consecutive leaves (several whole trees when
      2^h < LEAF_BLOCK) and makes mu, A, e of levels 0 .. log2(LEAF_BLOCK), each level's float64
      sums from its children's (exact for the means of 16-bit keys, so in any order the bits of a
@@ -26,11 +26,9 @@ float32 (the torch backend averages in float32: the two differ in the last bits,
 agree except at float32 near-ties); rad = max over the leaves of |kbar - mu| in float32, rounded
 outward by (1 + 8 eps) as `build_segments(..., outward=True)`; A = max a; e = s * min cell.
 
-H100 (bf16, H 16, D 64, FS-B defaults, `benchmarks/fsb_forest_phases.py`): the torch build took 116 ms
-at 1M (s41 call2: 84 ms of it in the per-level ops of the two tables, 26 ms in the float32 and float64
-statistics); this one 31 ms (call6, same run as 115 ms for the torch build: levels 10.8, radii 4.7, the
-torch sorts 4.3, the two tables' concatenation 4.1, statistics 2.5 ms), peak 12.4 GiB above the inputs
-against 20.5.
+H100 (s41 call2, bf16, H 16, D 64, FS-B defaults): the torch build took 116 ms at 1M (`benchmarks/
+fsb_forest_phases.py`: 84 ms of it in the per-level ops of the two tables, 26 ms in the float32 and
+float64 statistics).
 
 Row independence (L12): one row at a time, programs read only that row's keys.
 All pointer offsets are int64.
@@ -43,10 +41,10 @@ import triton
 import triton.language as tl
 
 from ...config import FreeSoloConfig
-from ..torch.fsb import NodeTable, build_row_forests, segment_leaf_order, tree_nodes
+from ..torch.fsb import NodeTable, SearchTables, build_row_forests, segment_leaf_order, tree_nodes
 from ._common import launch, next_pow2
 
-__all__ = ["LEAF_BLOCK", "STATS_CELLS", "row_cell_stats", "cells_node_table", "row_forests"]
+__all__ = ["LEAF_BLOCK", "STATS_CELLS", "UPPER_NODES", "cells_node_table", "forest_tables", "row_cell_stats", "row_forests"]
 
 LEAF_BLOCK = 64  # leaves one `_levels_kernel` program holds (levels 0 .. 6 of every tree from one load)
 UPPER_NODES = 16  # nodes one `_upper_mu_kernel` program makes
@@ -128,7 +126,7 @@ def _levels_kernel(
     KBAR,  # fp32 [Hkv, C, D] cell means
     A,  # fp32 [Hkv, C] cell max key norms
     LEAF,  # int64 [Hkv, n]: the cell at each leaf of the height-h trees (leaf order, trees one after another)
-    MU, RAD, AN, E, CELLID,  # the node table [Hkv, N_TAB(, D)]
+    MU, RAD, AN, E, CELLID,  # the node table: kv head g's node x at row g * N_TAB + x (of D values in MU)
     SUMS,  # fp64 [Hkv, n / R, D]: the float64 sums of the level-LOG_R nodes (written when STORE_SUMS)
     C,
     N_TAB,
@@ -261,26 +259,46 @@ def row_cell_stats(k: torch.Tensor, cell: int) -> tuple:
     return kbar, a, kbar64, a64
 
 
-def cells_node_table(kbar, a, cells, codes, M: int, cfg: FreeSoloConfig, outward: bool) -> NodeTable:
+def _bases(M: int) -> list:
+    """Flat id of the first tree of each height 0 .. H of a forest over M elements, then its node count."""
+    base = [0]
+    for h in range((M.bit_length() - 1) + 1 if M > 0 else 0):
+        base.append(base[-1] + (M >> h) * tree_nodes(h))
+    return base
+
+
+def _empty_fields(Hkv: int, N: int, D: int, device) -> dict:
+    """Node-table fields (`torch.fsb.TREE_FIELDS`) of N nodes per kv head; rad zeroed (the radius kernel's
+    atomic maxima start from 0)."""
+    return {
+        "mu": torch.empty(1, Hkv, N, D, dtype=torch.float32, device=device),
+        "rad": torch.zeros(1, Hkv, N, dtype=torch.float32, device=device),
+        "A": torch.empty(1, Hkv, N, dtype=torch.float32, device=device),
+        "e": torch.empty(1, Hkv, N, dtype=torch.int64, device=device),
+        "cell": torch.empty(1, Hkv, N, dtype=torch.int64, device=device),
+    }
+
+
+def cells_node_table(kbar, a, cells, codes, M: int, cfg: FreeSoloConfig, outward: bool, out: dict | None = None) -> NodeTable:
     """`torch.fsb.cells_node_table` with the node statistics made by Triton kernels: the trees over
     the elements cells (int64 [1, Hkv, M], None: every cell in order) of kbar fp32 [1, Hkv, C, D],
-    a fp32 [1, Hkv, C]; codes int64 [1, Hkv, M] the elements' content codes."""
+    a fp32 [1, Hkv, C]; codes int64 [1, Hkv, M] the elements' content codes. out: the fields to
+    write (as `_empty_fields` makes them, of exactly this table's nodes), e.g. views of a joined table."""
     if not outward:
         raise ValueError("the Triton node tables round radii outward (float32 statistics): pass outward=True")
     if kbar.dtype != torch.float32 or a.dtype != torch.float32:
         raise ValueError(f"kbar and a must be float32, got {kbar.dtype} and {a.dtype}")
     _, Hkv, C, D = kbar.shape
     dev = kbar.device
-    H = M.bit_length() - 1 if M > 0 else -1
-    base = [0]
-    for h in range(H + 1):
-        base.append(base[-1] + (M >> h) * tree_nodes(h))
-    N = base[-1]
-    mu = torch.empty(1, Hkv, N, D, dtype=torch.float32, device=dev)
-    rad = torch.zeros(1, Hkv, N, dtype=torch.float32, device=dev)  # the upper levels' radii: atomic maxima from 0
-    A = torch.empty(1, Hkv, N, dtype=torch.float32, device=dev)
-    e = torch.empty(1, Hkv, N, dtype=torch.int64, device=dev)
-    cell_id = torch.empty(1, Hkv, N, dtype=torch.int64, device=dev)
+    base = _bases(M)
+    H, N = len(base) - 2, base[-1]
+    out = _empty_fields(Hkv, N, D, dev) if out is None else out
+    mu, rad, A, e, cell_id = (out[name] for name in ("mu", "rad", "A", "e", "cell"))
+    # the kernels address node rows as kv head * stride + node: the stride of a kv head's rows, N for a table
+    # of its own, the joined table's node count for a slice of it
+    stride = rad.stride(1)
+    if any(x.shape[2] != N or x.stride(1) != stride * (D if x.dim() == 4 else 1) for x in (mu, rad, A, e, cell_id)):
+        raise ValueError(f"out must hold {N} nodes a kv head, its fields laid out alike")
     kbar, a = kbar.contiguous(), a.contiguous()
     R = LEAF_BLOCK
     log_r = R.bit_length() - 1
@@ -293,26 +311,41 @@ def cells_node_table(kbar, a, cells, codes, M: int, cfg: FreeSoloConfig, outward
         upper = h > log_r  # levels above log_r: from the level-log_r sums, then the radii
         sums = torch.empty(Hkv, n >> log_r if upper else 1, D, dtype=torch.float64, device=dev)
         launch(_levels_kernel, (triton.cdiv(n, R), Hkv),
-            kbar, a, leaf, mu, rad, A, e, cell_id, sums, C, N, n, base[h], h, D, cfg.cell,
+            kbar, a, leaf, mu, rad, A, e, cell_id, sums, C, stride, n, base[h], h, D, cfg.cell,
             R=R, LOG_R=log_r, STORE_SUMS=upper, BLOCK_D=block_d, num_warps=4,
         )  # fmt: skip
         for lvl in range(log_r + 1, h + 1):
             sums_up = torch.empty(Hkv, n >> lvl, D, dtype=torch.float64, device=dev)
             launch(_upper_mu_kernel, (triton.cdiv(n >> lvl, UPPER_NODES), Hkv),
-                sums, sums_up, mu, rad, A, e, cell_id, N, n, base[h], h, lvl, D,
+                sums, sums_up, mu, rad, A, e, cell_id, stride, n, base[h], h, lvl, D,
                 NB=UPPER_NODES, BLOCK_D=block_d, num_warps=4,
             )  # fmt: skip
             sums = sums_up
         if h > 0:
             launch(_radius_kernel, (triton.cdiv(n, R), Hkv),
-                kbar, leaf, mu, rad, C, N, n, base[h], h, D, factor, R=R, LOG_R=log_r, BLOCK_D=block_d, num_warps=4,
+                kbar, leaf, mu, rad, C, stride, n, base[h], h, D, factor, R=R, LOG_R=log_r, BLOCK_D=block_d, num_warps=4,
             )  # fmt: skip
     return NodeTable(mu, rad, A, e, cell_id, torch.tensor(base, device=dev), H)
 
 
+def forest_tables(kbar, a, forests: list, cfg: FreeSoloConfig, outward: bool) -> SearchTables:
+    """`torch.fsb.search_tables` with Triton node tables: the forests [(cells, codes, M), ...] built
+    into one joined table, each forest a slice of it (no concatenation: at 1M, H 16, D 64 the copy
+    took 4 ms and 6.9 GB)."""
+    _, Hkv, _, D = kbar.shape
+    sizes = [_bases(M)[-1] for _, _, M in forests]
+    joined = _empty_fields(Hkv, sum(sizes), D, kbar.device)
+    tables, start = [], 0
+    for (cells, codes, M), size in zip(forests, sizes):
+        part = {name: x[:, :, start : start + size] for name, x in joined.items()}
+        tables.append(cells_node_table(kbar, a, cells, codes, M, cfg, outward, out=part))
+        start += size
+    return SearchTables(tables, joined=joined)
+
+
 def row_forests(k: torch.Tensor, cfg: FreeSoloConfig) -> tuple:
     """Both FS-B forests of one row from k [1, Hkv, T, D] unrotated keys in their storage dtype:
-    `torch.fsb.build_row_forests` (outward radii) with `row_cell_stats` and `cells_node_table` in Triton.
+    `torch.fsb.build_row_forests` (outward radii) with `row_cell_stats` and `forest_tables` in Triton.
     Returns (SearchTables, high_prefix int64 [1, Hkv, C + 1])."""
     _check_row(k)
-    return build_row_forests(k, cfg, outward=True, stats=row_cell_stats, node_table=cells_node_table)
+    return build_row_forests(k, cfg, outward=True, stats=row_cell_stats, tables=forest_tables)
