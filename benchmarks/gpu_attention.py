@@ -505,6 +505,91 @@ def crossover(results, shape_name, mode, provider="freesolo_fsl"):
     }
 
 
+def _record_ms(results, shape_name, provider, mode, T, key="ms"):
+    """The `key` of the record (shape, provider, mode, T) when its status is "ok", else None."""
+    for r in results:
+        if (r["shape"], r["provider"], r["mode"], r["T"]) == (shape_name, provider, mode, T) and r["status"] == "ok":
+            return r[key]
+    return None
+
+
+def issue10_bars(results, shape_name="H16-D64") -> dict:
+    """Issue 10's speed bars as same-run ratios of the records of one shape (None where a record is
+    missing): each entry {"ratio": float, "bar": str, "met": bool}."""
+
+    def get(provider, T, mode="fwd", key="ms"):
+        return _record_ms(results, shape_name, provider, mode, T, key)
+
+    bars = {}
+
+    def add(name, num, den, bar, ok):
+        ratio = num / den if num is not None and den else None
+        bars[name] = {"ratio": ratio, "bar": bar, "met": None if ratio is None else bool(ok(ratio))}
+
+    add("triton_fsl / flex_swa512 fwd 64k", get("triton_fsl", 65536), get("flex_swa512", 65536), "<= 3", lambda r: r <= 3)
+    add("sdpa_causal / triton_fsl fwd 64k", get("sdpa_causal", 65536), get("triton_fsl", 65536), ">= 20", lambda r: r >= 20)
+    add("triton_fsl / sdpa_causal fwd 4k", get("triton_fsl", 4096), get("sdpa_causal", 4096), "<= 1", lambda r: r <= 1)
+    add("triton_fs / sdpa_causal fwd 64k", get("triton_fs", 65536), get("sdpa_causal", 65536), "<= 0.25", lambda r: r <= 0.25)
+    for T in sorted({r["T"] for r in results if r["T"] >= 16384}):
+        add(f"fla_nsa / triton_fsl fwd {T // 1024}k", get("fla_nsa", T), get("triton_fsl", T), "> 1", lambda r: r > 1)
+    add("flex_fsl / triton_fsl fwd 64k", get("flex_fsl", 65536), get("triton_fsl", 65536), ">= 10", lambda r: r >= 10)
+    add(
+        "peak triton_fsl / sdpa_causal fwd 128k",
+        get("triton_fsl", 131072, key="peak_gib"),
+        get("sdpa_causal", 131072, key="peak_gib"),
+        "<= 1.5",
+        lambda r: r <= 1.5,
+    )
+    return bars
+
+
+def merge(paths: list) -> dict:
+    """One payload from the payloads of several runs of this script on one GPU (same versions): their
+    results one after another, the crossovers and issue 10's bars recomputed. A record of a case that
+    two runs both timed is refused (the merge never picks between two timings)."""
+    payloads = [json.load(open(p)) for p in paths]
+    first = payloads[0]
+    for path, other in zip(paths[1:], payloads[1:]):
+        for key in ("gpu", "torch", "triton"):
+            if other["env"][key] != first["env"][key]:
+                raise SystemExit(f"{path}: {key} {other['env'][key]!r} differs from {paths[0]}'s {first['env'][key]!r}")
+    results, seen = [], set()
+    for path, payload in zip(paths, payloads):
+        for r in payload["results"]:
+            case = (r["shape"], r["provider"], r["mode"], r["T"])
+            if case in seen and r["status"] == "ok":
+                raise SystemExit(f"{path}: {case} was timed by an earlier file too")
+            seen.add(case)
+            results.append(r)
+    shapes = {}
+    for payload in payloads:
+        shapes.update(payload["shapes"])
+    merged = dict(first)
+    merged.update(
+        results=results,
+        shapes=shapes,
+        lengths=sorted({r["T"] for r in results}),
+        merged_from=[os.path.basename(p) for p in paths],
+        crossover_fsl_vs_sdpa={s: {m: crossover(results, s, m) for m in MODES} for s in shapes},
+        crossover_triton_fsl_vs_sdpa={s: {m: crossover(results, s, m, "triton_fsl") for m in MODES} for s in shapes},
+        issue10_bars={s: issue10_bars(results, s) for s in shapes},
+        elapsed_s=sum(p.get("elapsed_s", 0.0) for p in payloads),
+    )
+    for payload in payloads:
+        if "t131k_check" in payload:
+            merged["t131k_check"] = payload["t131k_check"]
+    return merged
+
+
+def print_bars(bars: dict) -> None:
+    for shape_name, per_bar in bars.items():
+        print(f"issue 10 bars, {shape_name}:")
+        for name, b in per_bar.items():
+            ratio = "-" if b["ratio"] is None else f"{b['ratio']:.3f}"
+            met = {True: "met", False: "missed", None: "not measured"}[b["met"]]
+            print(f"  {name:>42}: {ratio:>8} (bar {b['bar']}): {met}")
+
+
 def plot(payload, path):
     import matplotlib
 
@@ -584,7 +669,20 @@ def main(argv=None):
     ap.add_argument("--out", default=RESULTS, help="folder for the JSON and PNG (default benchmarks/results)")
     ap.add_argument("--modes", nargs="*", default=None, choices=MODES, help="default: every mode")
     ap.add_argument("--tag", default="", help="suffix of the output file names (e.g. _triton)")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                    help="no run: merge these result files of one GPU into OUT/gpu_attention{TAG}.json and its plot")
     args = ap.parse_args(argv)
+
+    if args.merge:
+        payload = merge(args.merge)
+        path = os.path.join(args.out, f"gpu_attention{args.tag}.json")
+        os.makedirs(args.out, exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(payload, f, indent=2)
+        plot(payload, os.path.splitext(path)[0] + ".png")
+        print_bars(payload["issue10_bars"])
+        print(f"wrote {path} and the .png")
+        return
 
     device = torch.device("cpu" if args.dry_run or not torch.cuda.is_available() else "cuda")
     if device.type == "cpu" and not args.dry_run and not args.t131k_check:
@@ -660,6 +758,7 @@ def main(argv=None):
         "results": results,
         "crossover_fsl_vs_sdpa": {s: {m: crossover(results, s, m) for m in MODES} for s in shapes},
         "crossover_triton_fsl_vs_sdpa": {s: {m: crossover(results, s, m, "triton_fsl") for m in MODES} for s in shapes},
+        "issue10_bars": {s: issue10_bars(results, s) for s in shapes},
         "elapsed_s": time.time() - start,
     }
     if device.type == "cuda" and "H16-D64" in shapes and time.time() - start < args.budget_s + 60:
@@ -679,6 +778,7 @@ def main(argv=None):
                 f"  {s} {m}: first measured T = {c['first_measured_T']}, estimate ~{c['estimated_T']} "
                 f"(FS-L / SDPA time: {ratios})"
             )
+    print_bars(payload["issue10_bars"])
     if "t131k_check" in payload:
         print(f"T=131072 FS-L fwd+bwd check: {payload['t131k_check']}")
     print(f"wrote {path} and the .png ({payload['elapsed_s']:.0f} s)")
