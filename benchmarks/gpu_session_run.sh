@@ -306,7 +306,7 @@
 #   s42_fsb_ab   issue 12: the search kernel's s42 trims (int32 row offsets in a kv head's table, D a constexpr,
 #                erf skipped where every x >= ERF_ONE, the root's key only at levels with a root): its CUDA tests, the
 #                selections and beams of .ab/pre_s42 and HEAD at 256k bitwise, search / select of both at 256k / 1M
-#   s42_h16      issues 10 / 12: the same-run table on the current code, H16-D64, 4k ... 128k, fwd and fwd+bwd: triton
+#   s42_h16      issues 10 / 12: the same-run table on the current code, H16-D64, 4k ... 128k, forward: triton
 #                FS-L / FS / FS-B, SDPA, fla NSA (fla_install first), Flex SWA-512 (issue 10's bars printed)
 #   s42_flexfsl  the forward of flex_fsl (FS-L through FlexAttention over the torch selection) at 16k / 64k
 #   s42_long     the forward at 512k / 1M: triton FS-L / FS, Flex SWA-512
@@ -486,7 +486,7 @@ step s41c_fsb 300 bash -c "python3 benchmarks/fsb_forest_phases.py --lengths 262
 step s41d_probe 150 bash -c "python3 benchmarks/fsb_dimchunk_probe.py; FREESOLO_TRITON_FSB_FORESTS=torch python3 benchmarks/fsb_dimchunk_probe.py"
 step s41e_tests 200 python3 -m pytest -v -n ${NPROC:-16} -p no:benchmark --durations=20 proofs_tests/test_triton_fsb_forests.py proofs_tests/test_triton_fsb_search.py proofs_tests/test_triton_decode.py proofs_tests/test_cache_gpu.py proofs_tests/test_models.py -k "(cuda or gpu or fsb or forests) and not cpu"
 step s42_fsb_ab 270 bash -c "python3 -m pytest -q -n ${NPROC:-16} -p no:benchmark proofs_tests/test_triton_fsb_search.py -k 'cuda or gpu'; python3 benchmarks/fsb_same_selections.py --roots .ab/pre_s42 . --T 262144; python3 .ab/pre_s42/benchmarks/fsb_prefill_split.py --lengths 262144 1048576 --providers search select --audit 0 --out $W/fsb_prefill_pre_s42.json && python3 benchmarks/fsb_prefill_split.py --lengths 262144 1048576 --providers search select --audit 0 --out $W/fsb_prefill_s42.json"
-step s42_h16 300 python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fs triton_fsb sdpa_causal fla_nsa flex_swa512 --shapes H16-D64 --budget-s 260 --rep-ms 30 --out $W --tag _s42_h16
+step s42_h16 240 python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fs triton_fsb sdpa_causal fla_nsa flex_swa512 --shapes H16-D64 --modes fwd --budget-s 200 --rep-ms 30 --out $W --tag _s42_h16
 step s42_flexfsl 80 python3 benchmarks/gpu_attention.py --providers flex_fsl --shapes H16-D64 --modes fwd --lengths 16384 65536 --budget-s 50 --rep-ms 30 --out $W --tag _s42_flexfsl
 step s42_long 120 python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fs flex_swa512 --shapes H16-D64 --modes fwd --lengths 524288 1048576 --budget-s 70 --rep-ms 30 --out $W --tag _s42_long
 step s42_gqa 150 python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fs triton_fsb sdpa_causal fla_nsa flex_swa512 --shapes GQA-Hq32-Hkv8-D128 --modes fwd --budget-s 120 --rep-ms 30 --out $W --tag _s42_gqa
