@@ -445,3 +445,47 @@ def test_L9_node_keys_of_the_kernel(seed, i, hq):
         assert (idx[forest, top + 1 :] == -1).all()
         scored = sum(2 * sizes[t - 1] + (n >> (top - t) & 1) for t in range(1, top + 1))
         assert scored == fsb_node_keys_count(n, cfg.beam)
+
+
+_AOT_SEARCH = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from freesolo.backends.triton import fsb_search as fs
+
+def compile_sm90(kernel, pointers, constants, floats=("scale", "radius_weight", "two_cell")):
+    names = kernel.arg_names
+    signature = {n: pointers.get(n) or ("constexpr" if n in constants else "fp32" if n in floats else "i32") for n in names}
+    source = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(k),): v for k, v in constants.items()})
+    triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, "maxnreg": 72})
+
+table = {"mu_ptr": "*fp32", "rad_ptr": "*fp32", "a_ptr": "*fp32", "e_ptr": "*i64", "cell_ptr": "*i64"}
+prefill = {"q_ptr": "*fp32", "k_ptr": "*bf16", **table, "base_ptr": "*i64", "hp_ptr": "*i64", "sigma_ptr": "*fp32",
+           "lam_ptr": "*fp32", "out_ptr": "*i64", "found_ptr": "*i32", "trace_idx_ptr": "*i64", "trace_key_ptr": "*fp32"}
+decode = {"q_ptr": "*bf16", "pos_ptr": "*i64", "n_high_ptr": "*i64", "sigma_ptr": "*fp32", "lam_ptr": "*fp32",
+          "found_ptr": "*i64"}
+for forest in ("a", "h"):
+    decode.update({f"{name[:-4]}_{forest}_ptr": kind for name, kind in table.items()}, **{f"base_{forest}_ptr": "*i64"})
+for D, block_d in ((64, 64), (48, 64)):
+    for ones in ({}, {"G": 1}):  # Triton makes an int argument equal to 1 a constexpr (MHA: G = 1)
+        base = dict(D=D, BLOCK_D=block_d, CELL=32, QBLOCK=128, W=16, WP=16, **ones)
+        for trace in (False, True):
+            compile_sm90(fs._fsb_search_kernel, prefill, dict(base, DC=16, K=4, KP=4, FOUND=True, TRACE=trace,
+                                                              TRACE_LEVELS=fs.TRACE_LEVELS, RERANK=not trace))
+        compile_sm90(fs._fsb_decode_search_kernel, decode, dict(base, **({"Hkv": 1} if ones else {})))
+print("compiled")
+"""
+
+
+def test_search_kernels_compile_for_sm90():
+    """The prefill and decode search kernels compile ahead of time for sm_90 (Triton's own ptxas, no
+    TRITON_INTERPRET) as they launch: D a constexpr equal to BLOCK_D or below it, MHA's G = 1 (and
+    Hkv = 1) specialized, traced and not, the launch's register cap. The interpreter accepts code the
+    compiler may refuse (s41 call3)."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", _AOT_SEARCH], env=env, cwd=root, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
