@@ -49,8 +49,6 @@ def compile_search(dim_chunk: int | None):
     constants = dict(CONSTANTS)
     if "DC" in names:  # (kernels before s40 read all of D at once)
         constants["DC"] = dim_chunk or constants["BLOCK_D"]
-    if names.index("D") in kernel.constexprs:  # (a constexpr since s42, a runtime int32 before)
-        constants["D"] = constants["BLOCK_D"]
     signature = {}
     for name in names:
         if name in POINTERS:

@@ -303,7 +303,7 @@
 #                after this A/B: no gain at 1M), against 58acc8a (.ab/pre_s41b, carried), 64k / 256k / 1M;
 #                triton_fsb vs triton_fs forward at 256k / 1M
 #   s41e_tests   the FS-B forests / search / decode / caches / models CUDA tests
-#   s42_fsb_ab   issue 12: the search kernel's s42 trims (int32 row offsets in a kv head's table, D a constexpr,
+#   s42_fsb_ab   issue 12, branch s42-search-trims: the search kernel trims (int32 row offsets in a kv head's table, D a constexpr,
 #                erf skipped where every x >= ERF_ONE, the root's key only at levels with a root): its CUDA tests, the
 #                selections and beams of .ab/pre_s42 and HEAD at 256k bitwise, search / select of both at 256k / 1M
 #   s42_same / s42_time / s42_tests   s42_fsb_ab's parts as steps of their own, in that order (a call cut at its

@@ -455,6 +455,8 @@ from freesolo.backends.triton import fsb_search as fs
 
 def compile_sm90(kernel, pointers, constants, floats=("scale", "radius_weight", "two_cell")):
     names = kernel.arg_names
+    if names.index("D") not in kernel.constexprs:  # D a runtime int: its value is not compiled in
+        constants = {k: v for k, v in constants.items() if k != "D"}
     signature = {n: pointers.get(n) or ("constexpr" if n in constants else "fp32" if n in floats else "i32") for n in names}
     source = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(k),): v for k, v in constants.items()})
     triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, "maxnreg": 72})
@@ -479,9 +481,9 @@ print("compiled")
 
 def test_search_kernels_compile_for_sm90():
     """The prefill and decode search kernels compile ahead of time for sm_90 (Triton's own ptxas, no
-    TRITON_INTERPRET) as they launch: D a constexpr equal to BLOCK_D or below it, MHA's G = 1 (and
-    Hkv = 1) specialized, traced and not, the launch's register cap. The interpreter accepts code the
-    compiler may refuse (s41 call3)."""
+    TRITON_INTERPRET) as they launch: D equal to BLOCK_D or below it (compiled in where the kernel
+    takes it as a constexpr), MHA's G = 1 (and Hkv = 1) specialized, traced and not, the launch's
+    register cap. The interpreter accepts code the compiler may refuse (s41 call3)."""
     import subprocess
     import sys
 

@@ -45,7 +45,6 @@ import triton.language as tl
 
 from ...config import FreeSoloConfig
 from ._common import launch, next_pow2, same_device  # (importing _common also patches the interpreter's loop bounds for NumPy >= 2.4)
-from .selection import _ERF_ONE
 
 __all__ = ["MAX_BEAM", "MAX_FOREST_CELLS", "TRACE_LEVELS", "decode_select_cells", "forests_mode", "fsb_select_cells", "row_forests", "trace_search"]
 
@@ -55,7 +54,6 @@ MAX_BEAM = 64  # the frontier lives in registers: [2 * beam, D] node tiles; 2 * 
 _INT64_MIN = tl.constexpr(-(2**63))
 MAX_FOREST_CELLS = 2**25  # cells of one forest the search's sort keys can index (T < 2^30 tokens at cell 32)
 MAX_TABLE_NODES = 2**31 - 1  # nodes of one kv head's table: the frontier holds node ids as int32 (`_search_forest`)
-MAX_TABLE_ELEMENTS = 2**31 - 1  # node rows (nodes * D) of one kv head's table: int32 offsets inside it (`_node_keys`)
 GIDX_MAX = tl.constexpr(MAX_FOREST_CELLS - 1)
 
 
@@ -69,40 +67,32 @@ def _sort_key(key, gidx):
 
 
 @triton.jit
-def _node_keys(flat, ok, q, q_row_ptr, qnorm, pos, sig, lm, mu_rows, rad_rows, a_rows, e_rows, scale, radius_weight,
+def _node_keys(flat, ok, q, q_row_ptr, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr, e_ptr, scale, radius_weight,
                two_cell, D, N, BLOCK_D: tl.constexpr, DC: tl.constexpr):  # fmt: skip
-    """Keys of the nodes `flat` (int32 [M], valid where `ok`, < N): scale * (q . mu + rw * |q| * rad) + prior.
+    """Keys of the nodes `flat` (int [M], valid where `ok`, < N): scale * (q . mu + rw * |q| * rad) + prior.
 
-    mu_rows / rad_rows / a_rows / e_rows: one kv head's table (int64 base pointers; node x's row at
-    int32 offset x * D / x inside it: N * D < 2^31, checked on the host). q: float32 [BLOCK_D] the
-    query (zero past D); q_row_ptr: the same query in memory (any float dtype), read when DC <
-    BLOCK_D. DC == BLOCK_D: one [M, BLOCK_D] tile, q . mu summed across the lanes that hold a row
-    (16 lanes at D 64). DC < BLOCK_D: D in chunks of DC dims, [M, DC] tiles whose rows span fewer
-    lanes (4 at DC 16: fewer shuffles, more of the sum inside a lane; q's chunk re-read from L1).
-    The two orders of the sum agree up to float32 rounding. The prior's erf is evaluated only when
-    some valid node has x = sig * (pos - e) / two_cell below ERF_ONE: from there erf rounds to
-    exactly 1.0 in float32 (tested on CUDA, as for the FS / FS-L scoring), so the keys keep their bits."""
+    q: float32 [BLOCK_D] the query (zero past D); q_row_ptr: the same query in memory (any float
+    dtype), read when DC < BLOCK_D. DC == BLOCK_D: one [M, BLOCK_D] tile, q . mu summed across the
+    lanes that hold a row (16 lanes at D 64). DC < BLOCK_D: D in chunks of DC dims, [M, DC] tiles
+    whose rows span fewer lanes (4 at DC 16: fewer shuffles, more of the sum inside a lane; q's
+    chunk re-read from L1). The two orders of the sum agree up to float32 rounding."""
     tl.device_assert(((flat >= 0) & (flat < N)) | ~ok, "FS-B search: node id out of its table")
-    row_offs = flat * D  # int32
+    rows = node0 + flat
     if DC == BLOCK_D:
         d = tl.arange(0, BLOCK_D)
-        mu = tl.load(mu_rows + row_offs[:, None] + d[None, :], mask=ok[:, None] & (d[None, :] < D), other=0.0)
+        mu = tl.load(mu_ptr + rows[:, None] * D + d[None, :], mask=ok[:, None] & (d[None, :] < D), other=0.0)
         dot = tl.sum(mu * q[None, :], 1)
     else:
         dot = tl.zeros(flat.shape, dtype=tl.float32)
         for c0 in tl.static_range(0, BLOCK_D, DC):
             dd = c0 + tl.arange(0, DC)
             qc = tl.load(q_row_ptr + dd, mask=dd < D, other=0.0).to(tl.float32)
-            mu = tl.load(mu_rows + row_offs[:, None] + dd[None, :], mask=ok[:, None] & (dd[None, :] < D), other=0.0)
+            mu = tl.load(mu_ptr + rows[:, None] * D + dd[None, :], mask=ok[:, None] & (dd[None, :] < D), other=0.0)
             dot += tl.sum(mu * qc[None, :], 1)
-    rad = tl.load(rad_rows + flat, mask=ok, other=0.0)
-    amax = tl.load(a_rows + flat, mask=ok, other=0.0)
-    e = tl.load(e_rows + flat, mask=ok, other=0).to(tl.float32)
-    x = sig * (pos - e) / two_cell
-    if tl.min(tl.where(ok, x, float("inf")), 0) >= _ERF_ONE:
-        prior = lm * amax  # (lm * amax) * erf(x) with erf(x) == 1.0: the same bits
-    else:
-        prior = lm * amax * tl.math.erf(x)
+    rad = tl.load(rad_ptr + rows, mask=ok, other=0.0)
+    amax = tl.load(a_ptr + rows, mask=ok, other=0.0)
+    e = tl.load(e_ptr + rows, mask=ok, other=0).to(tl.float32)
+    prior = lm * amax * tl.math.erf(sig * (pos - e) / two_cell)
     key = scale * (dot + radius_weight * qnorm * rad) + prior
     return tl.where(ok, key, float("-inf"))
 
@@ -129,11 +119,6 @@ def _search_forest(n, base_ptr, seg_scale, q, q_row_ptr, qnorm, pos, sig, lm, no
     """
     slots = tl.arange(0, WP)
     lane = tl.arange(0, 2 * WP)
-    # this kv head's table: int64 base pointers, int32 node offsets inside it
-    mu_rows = mu_ptr + node0 * D
-    rad_rows = rad_ptr + node0
-    a_rows = a_ptr + node0
-    e_rows = e_ptr + node0
     p = tl.zeros([WP], dtype=tl.int32)  # flat id of the node (relative to node0)
     tk = tl.zeros([WP], dtype=tl.int32)  # its tree's key
     g = tl.zeros([WP], dtype=tl.int32)  # its index in the level across the forest
@@ -149,8 +134,8 @@ def _search_forest(n, base_ptr, seg_scale, q, q_row_ptr, qnorm, pos, sig, lm, no
         c_tk = tl.reshape(tl.join(tk, tk), [2 * WP])
         c_g = tl.reshape(tl.join(2 * g, 2 * g + 1), [2 * WP])
         c_ok = tl.reshape(tl.join(valid, valid), [2 * WP]) != 0
-        c_key = _node_keys(tl.where(c_ok, c_p, 0), c_ok, q, q_row_ptr, qnorm, pos, sig, lm, mu_rows, rad_rows, a_rows,
-                           e_rows, scale, radius_weight, two_cell, D, N, BLOCK_D, DC)  # fmt: skip
+        c_key = _node_keys(tl.where(c_ok, c_p, 0), c_ok, q, q_row_ptr, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr,
+                           a_ptr, e_ptr, scale, radius_weight, two_cell, D, N, BLOCK_D, DC)  # fmt: skip
         # the root of the tree of height lvl (bit lvl of n), as a one-lane tensor
         one = tl.arange(0, 1)
         has_root = ((n >> lvl) & 1) == 1
@@ -159,15 +144,11 @@ def _search_forest(n, base_ptr, seg_scale, q, q_row_ptr, qnorm, pos, sig, lm, no
         r_tk = r_tb + (2 << lvl)
         r_p = r_tk - 2
         r_g = r_start >> lvl
+        r_ok = (one == 0) & has_root
         # (one row: its key summed across the lanes from the q in registers, all of D at once; its rows in
-        # chunks cost 67 more SASS instructions a level, 707 against 640 at D 64). Only at the levels
-        # that have a root (a uniform branch): elsewhere the root never enters (take_root below).
-        r_key_s = float("-inf")
-        if has_root:
-            r_ok = one == 0
-            r_key = _node_keys(r_p + one * 0, r_ok, q, q_row_ptr, qnorm, pos, sig, lm, mu_rows, rad_rows, a_rows,
-                               e_rows, scale, radius_weight, two_cell, D, N, BLOCK_D, BLOCK_D)  # fmt: skip
-            r_key_s = tl.max(r_key, 0)
+        # chunks cost 67 more SASS instructions a level, 707 against 640 at D 64)
+        r_key = _node_keys(tl.where(r_ok, r_p + one * 0, 0), r_ok, q, q_row_ptr, qnorm, pos, sig, lm, node0, mu_ptr,
+                           rad_ptr, a_ptr, e_ptr, scale, radius_weight, two_cell, D, N, BLOCK_D, BLOCK_D)  # fmt: skip
         # the new frontier: the W best of the children and the root by (key desc, index in level
         # asc), a total order (indices in a level are distinct). Each child gets one int64 sort key:
         # order-preserving key bits (high 32), then GIDX_MAX - index (25 bits), then its lane (7
@@ -176,6 +157,7 @@ def _search_forest(n, base_ptr, seg_scale, q, q_row_ptr, qnorm, pos, sig, lm, no
         tl.device_assert((c_g <= GIDX_MAX) | ~c_ok, "FS-B search: index in level past 2^25")
         c_packed = tl.where(c_ok, _sort_key(c_key, c_g) | lane.to(tl.int64), _INT64_MIN)
         ranked = tl.sort(c_packed, 0, descending=True)  # [2 * WP]: best child first
+        r_key_s = tl.max(r_key, 0)
         r_packed = _sort_key(r_key_s, r_g)  # (its lane bits 0: keys differ in their index bits)
         best = tl.gather(ranked, slots, 0)  # [WP]: the WP best children
         rank = tl.sum(((best > r_packed) & (slots < W)).to(tl.int32), 0)  # children that beat the root
@@ -257,7 +239,7 @@ def _fsb_search_kernel(
     scale,
     radius_weight,
     two_cell,
-    D: tl.constexpr,  # (a constexpr: the row offsets x * D are shifts, the d < D masks vanish when D == BLOCK_D)
+    D,
     BLOCK_D: tl.constexpr,
     DC: tl.constexpr,
     CELL: tl.constexpr,
@@ -399,7 +381,7 @@ def _fsb_decode_search_kernel(
     n_high_ptr,  # int64 [B, Hkv]: elements of each row's high-norm forest
     sigma_ptr, lam_ptr,  # fp32 [Hq]
     found_ptr,  # int64 [B * Hq, 2, WP]: each forest's found cells (-1 = none)
-    stride_qb, stride_qh, Na, Nh, Hkv, G, scale, radius_weight, two_cell, D: tl.constexpr,
+    stride_qb, stride_qh, Na, Nh, Hkv, G, scale, radius_weight, two_cell, D,
     BLOCK_D: tl.constexpr, CELL: tl.constexpr, QBLOCK: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
 ):  # fmt: skip
     """One decode step's FS-B beam search, one program per (row, query head) and forest (grid axis
@@ -635,7 +617,8 @@ def _run(q, k, cfg: FreeSoloConfig, return_found: bool, num_warps: int, trace, r
     for b in rows:  # one row at a time: its tables are built from its own keys (L12)
         tables, high_prefix = row_forests(k_rows[b : b + 1], cfg)
         N = tables.mu.shape[2]
-        _check_table(N, D)
+        if N > MAX_TABLE_NODES:  # (a float32 mu table of 2^31 nodes is 512 GiB per kv head at D 64: not reached in practice)
+            raise ValueError(f"FS-B search: {N} nodes per kv head's table, the int32 frontier indexes at most {MAX_TABLE_NODES}")
         found_b = beams if keep else found[b]
         stride_ft, stride_fh = (Hq * W2, W2) if keep else (W2, T * W2)
         launch(_fsb_search_kernel, (T, Hq),
@@ -674,16 +657,6 @@ def _rerank_tiles(q_row, k_row, beams, out_row, cfg: FreeSoloConfig, G: int, q_d
     )  # fmt: skip
 
 
-def _check_table(N: int, D: int) -> None:
-    """A kv head's table of N nodes of D dims fits the search's int32 node ids and row offsets
-    (at D 64: 2^25 nodes, a 1 GiB float32 mu table per kv head; ~2^24 cells per forest)."""
-    if N > MAX_TABLE_NODES or N * D > MAX_TABLE_ELEMENTS:
-        raise ValueError(
-            f"FS-B search: a kv head's table of {N} nodes x D {D}: the Triton search holds node ids and row offsets "
-            f"as int32 (at most {MAX_TABLE_NODES} nodes and {MAX_TABLE_ELEMENTS} values)"
-        )
-
-
 def decode_select_cells(state, qg: torch.Tensor, out=None, num_warps: int = 1) -> torch.Tensor:
     """FS-B selection of one decode step on the streaming state's forests (two launches: both
     forests' searches side by side, then the rerank; no host sync).
@@ -712,7 +685,6 @@ def decode_select_cells(state, qg: torch.Tensor, out=None, num_warps: int = 1) -
     elif tuple(out.shape) != (B, Hkv, G, K) or out.dtype != torch.int64 or not out.is_contiguous():
         raise ValueError(f"out {tuple(out.shape)} {out.dtype} must be a contiguous int64 [{B}, {Hkv}, {G}, {K}]")
     fa, fh = state.forest_all, state.forest_high
-    _check_table(max(fa.mu.shape[2], fh.mu.shape[2]), D)
     base_a, base_h = fa.base_tensor(), fh.base_tensor()
     q_rows = qg.reshape(B, Hkv * G, D)  # a view for a step's q [B, 1, Hq, D]: read in place, no copy
     if q_rows.stride(-1) != 1:
