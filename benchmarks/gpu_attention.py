@@ -675,13 +675,8 @@ def main(argv=None):
 
     if args.merge:
         payload = merge(args.merge)
-        path = os.path.join(args.out, f"gpu_attention{args.tag}.json")
-        os.makedirs(args.out, exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(payload, f, indent=2)
-        plot(payload, os.path.splitext(path)[0] + ".png")
+        write_results(os.path.join(args.out, f"gpu_attention{args.tag}.json"), payload, plot)
         print_bars(payload["issue10_bars"])
-        print(f"wrote {path} and the .png")
         return
 
     device = torch.device("cpu" if args.dry_run or not torch.cuda.is_available() else "cuda")

@@ -303,11 +303,10 @@
 #                after this A/B: no gain at 1M), against 58acc8a (.ab/pre_s41b, carried), 64k / 256k / 1M;
 #                triton_fsb vs triton_fs forward at 256k / 1M
 #   s41e_tests   the FS-B forests / search / decode / caches / models CUDA tests
-#   s42_fsb_ab   issue 12, branch s42-search-trims: the search kernel trims (int32 row offsets in a kv head's table, D a constexpr,
-#                erf skipped where every x >= ERF_ONE, the root's key only at levels with a root): its CUDA tests, the
-#                selections and beams of .ab/pre_s42 and HEAD at 256k bitwise, search / select of both at 256k / 1M
-#   s42_same / s42_time / s42_tests   s42_fsb_ab's parts as steps of their own, in that order (a call cut at its
-#                limit keeps the parts done): the bitwise selections at 256k, search + select of both at 1M, the CUDA tests
+#   s42_same / s42_time / s42_tests   issue 12, branch s42-search-trims (int32 row offsets in a kv head's table, D a
+#                constexpr, erf skipped where every x >= ERF_ONE, the root's key only at levels with a root) against
+#                .ab/pre_s42 (main's kernel, carried), one step each so a call cut at its limit keeps what ran: the
+#                selections and beams at 256k bitwise, the search of both at 1M, the FS-B search CUDA tests
 #   s42_h16      issues 10 / 12: the same-run table on the current code, H16-D64, 4k ... 128k, forward: triton
 #                FS-L / FS / FS-B, SDPA, fla NSA (fla_install first), Flex SWA-512 (issue 10's bars printed)
 #   s42_flexfsl  the forward of flex_fsl (FS-L through FlexAttention over the torch selection) at 16k / 64k
@@ -487,7 +486,6 @@ step s41c_tests 240 python3 -m pytest -v -n ${NPROC:-16} -p no:benchmark --durat
 step s41c_fsb 300 bash -c "python3 benchmarks/fsb_forest_phases.py --lengths 262144 1048576 --out $W/fsb_forest_phases.json; python3 benchmarks/fsb_prefill_split.py --lengths 65536 262144 1048576 --providers forests forests_torch search select select_forests_torch --out $W/fsb_prefill_s41.json; python3 benchmarks/gpu_attention.py --providers triton_fsb triton_fs --shapes H16-D64 --modes fwd --lengths 262144 1048576 --budget-s 140 --out $W --tag _fsb_s41"
 step s41d_probe 150 bash -c "python3 benchmarks/fsb_dimchunk_probe.py; FREESOLO_TRITON_FSB_FORESTS=torch python3 benchmarks/fsb_dimchunk_probe.py"
 step s41e_tests 200 python3 -m pytest -v -n ${NPROC:-16} -p no:benchmark --durations=20 proofs_tests/test_triton_fsb_forests.py proofs_tests/test_triton_fsb_search.py proofs_tests/test_triton_decode.py proofs_tests/test_cache_gpu.py proofs_tests/test_models.py -k "(cuda or gpu or fsb or forests) and not cpu"
-step s42_fsb_ab 275 bash -c "python3 -m pytest -q -n ${NPROC:-16} -p no:benchmark proofs_tests/test_triton_fsb_search.py -k 'cuda or gpu'; python3 benchmarks/fsb_same_selections.py --roots .ab/pre_s42 . --T 262144; python3 .ab/pre_s42/benchmarks/fsb_prefill_split.py --lengths 1048576 --providers search select --audit 0 --out $W/fsb_prefill_pre_s42.json && python3 benchmarks/fsb_prefill_split.py --lengths 1048576 --providers search select --audit 0 --out $W/fsb_prefill_s42.json; python3 benchmarks/gpu_attention.py --providers triton_fsb triton_fs --shapes H16-D64 --modes fwd --lengths 1048576 --budget-s 60 --out $W --tag _fsb_s42"
 step s42_same 80 python3 benchmarks/fsb_same_selections.py --roots .ab/pre_s42 . --T 262144
 step s42_time 80 bash -c "python3 .ab/pre_s42/benchmarks/fsb_prefill_split.py --lengths 1048576 --providers search --rep 50 --audit 0 --out $W/fsb_prefill_pre_s42.json && python3 benchmarks/fsb_prefill_split.py --lengths 1048576 --providers search --rep 50 --audit 0 --out $W/fsb_prefill_s42.json"
 step s42_tests 120 python3 -m pytest -q -n ${NPROC:-16} -p no:benchmark proofs_tests/test_triton_fsb_search.py -k "cuda or gpu"
