@@ -597,9 +597,12 @@ def plot(payload, path):
     import matplotlib.pyplot as plt
 
     shapes = list(dict.fromkeys(r["shape"] for r in payload["results"]))
-    fig, axes = plt.subplots(len(shapes), 3, figsize=(15, 4.2 * len(shapes)), squeeze=False)
+    # a time panel per mode that was run, then the peak memory of the largest mode run
+    modes = [mode for mode in MODES if any(r["mode"] == mode for r in payload["results"])] or list(MODES)
+    panels = [(mode, "ms") for mode in modes] + [(modes[-1], "peak_gib")]
+    fig, axes = plt.subplots(len(shapes), len(panels), figsize=(5 * len(panels), 4.2 * len(shapes)), squeeze=False)
     for row, shape_name in enumerate(shapes):
-        for col, (mode, metric) in enumerate([("fwd", "ms"), ("fwd+bwd", "ms"), ("fwd+bwd", "peak_gib")]):
+        for col, (mode, metric) in enumerate(panels):
             ax = axes[row][col]
             plotted = False
             for provider in PROVIDERS:

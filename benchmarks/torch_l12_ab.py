@@ -1,7 +1,7 @@
 """Same-run A/B of the torch backend before and after the row-independence fix (issue 9, spec L12).
 
 Issue 9 allows the L12 fix to cost at most 10 % of the torch backend's GPU speed. Earlier sessions
-compared against figures of an earlier run (`results/gpu_attention.json`, commit 0bbfde8); this
+compared against figures of an earlier run (`results/gpu_attention_torch.json`, commit 0bbfde8); this
 script times both trees in one run on one GPU:
 
   pre    the `freesolo` package of a commit before the fix (a folder holding it, `--pre`; make it

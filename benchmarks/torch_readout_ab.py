@@ -70,7 +70,7 @@ CASES = [
     ("fsb", "full", "fwd+bwd"),
 ]
 # H200, torch 2.11, bf16, B1 H16 D64, benchmarks/gpu_attention.py (freesolo_* providers):
-# before L12 (commit 0bbfde8, results/gpu_attention.json) and after 9d31a86 + 52253ab (d7e8376,
+# before L12 (commit 0bbfde8, results/gpu_attention_torch.json) and after 9d31a86 + 52253ab (d7e8376,
 # results/gpu_attention_torch_l12.json). Keys: "variant what T".
 REFERENCE_MS = {
     "before_l12_0bbfde8": {
