@@ -26,9 +26,12 @@ tile-shared rerank would load once), and the same for the node keys the tile's b
 each level (node rows a tile-shared search would load once). `--ckpt FOLDER` measures the same on a
 trained checkpoint's keys (one retrieval sample of `--ckpt-T` tokens, every layer, its own config).
 
-    python benchmarks/fsb_prefill_floor.py --T 65536 262144 1048576 --budget-ms 89.4 1779 \
-        --sharing 16384 65536 --rows 64 128 --ckpt benchmarks/results/checkpoints/ckpt_fs --ckpt-T 16384 \
+    python benchmarks/fsb_prefill_floor.py --T 65536 262144 1048576 --budget-ms 89.4 439.6 \
+        --sharing 16384 65536 262144 --rows 32 64 128 --ckpt benchmarks/results/checkpoints/ckpt_fs --ckpt-T 16384 \
         --out benchmarks/results/fsb_prefill_floor.json
+
+(s43: 6.5 min on 2 CPU cores; 439.6 ms is `triton_fs` at 1M on the H100, s43 call2.) Each sharing record
+also gives `level_union`: the distribution of a tile's distinct nodes per level (`level_union_stats`).
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ from freesolo.backends.torch._ops import cell_stats  # noqa: E402
 from freesolo.backends.torch.fsb import row_candidates  # noqa: E402
 from freesolo.reference.fsb import fsb_node_keys_count  # noqa: E402
 
-__all__ = ["count", "tile_sharing", "median_tau", "rerank_sharing", "checkpoint_sharing", "describe_sharing", "main"]
+__all__ = ["count", "tile_sharing", "level_union_stats", "median_tau", "rerank_sharing", "checkpoint_sharing", "describe_sharing", "main"]
 
 NODE_ROW_EXTRA_BYTES = 4 + 4 + 8  # rad, A (float32), e (int64)
 
@@ -91,6 +94,7 @@ def tile_sharing(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig, rows: in
     sigma = torch.full((Hkv, G), float(cfg.sigma))
     lam = torch.full((Hkv, G), float(cfg.lam))
     candidates = distinct = tiles = node_keys = node_distinct = 0
+    level_unions: list = []  # distinct nodes of one tile at one level (the columns a tile-shared level must score)
     levels: list = []  # (nodes, ok) of the chunk being searched, level by level
 
     def trace(level, nodes, ok):
@@ -110,13 +114,29 @@ def tile_sharing(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig, rows: in
                     tiles += 1
                 for nodes, ok in levels:  # node keys evaluated by the tile's queries at each level
                     used = nodes[h, t0:t1][ok[h, t0:t1]]
-                    node_keys += used.size
-                    node_distinct += len(np.unique(used))
+                    if used.size:
+                        node_keys += used.size
+                        level_unions.append(len(np.unique(used)))
+                        node_distinct += level_unions[-1]
         levels.clear()
     return dict(T=T, H=H, rows=rows, candidates=int(candidates), distinct=int(distinct), tiles=tiles,
                 sharing=candidates / max(distinct, 1), union_per_tile=distinct / max(tiles, 1),
                 node_keys=int(node_keys), node_distinct=int(node_distinct),
-                node_sharing=node_keys / max(node_distinct, 1))  # fmt: skip
+                node_sharing=node_keys / max(node_distinct, 1), level_union=level_union_stats(level_unions))  # fmt: skip
+
+
+def level_union_stats(sizes: list) -> dict:
+    """Distribution of a tile's distinct nodes per search level (`tile_sharing`): what a search that
+    scores a tile's queries against the union of their nodes, level by level, must hold per level.
+    Keys: levels (tile-level pairs with a node), mean, p50 / p90 / p99 / max, and the share of levels
+    whose union exceeds 32 / 64 / 128 / 256 nodes."""
+    if not sizes:
+        return dict(levels=0)
+    x = np.asarray(sizes)
+    out = dict(levels=int(x.size), mean=float(x.mean()), max=int(x.max()))
+    out.update({f"p{p}": float(np.percentile(x, p)) for p in (50, 90, 99)})
+    out.update({f"over_{n}": float((x > n).mean()) for n in (32, 64, 128, 256)})
+    return out
 
 
 def median_tau(k: torch.Tensor, cfg: FreeSoloConfig) -> FreeSoloConfig:
@@ -163,7 +183,8 @@ def describe_sharing(rec: dict) -> str:
     """One line of a `tile_sharing` record."""
     return (f"T={rec['T']} rows={rec['rows']}: {rec['union_per_tile']:.1f} distinct candidate cells per tile, "
             f"{rec['sharing']:.2f} candidates per distinct cell; node keys: {rec['node_sharing']:.2f} evaluations "
-            "per distinct node of a tile's level")  # fmt: skip
+            "per distinct node of a tile's level; distinct nodes per tile and level: "
+            + ", ".join(f"{k} {v:.3g}" for k, v in rec.get("level_union", {}).items()))  # fmt: skip
 
 
 def main() -> None:

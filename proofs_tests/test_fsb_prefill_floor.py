@@ -79,3 +79,23 @@ def test_tile_sharing_takes_gqa_heads_apart():
     two = bench.tile_sharing(torch.cat([q1, q1], dim=2), k, cfg, rows=64)
     for field in ("candidates", "distinct", "tiles", "node_keys", "node_distinct"):
         assert two[field] == 2 * one[field] > 0, field
+
+
+def test_level_union_stats_describe_the_tile_levels():
+    """The per-level union sizes add up to the tile's distinct nodes, a wider tile's level holds at
+    least what one query's level holds and at most that many times its rows, and the summary of a
+    known list is exact."""
+    bench = _load_benchmark()
+    T, H, D = 2048, 1, 16
+    single = bench.rerank_sharing(T, H, D, rows=1)
+    wide = bench.rerank_sharing(T, H, D, rows=64)
+    for rec in (single, wide):
+        stats = rec["level_union"]
+        assert stats["levels"] > 0
+        assert abs(stats["mean"] * stats["levels"] - rec["node_distinct"]) < 1e-6 * rec["node_distinct"]
+        assert stats["p50"] <= stats["p90"] <= stats["p99"] <= stats["max"]
+    assert single["level_union"]["max"] <= wide["level_union"]["max"] <= 64 * single["level_union"]["max"]
+    assert bench.level_union_stats([]) == {"levels": 0}
+    known = bench.level_union_stats([10, 40, 70, 300])
+    assert known["levels"] == 4 and known["mean"] == 105.0 and known["max"] == 300 and known["p50"] == 55.0
+    assert (known["over_32"], known["over_64"], known["over_128"], known["over_256"]) == (0.75, 0.5, 0.25, 0.25)
