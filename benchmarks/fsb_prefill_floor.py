@@ -30,7 +30,7 @@ trained checkpoint's keys (one retrieval sample of `--ckpt-T` tokens, every laye
         --sharing 16384 65536 262144 --rows 32 64 128 --ckpt benchmarks/results/checkpoints/ckpt_fs --ckpt-T 16384 \
         --out benchmarks/results/fsb_prefill_floor.json
 
-(s43: 6.5 min on 2 CPU cores; 439.6 ms is `triton_fs` at 1M on the H100, s43 call2.) Each sharing record
+(s43: 6.5 min on this CPU; 439.6 ms is `triton_fs` at 1M on the H100, s43 call2.) Each sharing record
 also gives `level_union`: the distribution of a tile's distinct nodes per level (`level_union_stats`).
 """
 
