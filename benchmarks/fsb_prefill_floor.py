@@ -26,12 +26,13 @@ tile-shared rerank would load once), and the same for the node keys the tile's b
 each level (node rows a tile-shared search would load once). `--ckpt FOLDER` measures the same on a
 trained checkpoint's keys (one retrieval sample of `--ckpt-T` tokens, every layer, its own config).
 
-    python benchmarks/fsb_prefill_floor.py --T 65536 262144 1048576 --budget-ms 89.4 439.6 \
+    python benchmarks/fsb_prefill_floor.py --T 65536 262144 1048576 --budget-ms 89.4 439.6 1779 \
         --sharing 16384 65536 262144 --rows 32 64 128 --ckpt benchmarks/results/checkpoints/ckpt_fs --ckpt-T 16384 \
         --out benchmarks/results/fsb_prefill_floor.json
 
-(s43: 6.5 min on this CPU; 439.6 ms is `triton_fs` at 1M on the H100, s43 call2.) Each sharing record
-also gives `level_union`: the distribution of a tile's distinct nodes per level (`level_union_stats`).
+(s43: 6.5 min on this CPU; 439.6 ms is `triton_fs` at 1M on the H100, s43 call2; 1779 ms `triton_fsb` at 1M
+in s30.) Each sharing record also gives `level_union`: the distribution of a tile's distinct nodes per level
+(`level_union_stats`).
 """
 
 from __future__ import annotations
@@ -51,7 +52,10 @@ from freesolo.backends.torch._ops import cell_stats  # noqa: E402
 from freesolo.backends.torch.fsb import row_candidates  # noqa: E402
 from freesolo.reference.fsb import fsb_node_keys_count  # noqa: E402
 
-__all__ = ["count", "tile_sharing", "level_union_stats", "median_tau", "rerank_sharing", "checkpoint_sharing", "describe_sharing", "main"]
+__all__ = [
+    "count", "tile_sharing", "level_union_stats", "median_tau", "rerank_sharing", "checkpoint_sharing", "describe_sharing",
+    "main",
+]  # fmt: skip
 
 NODE_ROW_EXTRA_BYTES = 4 + 4 + 8  # rad, A (float32), e (int64)
 
@@ -122,7 +126,8 @@ def tile_sharing(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig, rows: in
     return dict(T=T, H=H, rows=rows, candidates=int(candidates), distinct=int(distinct), tiles=tiles,
                 sharing=candidates / max(distinct, 1), union_per_tile=distinct / max(tiles, 1),
                 node_keys=int(node_keys), node_distinct=int(node_distinct),
-                node_sharing=node_keys / max(node_distinct, 1), level_union=level_union_stats(level_unions))  # fmt: skip
+                node_sharing=node_keys / max(node_distinct, 1),
+                level_union=level_union_stats(level_unions))  # fmt: skip
 
 
 def level_union_stats(sizes: list) -> dict:
