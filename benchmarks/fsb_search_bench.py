@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from gpu_attention import _tau, _versions, bench_ms, plot_lines, smoke_or_gpu, write_results  # noqa: E402 (benchmarks/ is this script's folder)
+from gpu_attention import BENCH_TIMING, _tau, _versions, bench_ms, plot_lines, smoke_or_gpu, write_results  # noqa: E402 (benchmarks/ is this script's folder)
 
 from freesolo import FreeSoloConfig  # noqa: E402
 from freesolo.backends.torch import select_cells as torch_select  # noqa: E402
@@ -111,7 +111,7 @@ def main(argv=None) -> int:
         "freesolo_config": {
             k: getattr(base, k) for k in ("window", "cell", "block", "beam", "top_k", "leaf_order", "radius_weight")
         },
-        "timing": "median ms: triton.testing.do_bench under 50 ms per call, else the median of 3 calls",
+        "timing": BENCH_TIMING,
         "results": results,
     }
     if args.out:
