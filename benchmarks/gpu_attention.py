@@ -266,8 +266,8 @@ def _once_ms(fn, device) -> float:
 
 
 # do_bench repeats a call rep / (its estimated time) times: a budget of at least MIN_TIMED_CALLS calls keeps a call
-# of 10-50 ms from being timed once or twice (s43 call2: the GQA FS forward at 64k, ~49 ms, timed with a 30 ms budget,
-# read 49.5 ms against 34.7 ms at 128k).
+# of 10-50 ms from being timed once or twice (s43 call2: the GQA FS forward at 64k, timed once within a 30 ms budget,
+# read 49.5 ms, out of line with 34.7 ms at 128k; not re-measured).
 MIN_TIMED_CALLS = 5
 BENCH_TIMING = (
     f"median ms: triton.testing.do_bench (a budget of at least {MIN_TIMED_CALLS} calls) under 50 ms per call, "
