@@ -554,24 +554,38 @@ def issue10_bars(results, shape_name="H16-D64") -> dict:
     return bars
 
 
-def merge(paths: list) -> dict:
+def merge(paths: list, supersede: list | None = None) -> dict:
     """One payload from the payloads of several runs of this script on one GPU (same versions): their
     results one after another, the crossovers and issue 10's bars recomputed. A record of a case that
-    two runs both timed is refused (the merge never picks between two timings)."""
-    payloads = [json.load(open(p)) for p in paths]
+    two runs both timed is refused (the merge never picks between two timings), except where a file of
+    `supersede` (a re-measure, named on purpose) times it: its records replace those of `paths`, and the
+    replaced records are kept in the payload's "superseded" list, with the file that replaced them."""
+    supersede = list(supersede or [])
+    payloads = [json.load(open(p)) for p in paths + supersede]
     first = payloads[0]
     for path, other in zip(paths[1:], payloads[1:]):
         for key in ("gpu", "torch", "triton"):
             if other["env"][key] != first["env"][key]:
                 raise SystemExit(f"{path}: {key} {other['env'][key]!r} differs from {paths[0]}'s {first['env'][key]!r}")
     results, seen = [], set()
-    for path, payload in zip(paths, payloads):
+    for path, payload in zip(paths, payloads[: len(paths)]):
         for r in payload["results"]:
             case = (r["shape"], r["provider"], r["mode"], r["T"])
             if case in seen and r["status"] == "ok":
                 raise SystemExit(f"{path}: {case} was timed by an earlier file too")
             seen.add(case)
             results.append(r)
+    superseded = []
+    for path, payload in zip(supersede, payloads[len(paths) :]):
+        new = {(r["shape"], r["provider"], r["mode"], r["T"]): r for r in payload["results"]}
+        kept = []
+        for r in results:
+            case = (r["shape"], r["provider"], r["mode"], r["T"])
+            if case in new:
+                superseded.append(dict(r, superseded_by=os.path.basename(path)))
+            else:
+                kept.append(r)
+        results = kept + list(new.values())
     shapes = {}
     for payload in payloads:
         shapes.update(payload["shapes"])
@@ -580,7 +594,8 @@ def merge(paths: list) -> dict:
         results=results,
         shapes=shapes,
         lengths=sorted({r["T"] for r in results}),
-        merged_from=[os.path.basename(p) for p in paths],
+        merged_from=[os.path.basename(p) for p in paths + supersede],
+        superseded=superseded,
         crossover_fsl_vs_sdpa={s: {m: crossover(results, s, m) for m in MODES} for s in shapes},
         crossover_triton_fsl_vs_sdpa={s: {m: crossover(results, s, m, "triton_fsl") for m in MODES} for s in shapes},
         issue10_bars={s: issue10_bars(results, s) for s in shapes},
@@ -685,10 +700,12 @@ def main(argv=None):
     ap.add_argument("--tag", default="", help="suffix of the output file names (e.g. _triton)")
     ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                     help="no run: merge these result files of one GPU into OUT/gpu_attention{TAG}.json and its plot")
+    ap.add_argument("--supersede", nargs="+", default=None, metavar="JSON",
+                    help="with --merge: re-measures whose records replace the merged files' records of the same cases")
     args = ap.parse_args(argv)
 
     if args.merge:
-        payload = merge(args.merge)
+        payload = merge(args.merge, args.supersede)
         write_results(os.path.join(args.out, f"gpu_attention{args.tag}.json"), payload, plot)
         print_bars(payload["issue10_bars"])
         return

@@ -65,3 +65,19 @@ def test_merge_joins_runs_of_one_gpu_and_refuses_the_rest(report, tmp_path):
     c.write_text(json.dumps(_payload([_rec("fla_nsa", 65536, 3.0)], gpu="GPU Y")))
     with pytest.raises(SystemExit, match="gpu"):
         report.merge([str(a), str(c)])
+
+
+def test_merge_supersede_replaces_named_re_measures_and_keeps_the_old(report, tmp_path):
+    """--supersede: a re-measure's records replace the merged files' records of the same cases (kept in
+    "superseded" with the replacing file); other cases stay; the bars use the re-measured figures."""
+    a = tmp_path / "a.json"
+    r = tmp_path / "r.json"
+    a.write_text(json.dumps(_payload([_rec("triton_fsl", 65536, 1.0), _rec("sdpa_causal", 65536, 19.0),
+                                      _rec("flex_swa512", 65536, 0.5)])))  # fmt: skip
+    r.write_text(json.dumps(_payload([_rec("triton_fsl", 65536, 1.5)])))
+    merged = report.merge([str(a)], [str(r)])
+    ms = {(x["provider"], x["T"]): x["ms"] for x in merged["results"]}
+    assert ms == {("triton_fsl", 65536): 1.5, ("sdpa_causal", 65536): 19.0, ("flex_swa512", 65536): 0.5}
+    assert [(x["provider"], x["ms"], x["superseded_by"]) for x in merged["superseded"]] == [("triton_fsl", 1.0, "r.json")]
+    assert merged["issue10_bars"]["H16-D64"]["triton_fsl / flex_swa512 fwd 64k"]["ratio"] == 3.0
+    assert merged["merged_from"] == ["a.json", "r.json"]

@@ -69,7 +69,8 @@ def _sort_key(key, gidx):
 
 @triton.jit
 def _node_keys(flat, ok, half, q, q_row_ptr, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr, e_ptr, scale,
-               radius_weight, two_cell, D, N, BLOCK_D: tl.constexpr, DC: tl.constexpr, PAIRS: tl.constexpr):  # fmt: skip
+               radius_weight, two_cell, D, N, BLOCK_D: tl.constexpr, DC: tl.constexpr, PAIRS: tl.constexpr,
+               SUM_ONCE: tl.constexpr = False):  # fmt: skip
     """Keys of the nodes `flat` (int [M], valid where `ok`, < N): scale * (q . mu + rw * |q| * rad) + prior.
 
     q: float32 [BLOCK_D] the query (zero past D); q_row_ptr: the same query in memory (any float
@@ -85,20 +86,32 @@ def _node_keys(flat, ok, half, q, q_row_ptr, qnorm, pos, sig, lm, node0, mu_ptr,
     of row r + b, so the two children of a node, rows r and r + 1 (half 0 and 1: int [M]), share one
     128-byte line per chunk at DC 16; rad_ptr the stats fp32 [*, 4] (rad, A, e as float32, 0) at row
     node0 + flat, one 16-byte load for three; a_ptr / e_ptr unused. s44 Nsight Compute of the row
-    layout at 256k (H100): the L1 data pipe 92 % busy, mostly with the node loads' wavefronts."""
+    layout at 256k (H100): the L1 data pipe 92 % busy, mostly with the node loads' wavefronts.
+    SUM_ONCE (PAIRS only): the chunks' products summed inside each lane, then one sum across the lanes
+    (a quarter of the shuffles at DC 16); another order of the sum: keys within float32 rounding."""
     tl.device_assert(((flat >= 0) & (flat < N)) | ~ok, "FS-B search: node id out of its table")
     rows = node0 + flat
     if PAIRS:
         nch = (D + DC - 1) // DC
         chunk = N * (2 * DC)  # elements of one chunk's [N, 2, DC] plane
         pair_row = node0 * (2 * nch * DC) + ((flat - half).to(tl.int64) * 2 + half) * DC  # chunk 0 of the lane's row
-        dot = tl.zeros(flat.shape, dtype=tl.float32)
-        for c0 in tl.static_range(0, BLOCK_D, DC):
-            dd = c0 + tl.arange(0, DC)
-            qc = tl.load(q_row_ptr + dd, mask=dd < D, other=0.0).to(tl.float32)
-            mu = tl.load(mu_ptr + (pair_row + (c0 // DC) * chunk)[:, None] + tl.arange(0, DC)[None, :],
-                         mask=ok[:, None] & (dd[None, :] < D), other=0.0)  # fmt: skip
-            dot += tl.sum(mu * qc[None, :], 1)
+        if SUM_ONCE:  # the chunks' products summed inside each lane, one sum across the lanes at the end
+            prod = tl.zeros([flat.shape[0], DC], dtype=tl.float32)
+            for c0 in tl.static_range(0, BLOCK_D, DC):
+                dd = c0 + tl.arange(0, DC)
+                qc = tl.load(q_row_ptr + dd, mask=dd < D, other=0.0).to(tl.float32)
+                mu = tl.load(mu_ptr + (pair_row + (c0 // DC) * chunk)[:, None] + tl.arange(0, DC)[None, :],
+                             mask=ok[:, None] & (dd[None, :] < D), other=0.0)  # fmt: skip
+                prod += mu * qc[None, :]
+            dot = tl.sum(prod, 1)
+        else:
+            dot = tl.zeros(flat.shape, dtype=tl.float32)
+            for c0 in tl.static_range(0, BLOCK_D, DC):
+                dd = c0 + tl.arange(0, DC)
+                qc = tl.load(q_row_ptr + dd, mask=dd < D, other=0.0).to(tl.float32)
+                mu = tl.load(mu_ptr + (pair_row + (c0 // DC) * chunk)[:, None] + tl.arange(0, DC)[None, :],
+                             mask=ok[:, None] & (dd[None, :] < D), other=0.0)  # fmt: skip
+                dot += tl.sum(mu * qc[None, :], 1)
         col = tl.arange(0, 4)
         st = tl.load(rad_ptr + rows[:, None] * 4 + col[None, :], mask=ok[:, None], other=0.0)  # [M, 4]
         rad = tl.sum(tl.where(col[None, :] == 0, st, 0.0), 1)  # (one value and three zeros: exact)
@@ -128,7 +141,7 @@ def _node_keys(flat, ok, half, q, q_row_ptr, qnorm, pos, sig, lm, node0, mu_ptr,
 def _search_forest(n, base_ptr, seg_scale, q, q_row_ptr, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr, e_ptr,
                    cell_ptr, scale, radius_weight, two_cell, D, N, trace_idx_ptr, trace_key_ptr, tracing,
                    BLOCK_D: tl.constexpr, DC: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
-                   TRACE: tl.constexpr, pair_ptr, stats_ptr, PAIRS: tl.constexpr):  # fmt: skip
+                   TRACE: tl.constexpr, pair_ptr, stats_ptr, PAIRS: tl.constexpr, SUM_ONCE: tl.constexpr = False):  # fmt: skip
     """Beam search of one forest over its first n elements: element cells int64 [WP] (-1 = none).
 
     base_ptr: int64 [max_height + 2] flat id of tree 0 of height h (this forest, this kv head's
@@ -165,7 +178,7 @@ def _search_forest(n, base_ptr, seg_scale, q, q_row_ptr, qnorm, pos, sig, lm, no
         if PAIRS:  # the children from the pair table (`search_tables`)
             c_key = _node_keys(tl.where(c_ok, c_p, 0), c_ok, lane & 1, q, q_row_ptr, qnorm, pos, sig, lm, node0,
                                pair_ptr, stats_ptr, a_ptr, e_ptr, scale, radius_weight, two_cell, D, N, BLOCK_D, DC,
-                               True)  # fmt: skip
+                               True, SUM_ONCE)  # fmt: skip
         else:
             c_key = _node_keys(tl.where(c_ok, c_p, 0), c_ok, lane & 1, q, q_row_ptr, qnorm, pos, sig, lm, node0,
                                mu_ptr, rad_ptr, a_ptr, e_ptr, scale, radius_weight, two_cell, D, N, BLOCK_D, DC,
@@ -290,6 +303,7 @@ def _fsb_search_kernel(
     TRACE_LEVELS: tl.constexpr,
     RERANK: tl.constexpr = True,
     PAIRS: tl.constexpr = False,
+    SUM_ONCE: tl.constexpr = False,
 ):
     i = tl.program_id(0).to(tl.int64)
     hq = tl.program_id(1).to(tl.int64)
@@ -307,11 +321,11 @@ def _fsb_search_kernel(
     q_row = q_ptr + (hq * T + i) * D
     found_all = _search_forest(n_all, base_ptr, 1, q, q_row, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr, e_ptr,
                                cell_ptr, scale, radius_weight, two_cell, D, N, trace_idx_ptr, trace_key_ptr, tracing,
-                               BLOCK_D, DC, W, WP, TRACE, pair_ptr, stats_ptr, PAIRS)  # fmt: skip
+                               BLOCK_D, DC, W, WP, TRACE, pair_ptr, stats_ptr, PAIRS, SUM_ONCE)  # fmt: skip
     found_high = _search_forest(n_high, base_ptr + HB, 1, q, q_row, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr,
                                 e_ptr, cell_ptr, scale, radius_weight, two_cell, D, N, trace_idx_ptr + TRACE_LEVELS * W,
                                 trace_key_ptr + TRACE_LEVELS * W, tracing, BLOCK_D, DC, W, WP, TRACE, pair_ptr,
-                                stats_ptr, PAIRS)  # fmt: skip
+                                stats_ptr, PAIRS, SUM_ONCE)  # fmt: skip
     if FOUND:
         slots = tl.arange(0, WP)
         tl.store(found_ptr + i * stride_ft + hq * stride_fh + slots, found_all, mask=slots < W)
@@ -583,6 +597,11 @@ SEARCH_LAYOUT_ENV = "FREESOLO_TRITON_FSB_SEARCH_LAYOUT"
 SEARCH_LAYOUT_DEFAULT = "pairs"
 
 
+# the pair search's q . mu: False: summed across a row's lanes per chunk (the row layout's order: bitwise the same
+# keys); True: the chunks' products summed inside each lane first, one sum across the lanes (`_node_keys` SUM_ONCE)
+SEARCH_SUM_ONCE = False
+
+
 def search_layout() -> str:
     """The prefill search's node layout: SEARCH_LAYOUT_ENV if set ("pairs" / "rows"), else SEARCH_LAYOUT_DEFAULT."""
     mode = os.environ.get(SEARCH_LAYOUT_ENV, "").strip() or SEARCH_LAYOUT_DEFAULT
@@ -709,7 +728,8 @@ def _run(q, k, cfg: FreeSoloConfig, return_found: bool, num_warps: int, trace, r
             float(D**-0.5), float(cfg.radius_weight), float(2 * cfg.cell), D,
             BLOCK_D=next_pow2(D), DC=dc, CELL=cfg.cell, QBLOCK=cfg.block, W=cfg.beam,
             WP=WP, K=K, KP=next_pow2(K), FOUND=return_found or keep, TRACE=trace is not None,
-            TRACE_LEVELS=TRACE_LEVELS, RERANK=rerank and not tiled, PAIRS=pairs, num_warps=num_warps,
+            TRACE_LEVELS=TRACE_LEVELS, RERANK=rerank and not tiled, PAIRS=pairs, SUM_ONCE=pairs and SEARCH_SUM_ONCE,
+            num_warps=num_warps,
             **({} if SEARCH_MAXNREG is None else {"maxnreg": SEARCH_MAXNREG}),
         )  # fmt: skip
         if tiled:
