@@ -303,7 +303,8 @@
 #                after this A/B: no gain at 1M), against 58acc8a (.ab/pre_s41b, carried), 64k / 256k / 1M;
 #                triton_fsb vs triton_fs forward at 256k / 1M
 #   s41e_tests   the FS-B forests / search / decode / caches / models CUDA tests
-#   s44_time     issue 12: the FS-B search on the pair tables (`fsb_search.search_tables`, the default) against the
+#   s44_time     (ran at 66066fc, branch s44-pair-layout: main no longer has the pair layout or the *_rows / *_sum1
+#                providers) issue 12: the FS-B search on the pair tables (`fsb_search.search_tables`, the default) against the
 #                row tables (FREESOLO_TRITON_FSB_SEARCH_LAYOUT=rows), same process: search / select at 256k and 1M
 #                (select_rows must equal select bit for bit; *_sum1: SEARCH_SUM_ONCE), then triton_fsb / triton_fs
 #                forward at 1M

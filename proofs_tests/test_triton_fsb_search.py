@@ -312,79 +312,6 @@ def test_cuda_dim_chunks_differ_at_near_ties_only(monkeypatch):
     assert not wide, f"the chunked search differs at entries with wide float64 margins: {wide[:4]}"
 
 
-def test_search_tables_pair_layout():
-    """search_tables: pairs[h, c, r, b] = mu[h, r + b, c * dc : (c + 1) * dc] (zeros past the last row and
-    past D), stats = (rad, A, e as float32, 0)."""
-    from freesolo.backends.triton.fsb_search import search_tables
-
-    gen = torch.Generator().manual_seed(0)
-    Hkv, N, D, dc = 2, 7, 10, 4
-    mu = torch.randn(Hkv, N, D, generator=gen)
-    rad, amax = torch.rand(Hkv, N, generator=gen), torch.rand(Hkv, N, generator=gen)
-    e = torch.randint(0, 2**26, (Hkv, N), generator=gen)
-    pairs, stats = search_tables(mu, rad, amax, e, dc)
-    assert pairs.shape == (Hkv, 3, N, 2, dc) and stats.shape == (Hkv, N, 4) and pairs.is_contiguous()
-    padded = torch.nn.functional.pad(mu, (0, 3 * dc - D, 0, 1))  # [Hkv, N + 1, 12]
-    for h in range(Hkv):
-        for c in range(3):
-            for r in range(N):
-                for b in range(2):
-                    assert torch.equal(pairs[h, c, r, b], padded[h, r + b, c * dc : (c + 1) * dc])
-    assert torch.equal(stats[..., 0], rad) and torch.equal(stats[..., 1], amax)
-    assert torch.equal(stats[..., 2], e.to(torch.float32)) and not stats[..., 3].any()
-
-
-@pytest.mark.parametrize(
-    "seed, T, Hq, Hkv, D, dim_chunk, kw",
-    [
-        (4, 45, 2, 1, 12, 4, dict(beam=3, leaf_order="content", radius_weight=1.0)),
-        (5, 38, 4, 2, 8, None, dict(beam=2, leaf_order="position", radius_weight=0.5, sigma=2.0, lam=0.5)),
-    ],
-)
-def test_pair_layout_equals_row_layout_bitwise(monkeypatch, seed, T, Hq, Hkv, D, dim_chunk, kw):
-    """The search on the pair tables (`search_layout` "pairs", the default) reads the same values at
-    other addresses: beams and selection bitwise equal to the row tables' ("rows"); D 12 leaves the
-    last 4-dim chunk of the padded 16 dims out of the table."""
-    from freesolo.backends.triton import fsb_search
-
-    monkeypatch.setattr(fsb_search, "SEARCH_DIM_CHUNK", dim_chunk)
-    rng = np.random.default_rng(seed)
-    q, k = rng.standard_normal((1, T, Hq, D)), rng.standard_normal((1, T, Hkv, D))
-    cfg = _cfg(k, **kw)
-    qt, kt = _tensors(q, k)
-    out = {}
-    for layout in ("pairs", "rows"):
-        monkeypatch.setenv(fsb_search.SEARCH_LAYOUT_ENV, layout)
-        assert fsb_search.search_layout() == layout
-        out[layout] = fsb_select_cells(qt, kt, cfg, return_found=True)
-    assert (out["rows"][1] >= 0).any(), "the beams found nothing: the test would not bite"
-    for a, b in zip(out["pairs"], out["rows"]):
-        assert torch.equal(a, b)
-    torch.testing.assert_close(out["pairs"][1].cpu(), torch_beams(qt.cpu(), kt.cpu(), cfg), rtol=0, atol=0)
-    monkeypatch.setenv(fsb_search.SEARCH_LAYOUT_ENV, "row")
-    with pytest.raises(ValueError, match="must be 'pairs' or 'rows'"):
-        fsb_search.search_layout()
-
-
-@CUDA_ONLY
-def test_cuda_pair_layout_equals_row_layout_bitwise(monkeypatch):
-    """Paper config, T = 16384, GQA 4, bf16: the pair tables' search == the row tables', beams and
-    selection bit for bit (the same loads' values, the same sums)."""
-    from freesolo.backends.triton import fsb_search
-
-    torch.manual_seed(3)
-    T, Hq, Hkv, D = 16384, 8, 2, 64
-    q = torch.randn(1, T, Hq, D, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(1, T, Hkv, D, device="cuda", dtype=torch.bfloat16)
-    cfg = FreeSoloConfig(variant="fsb", tau=float(D**0.5) * 1.4)
-    out = {}
-    for layout in ("pairs", "rows"):
-        monkeypatch.setenv(fsb_search.SEARCH_LAYOUT_ENV, layout)
-        out[layout] = fsb_select_cells(q, k, cfg, return_found=True)
-    assert (out["rows"][0][:, cfg.block :] >= 0).all()
-    assert torch.equal(out["pairs"][0], out["rows"][0]) and torch.equal(out["pairs"][1], out["rows"][1])
-
-
 def test_rerank_mode_refuses_unknown(monkeypatch):
     from freesolo.backends.triton import fsb_search
 
@@ -535,7 +462,7 @@ def compile_sm90(kernel, pointers, constants, floats=("scale", "radius_weight", 
     triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, "maxnreg": 72})
 
 table = {"mu_ptr": "*fp32", "rad_ptr": "*fp32", "a_ptr": "*fp32", "e_ptr": "*i64", "cell_ptr": "*i64"}
-prefill = {"q_ptr": "*fp32", "k_ptr": "*bf16", **table, "pair_ptr": "*fp32", "stats_ptr": "*fp32", "base_ptr": "*i64", "hp_ptr": "*i64", "sigma_ptr": "*fp32",
+prefill = {"q_ptr": "*fp32", "k_ptr": "*bf16", **table, "base_ptr": "*i64", "hp_ptr": "*i64", "sigma_ptr": "*fp32",
            "lam_ptr": "*fp32", "out_ptr": "*i64", "found_ptr": "*i32", "trace_idx_ptr": "*i64", "trace_key_ptr": "*fp32"}
 decode = {"q_ptr": "*bf16", "pos_ptr": "*i64", "n_high_ptr": "*i64", "sigma_ptr": "*fp32", "lam_ptr": "*fp32",
           "found_ptr": "*i64"}
@@ -544,9 +471,9 @@ for forest in ("a", "h"):
 for D, block_d in ((64, 64), (48, 64)):
     for ones in ({}, {"G": 1}):  # Triton makes an int argument equal to 1 a constexpr (MHA: G = 1)
         base = dict(D=D, BLOCK_D=block_d, CELL=32, QBLOCK=128, W=16, WP=16, **ones)
-        for trace, pairs in ((False, True), (False, False), (True, True)):
+        for trace in (False, True):
             compile_sm90(fs._fsb_search_kernel, prefill, dict(base, DC=16, K=4, KP=4, FOUND=True, TRACE=trace,
-                                                              TRACE_LEVELS=fs.TRACE_LEVELS, RERANK=not trace, PAIRS=pairs))
+                                                              TRACE_LEVELS=fs.TRACE_LEVELS, RERANK=not trace))
         compile_sm90(fs._fsb_decode_search_kernel, decode, dict(base, **({"Hkv": 1} if ones else {})))
 print("compiled")
 """

@@ -46,8 +46,7 @@ import triton.language as tl
 from ...config import FreeSoloConfig
 from ._common import launch, next_pow2, same_device  # (importing _common also patches the interpreter's loop bounds for NumPy >= 2.4)
 
-__all__ = ["MAX_BEAM", "MAX_FOREST_CELLS", "TRACE_LEVELS", "decode_select_cells", "forests_mode", "fsb_select_cells", "row_forests",
-           "search_layout", "search_tables", "trace_search"]
+__all__ = ["MAX_BEAM", "MAX_FOREST_CELLS", "TRACE_LEVELS", "decode_select_cells", "forests_mode", "fsb_select_cells", "row_forests", "trace_search"]
 
 MAX_BEAM = 64  # the frontier lives in registers: [2 * beam, D] node tiles; 2 * beam lanes fit the sort key's 7 lane bits
 
@@ -68,70 +67,31 @@ def _sort_key(key, gidx):
 
 
 @triton.jit
-def _node_keys(flat, ok, half, q, q_row_ptr, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr, e_ptr, scale,
-               radius_weight, two_cell, D, N, BLOCK_D: tl.constexpr, DC: tl.constexpr, PAIRS: tl.constexpr,
-               SUM_ONCE: tl.constexpr = False):  # fmt: skip
+def _node_keys(flat, ok, q, q_row_ptr, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr, e_ptr, scale, radius_weight,
+               two_cell, D, N, BLOCK_D: tl.constexpr, DC: tl.constexpr):  # fmt: skip
     """Keys of the nodes `flat` (int [M], valid where `ok`, < N): scale * (q . mu + rw * |q| * rad) + prior.
 
     q: float32 [BLOCK_D] the query (zero past D); q_row_ptr: the same query in memory (any float
-    dtype), read when DC < BLOCK_D or PAIRS. DC == BLOCK_D: one [M, BLOCK_D] tile, q . mu summed across
-    the lanes that hold a row (16 lanes at D 64). DC < BLOCK_D: D in chunks of DC dims, [M, DC] tiles
+    dtype), read when DC < BLOCK_D. DC == BLOCK_D: one [M, BLOCK_D] tile, q . mu summed across the
+    lanes that hold a row (16 lanes at D 64). DC < BLOCK_D: D in chunks of DC dims, [M, DC] tiles
     whose rows span fewer lanes (4 at DC 16: fewer shuffles, more of the sum inside a lane; q's
-    chunk re-read from L1). The two orders of the sum agree up to float32 rounding.
-
-    Tables: PAIRS False: mu_ptr fp32 rows [*, D] and rad / A / e (int64) [*] at row node0 + flat.
-    PAIRS True (`search_tables`: the same values at other addresses, read in chunks of DC dims, so the
-    same keys bit for bit as the rows in chunks): mu_ptr the pair table fp32 [NCH, N, 2, DC] of this
-    kv head at node0 * 2 * NCH * DC (NCH = cdiv(D, DC)): entry (c, r, b) holds dims [c * DC, (c + 1) * DC)
-    of row r + b, so the two children of a node, rows r and r + 1 (half 0 and 1: int [M]), share one
-    128-byte line per chunk at DC 16; rad_ptr the stats fp32 [*, 4] (rad, A, e as float32, 0) at row
-    node0 + flat, one 16-byte load for three; a_ptr / e_ptr unused. s44 Nsight Compute of the row
-    layout at 256k (H100): the L1 data pipe 92 % busy, mostly with the node loads' wavefronts.
-    SUM_ONCE (PAIRS only): the chunks' products summed inside each lane, then one sum across the lanes
-    (a quarter of the shuffles at DC 16); another order of the sum: keys within float32 rounding."""
+    chunk re-read from L1). The two orders of the sum agree up to float32 rounding."""
     tl.device_assert(((flat >= 0) & (flat < N)) | ~ok, "FS-B search: node id out of its table")
     rows = node0 + flat
-    if PAIRS:
-        nch = (D + DC - 1) // DC
-        chunk = N * (2 * DC)  # elements of one chunk's [N, 2, DC] plane
-        pair_row = node0 * (2 * nch * DC) + ((flat - half).to(tl.int64) * 2 + half) * DC  # chunk 0 of the lane's row
-        if SUM_ONCE:  # the chunks' products summed inside each lane, one sum across the lanes at the end
-            prod = tl.zeros([flat.shape[0], DC], dtype=tl.float32)
-            for c0 in tl.static_range(0, BLOCK_D, DC):
-                dd = c0 + tl.arange(0, DC)
-                qc = tl.load(q_row_ptr + dd, mask=dd < D, other=0.0).to(tl.float32)
-                mu = tl.load(mu_ptr + (pair_row + (c0 // DC) * chunk)[:, None] + tl.arange(0, DC)[None, :],
-                             mask=ok[:, None] & (dd[None, :] < D), other=0.0)  # fmt: skip
-                prod += mu * qc[None, :]
-            dot = tl.sum(prod, 1)
-        else:
-            dot = tl.zeros(flat.shape, dtype=tl.float32)
-            for c0 in tl.static_range(0, BLOCK_D, DC):
-                dd = c0 + tl.arange(0, DC)
-                qc = tl.load(q_row_ptr + dd, mask=dd < D, other=0.0).to(tl.float32)
-                mu = tl.load(mu_ptr + (pair_row + (c0 // DC) * chunk)[:, None] + tl.arange(0, DC)[None, :],
-                             mask=ok[:, None] & (dd[None, :] < D), other=0.0)  # fmt: skip
-                dot += tl.sum(mu * qc[None, :], 1)
-        col = tl.arange(0, 4)
-        st = tl.load(rad_ptr + rows[:, None] * 4 + col[None, :], mask=ok[:, None], other=0.0)  # [M, 4]
-        rad = tl.sum(tl.where(col[None, :] == 0, st, 0.0), 1)  # (one value and three zeros: exact)
-        amax = tl.sum(tl.where(col[None, :] == 1, st, 0.0), 1)
-        e = tl.sum(tl.where(col[None, :] == 2, st, 0.0), 1)
+    if DC == BLOCK_D:
+        d = tl.arange(0, BLOCK_D)
+        mu = tl.load(mu_ptr + rows[:, None] * D + d[None, :], mask=ok[:, None] & (d[None, :] < D), other=0.0)
+        dot = tl.sum(mu * q[None, :], 1)
     else:
-        if DC == BLOCK_D:
-            d = tl.arange(0, BLOCK_D)
-            mu = tl.load(mu_ptr + rows[:, None] * D + d[None, :], mask=ok[:, None] & (d[None, :] < D), other=0.0)
-            dot = tl.sum(mu * q[None, :], 1)
-        else:
-            dot = tl.zeros(flat.shape, dtype=tl.float32)
-            for c0 in tl.static_range(0, BLOCK_D, DC):
-                dd = c0 + tl.arange(0, DC)
-                qc = tl.load(q_row_ptr + dd, mask=dd < D, other=0.0).to(tl.float32)
-                mu = tl.load(mu_ptr + rows[:, None] * D + dd[None, :], mask=ok[:, None] & (dd[None, :] < D), other=0.0)
-                dot += tl.sum(mu * qc[None, :], 1)
-        rad = tl.load(rad_ptr + rows, mask=ok, other=0.0)
-        amax = tl.load(a_ptr + rows, mask=ok, other=0.0)
-        e = tl.load(e_ptr + rows, mask=ok, other=0).to(tl.float32)
+        dot = tl.zeros(flat.shape, dtype=tl.float32)
+        for c0 in tl.static_range(0, BLOCK_D, DC):
+            dd = c0 + tl.arange(0, DC)
+            qc = tl.load(q_row_ptr + dd, mask=dd < D, other=0.0).to(tl.float32)
+            mu = tl.load(mu_ptr + rows[:, None] * D + dd[None, :], mask=ok[:, None] & (dd[None, :] < D), other=0.0)
+            dot += tl.sum(mu * qc[None, :], 1)
+    rad = tl.load(rad_ptr + rows, mask=ok, other=0.0)
+    amax = tl.load(a_ptr + rows, mask=ok, other=0.0)
+    e = tl.load(e_ptr + rows, mask=ok, other=0).to(tl.float32)
     prior = lm * amax * tl.math.erf(sig * (pos - e) / two_cell)
     key = scale * (dot + radius_weight * qnorm * rad) + prior
     return tl.where(ok, key, float("-inf"))
@@ -141,14 +101,13 @@ def _node_keys(flat, ok, half, q, q_row_ptr, qnorm, pos, sig, lm, node0, mu_ptr,
 def _search_forest(n, base_ptr, seg_scale, q, q_row_ptr, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr, e_ptr,
                    cell_ptr, scale, radius_weight, two_cell, D, N, trace_idx_ptr, trace_key_ptr, tracing,
                    BLOCK_D: tl.constexpr, DC: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
-                   TRACE: tl.constexpr, pair_ptr, stats_ptr, PAIRS: tl.constexpr, SUM_ONCE: tl.constexpr = False):  # fmt: skip
+                   TRACE: tl.constexpr):  # fmt: skip
     """Beam search of one forest over its first n elements: element cells int64 [WP] (-1 = none).
 
     base_ptr: int64 [max_height + 2] flat id of tree 0 of height h (this forest, this kv head's
     table starting at node0); the tree of segment m at base[h] + m * nodes(h) * seg_scale
     (seg_scale 0: one tree per height, the streaming `ForestTable`). Slots >= W stay empty (WP: W
-    rounded up to a power of two). PAIRS: the children's keys from the pair table / stats of
-    `search_tables` (pair_ptr, stats_ptr; see `_node_keys`), the roots' from the row tables (mu_ptr ...).
+    rounded up to a power of two).
     A frontier slot holds three int32 fields: the node's flat id p in the table (levels 0..h of a
     tree of height h stored in order from its base tb, so level l starts at tb + 2^(h+1) - 2^(h-l+1)),
     its tree's key tk = tb + 2^(h+1) and its index g in the level across the forest (segment
@@ -175,14 +134,8 @@ def _search_forest(n, base_ptr, seg_scale, q, q_row_ptr, qnorm, pos, sig, lm, no
         c_tk = tl.reshape(tl.join(tk, tk), [2 * WP])
         c_g = tl.reshape(tl.join(2 * g, 2 * g + 1), [2 * WP])
         c_ok = tl.reshape(tl.join(valid, valid), [2 * WP]) != 0
-        if PAIRS:  # the children from the pair table (`search_tables`)
-            c_key = _node_keys(tl.where(c_ok, c_p, 0), c_ok, lane & 1, q, q_row_ptr, qnorm, pos, sig, lm, node0,
-                               pair_ptr, stats_ptr, a_ptr, e_ptr, scale, radius_weight, two_cell, D, N, BLOCK_D, DC,
-                               True, SUM_ONCE)  # fmt: skip
-        else:
-            c_key = _node_keys(tl.where(c_ok, c_p, 0), c_ok, lane & 1, q, q_row_ptr, qnorm, pos, sig, lm, node0,
-                               mu_ptr, rad_ptr, a_ptr, e_ptr, scale, radius_weight, two_cell, D, N, BLOCK_D, DC,
-                               False)  # fmt: skip
+        c_key = _node_keys(tl.where(c_ok, c_p, 0), c_ok, q, q_row_ptr, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr,
+                           a_ptr, e_ptr, scale, radius_weight, two_cell, D, N, BLOCK_D, DC)  # fmt: skip
         # the root of the tree of height lvl (bit lvl of n), as a one-lane tensor
         one = tl.arange(0, 1)
         has_root = ((n >> lvl) & 1) == 1
@@ -194,9 +147,8 @@ def _search_forest(n, base_ptr, seg_scale, q, q_row_ptr, qnorm, pos, sig, lm, no
         r_ok = (one == 0) & has_root
         # (one row: its key summed across the lanes from the q in registers, all of D at once; its rows in
         # chunks cost 67 more SASS instructions a level, 707 against 640 at D 64)
-        r_key = _node_keys(tl.where(r_ok, r_p + one * 0, 0), r_ok, one * 0, q, q_row_ptr, qnorm, pos, sig, lm, node0,
-                           mu_ptr, rad_ptr, a_ptr, e_ptr, scale, radius_weight, two_cell, D, N, BLOCK_D, BLOCK_D,
-                           False)  # fmt: skip
+        r_key = _node_keys(tl.where(r_ok, r_p + one * 0, 0), r_ok, q, q_row_ptr, qnorm, pos, sig, lm, node0, mu_ptr,
+                           rad_ptr, a_ptr, e_ptr, scale, radius_weight, two_cell, D, N, BLOCK_D, BLOCK_D)  # fmt: skip
         # the new frontier: the W best of the children and the root by (key desc, index in level
         # asc), a total order (indices in a level are distinct). Each child gets one int64 sort key:
         # order-preserving key bits (high 32), then GIDX_MAX - index (25 bits), then its lane (7
@@ -267,8 +219,6 @@ def _fsb_search_kernel(
     a_ptr,  # fp32 [Hkv, N]
     e_ptr,  # int64 [Hkv, N]
     cell_ptr,  # int64 [Hkv, N]
-    pair_ptr,  # fp32 [Hkv, NCH, N, 2, DC] (PAIRS: `search_tables`; else unused)
-    stats_ptr,  # fp32 [Hkv, N, 4] (PAIRS: (rad, A, e, 0); else unused)
     base_ptr,  # int64 [2, HB]
     hp_ptr,  # int64 [Hkv, C + 1]: high-norm cells among the first c
     sigma_ptr,  # fp32 [Hq]
@@ -302,8 +252,6 @@ def _fsb_search_kernel(
     TRACE: tl.constexpr,
     TRACE_LEVELS: tl.constexpr,
     RERANK: tl.constexpr = True,
-    PAIRS: tl.constexpr = False,
-    SUM_ONCE: tl.constexpr = False,
 ):
     i = tl.program_id(0).to(tl.int64)
     hq = tl.program_id(1).to(tl.int64)
@@ -321,11 +269,10 @@ def _fsb_search_kernel(
     q_row = q_ptr + (hq * T + i) * D
     found_all = _search_forest(n_all, base_ptr, 1, q, q_row, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr, e_ptr,
                                cell_ptr, scale, radius_weight, two_cell, D, N, trace_idx_ptr, trace_key_ptr, tracing,
-                               BLOCK_D, DC, W, WP, TRACE, pair_ptr, stats_ptr, PAIRS, SUM_ONCE)  # fmt: skip
+                               BLOCK_D, DC, W, WP, TRACE)  # fmt: skip
     found_high = _search_forest(n_high, base_ptr + HB, 1, q, q_row, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr,
                                 e_ptr, cell_ptr, scale, radius_weight, two_cell, D, N, trace_idx_ptr + TRACE_LEVELS * W,
-                                trace_key_ptr + TRACE_LEVELS * W, tracing, BLOCK_D, DC, W, WP, TRACE, pair_ptr,
-                                stats_ptr, PAIRS, SUM_ONCE)  # fmt: skip
+                                trace_key_ptr + TRACE_LEVELS * W, tracing, BLOCK_D, DC, W, WP, TRACE)  # fmt: skip
     if FOUND:
         slots = tl.arange(0, WP)
         tl.store(found_ptr + i * stride_ft + hq * stride_fh + slots, found_all, mask=slots < W)
@@ -461,12 +408,12 @@ def _fsb_decode_search_kernel(
         n_all = (pos_i // QBLOCK) * (QBLOCK // CELL)
         found = _search_forest(n_all, base_a_ptr, 0, q, q_row, qnorm, pos, sig, lm, plane * Na, mu_a_ptr, rad_a_ptr,
                                a_a_ptr, e_a_ptr, cell_a_ptr, scale, radius_weight, two_cell, D, Na, found_ptr, found_ptr,
-                               no_trace, BLOCK_D, BLOCK_D, W, WP, False, mu_a_ptr, rad_a_ptr, False)  # fmt: skip
+                               no_trace, BLOCK_D, BLOCK_D, W, WP, False)  # fmt: skip
     else:
         n_high = tl.load(n_high_ptr + plane)
         found = _search_forest(n_high, base_h_ptr, 0, q, q_row, qnorm, pos, sig, lm, plane * Nh, mu_h_ptr, rad_h_ptr,
                                a_h_ptr, e_h_ptr, cell_h_ptr, scale, radius_weight, two_cell, D, Nh, found_ptr, found_ptr,
-                               no_trace, BLOCK_D, BLOCK_D, W, WP, False, mu_h_ptr, rad_h_ptr, False)  # fmt: skip
+                               no_trace, BLOCK_D, BLOCK_D, W, WP, False)  # fmt: skip
     tl.store(found_ptr + (bh * 2 + forest) * WP + tl.arange(0, WP), found)
 
 
@@ -589,47 +536,6 @@ SEARCH_DIM_CHUNK = 16
 SEARCH_MAXNREG = 72
 
 
-# where the prefill search reads the children's node rows (`search_layout`): "pairs" (since s44): a copy of the
-# table per row (`search_tables`) where a node's two children share one 128-byte line per 16-dim chunk and
-# rad / A / e one 16-byte load; "rows": the table itself (three scalar loads and two lines a child pair a chunk).
-# s44 Nsight Compute at 256k on an H100 (rows): the L1 data pipe 92 % busy with load / shuffle wavefronts.
-SEARCH_LAYOUT_ENV = "FREESOLO_TRITON_FSB_SEARCH_LAYOUT"
-SEARCH_LAYOUT_DEFAULT = "pairs"
-
-
-# the pair search's q . mu: False: summed across a row's lanes per chunk (the row layout's order: bitwise the same
-# keys); True: the chunks' products summed inside each lane first, one sum across the lanes (`_node_keys` SUM_ONCE)
-SEARCH_SUM_ONCE = False
-
-
-def search_layout() -> str:
-    """The prefill search's node layout: SEARCH_LAYOUT_ENV if set ("pairs" / "rows"), else SEARCH_LAYOUT_DEFAULT."""
-    mode = os.environ.get(SEARCH_LAYOUT_ENV, "").strip() or SEARCH_LAYOUT_DEFAULT
-    if mode not in ("pairs", "rows"):
-        raise ValueError(f"{SEARCH_LAYOUT_ENV}={mode!r} must be 'pairs' or 'rows'")
-    return mode
-
-
-def search_tables(mu: torch.Tensor, rad: torch.Tensor, amax: torch.Tensor, e: torch.Tensor, dc: int) -> tuple:
-    """The pair layout of one row's node tables for the prefill search (`_node_keys` with PAIRS).
-
-    Args:
-        mu: fp32 [Hkv, N, D]; rad, amax: fp32 [Hkv, N]; e: int64 [Hkv, N]; dc: dims per chunk.
-    Returns:
-        pairs: fp32 [Hkv, NCH, N, 2, dc] (NCH = cdiv(D, dc)): pairs[h, c, r, b] = mu[h, r + b, c*dc : (c+1)*dc]
-            (zeros past row N - 1 and dim D - 1);
-        stats: fp32 [Hkv, N, 4] = (rad, amax, e as float32, 0) (e rounded to float32 as the row search rounds it).
-    """
-    Hkv, N, D = mu.shape
-    nch = -(-D // dc)
-    padded = torch.zeros(Hkv, N + 1, nch * dc, dtype=torch.float32, device=mu.device)
-    padded[:, :N, :D] = mu
-    chunks = padded.view(Hkv, N + 1, nch, dc).permute(0, 2, 1, 3)  # [Hkv, NCH, N + 1, dc]
-    pairs = torch.stack((chunks[:, :, :N], chunks[:, :, 1:]), dim=3).contiguous()  # [Hkv, NCH, N, 2, dc]
-    stats = torch.stack((rad, amax, e.to(torch.float32), torch.zeros_like(rad)), dim=-1).contiguous()
-    return pairs, stats
-
-
 def search_dim_chunk(block_d: int) -> int:
     """Dims of D the one-query prefill search (`_node_keys`) loads per step: SEARCH_DIM_CHUNK
     (a power of two) capped at block_d, or block_d when unset."""
@@ -707,7 +613,6 @@ def _run(q, k, cfg: FreeSoloConfig, return_found: bool, num_warps: int, trace, r
     # without a rerank the beams are stored there too (else the compiler drops the unused search)
     keep = tiled or not rerank
     beams = torch.empty(T, Hq, W2, dtype=torch.int32, device=q.device) if keep else None
-    dc = search_dim_chunk(next_pow2(D))
     rows = range(B) if trace is None else [trace[0]]
     for b in rows:  # one row at a time: its tables are built from its own keys (L12)
         tables, high_prefix = row_forests(k_rows[b : b + 1], cfg)
@@ -716,20 +621,16 @@ def _run(q, k, cfg: FreeSoloConfig, return_found: bool, num_warps: int, trace, r
             raise ValueError(f"FS-B search: {N} nodes per kv head's table, the int32 frontier indexes at most {MAX_TABLE_NODES}")
         found_b = beams if keep else found[b]
         stride_ft, stride_fh = (Hq * W2, W2) if keep else (W2, T * W2)
-        mu, rad, amax, e = (t[0].contiguous() for t in (tables.mu, tables.rad, tables.A, tables.e))
-        pairs = search_layout() == "pairs"
-        pair_table, stats = search_tables(mu, rad, amax, e, dc) if pairs else (mu, rad)
         launch(_fsb_search_kernel, (T, Hq),
-            q4[b], k_rows[b], mu, rad, amax, e, tables.cell[0].contiguous(), pair_table, stats, tables.base.contiguous(),
-            high_prefix[0].contiguous(),
+            q4[b], k_rows[b], tables.mu[0].contiguous(), tables.rad[0].contiguous(), tables.A[0].contiguous(),
+            tables.e[0].contiguous(), tables.cell[0].contiguous(), tables.base.contiguous(), high_prefix[0].contiguous(),
             sigma, lam, out[b], found_b, trace_idx, trace_key,
             -1 if trace is None else trace[1], -1 if trace is None else trace[2], stride_ft, stride_fh,
             T, max(N, 1), high_prefix.shape[-1], tables.base.shape[1], G,
             float(D**-0.5), float(cfg.radius_weight), float(2 * cfg.cell), D,
-            BLOCK_D=next_pow2(D), DC=dc, CELL=cfg.cell, QBLOCK=cfg.block, W=cfg.beam,
+            BLOCK_D=next_pow2(D), DC=search_dim_chunk(next_pow2(D)), CELL=cfg.cell, QBLOCK=cfg.block, W=cfg.beam,
             WP=WP, K=K, KP=next_pow2(K), FOUND=return_found or keep, TRACE=trace is not None,
-            TRACE_LEVELS=TRACE_LEVELS, RERANK=rerank and not tiled, PAIRS=pairs, SUM_ONCE=pairs and SEARCH_SUM_ONCE,
-            num_warps=num_warps,
+            TRACE_LEVELS=TRACE_LEVELS, RERANK=rerank and not tiled, num_warps=num_warps,
             **({} if SEARCH_MAXNREG is None else {"maxnreg": SEARCH_MAXNREG}),
         )  # fmt: skip
         if tiled:
