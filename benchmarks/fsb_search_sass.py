@@ -33,7 +33,7 @@ __all__ = ["main"]
 
 POINTERS = {"q_ptr": "*fp32", "k_ptr": "*bf16", "mu_ptr": "*fp32", "rad_ptr": "*fp32", "a_ptr": "*fp32", "e_ptr": "*i64",
             "cell_ptr": "*i64", "base_ptr": "*i64", "hp_ptr": "*i64", "sigma_ptr": "*fp32", "lam_ptr": "*fp32",
-            "out_ptr": "*i64", "found_ptr": "*i32", "trace_idx_ptr": "*i64", "trace_key_ptr": "*fp32", "list_ptr": "*i64"}  # fmt: skip
+            "out_ptr": "*i64", "found_ptr": "*i32", "trace_idx_ptr": "*i64", "trace_key_ptr": "*fp32"}  # fmt: skip
 CONSTANTS = dict(BLOCK_D=64, CELL=32, QBLOCK=128, W=16, WP=16, K=4, KP=4, FOUND=True, TRACE=False, TRACE_LEVELS=32, RERANK=False)
 
 

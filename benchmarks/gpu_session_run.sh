@@ -309,7 +309,7 @@
 #                (select_rows must equal select bit for bit; *_sum1: SEARCH_SUM_ONCE), then triton_fsb / triton_fs
 #                forward at 1M
 #   s44_tests    the FS-B search CUDA tests (the pair layout's bitwise test among them)
-#   s44_tile     issue 12: the tile search (`fsb_tile_search`, default) against the one-query search
+#   s44_tile     (ran at 63a067a, branch s44-tile-search: main has no tile search) issue 12: the tile search (`fsb_tile_search`, default) against the one-query search
 #                (FREESOLO_TRITON_FSB_SEARCH_MODE=query), same process, search / select at 256k and 1M, then the FS-B
 #                search CUDA tests (tile vs one-query near-ties among them)
 #   s43_gqa_fs   issue 10: re-measure of the GQA-Hq32-Hkv8-D128 FS forward (s43 call2: 49.5 ms at 64k against 34.7

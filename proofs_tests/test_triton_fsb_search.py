@@ -312,69 +312,6 @@ def test_cuda_dim_chunks_differ_at_near_ties_only(monkeypatch):
     assert not wide, f"the chunked search differs at entries with wide float64 margins: {wide[:4]}"
 
 
-@pytest.mark.parametrize(
-    "seed, T, Hq, Hkv, D, tile_q, union, chunk, kw",
-    [
-        (0, 47, 2, 1, 16, 8, 16, 16, dict(beam=3, leaf_order="content", radius_weight=1.0)),
-        (1, 70, 4, 2, 12, 4, 8, 16, dict(beam=5, leaf_order="position", radius_weight=0.5, sigma=2.0, lam=0.5)),
-        (2, 61, 2, 2, 8, 8, 4, 16, dict(beam=2, leaf_order="content", radius_weight=0.0, top_k=2)),  # unions overflow
-    ],
-)
-def test_tile_search_equals_one_query_search(monkeypatch, seed, T, Hq, Hkv, D, tile_q, union, chunk, kw):
-    """The tile search (`fsb_tile_search`, the default) == the one-query kernel's beams and selection, and
-    the torch search's beams; tiles of tile_q queries, unions of `union` nodes (case 3: too small, so tiles
-    overflow and their queries go to the one-query kernel), T not a multiple of the tile."""
-    from freesolo.backends.triton import fsb_search, fsb_tile_search
-
-    monkeypatch.setattr(fsb_tile_search, "TILE_Q", tile_q)
-    monkeypatch.setattr(fsb_tile_search, "UNION", union)
-    monkeypatch.setattr(fsb_tile_search, "CHUNK", chunk)
-    listed = []
-    overflow_queries = fsb_search._overflow_queries
-    monkeypatch.setattr(fsb_search, "_overflow_queries", lambda *a: listed.append(overflow_queries(*a)) or listed[-1])
-    rng = np.random.default_rng(seed)
-    q, k = rng.standard_normal((1, T, Hq, D)), rng.standard_normal((1, T, Hkv, D))
-    cfg = _cfg(k, **kw)
-    qt, kt = _tensors(q, k)
-    out = {}
-    for mode in ("tile", "query"):
-        monkeypatch.setenv(fsb_search.SEARCH_MODE_ENV, mode)
-        assert fsb_search.search_mode() == mode
-        out[mode] = fsb_select_cells(qt, kt, cfg, return_found=True)
-    assert len(listed) == 1, "the tile search ran once (one row)"
-    assert (listed[0].shape[0] > 0) == (union < 8), f"overflowed queries: {listed[0].shape[0]}"
-    assert (out["query"][1] >= 0).any(), "the beams found nothing: the test would not bite"
-    for a, b in zip(out["tile"], out["query"]):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
-    torch.testing.assert_close(out["tile"][1].cpu(), torch_beams(qt.cpu(), kt.cpu(), cfg), rtol=0, atol=0)
-    monkeypatch.setenv(fsb_search.SEARCH_MODE_ENV, "tiles")
-    with pytest.raises(ValueError, match="must be 'tile' or 'query'"):
-        fsb_search.search_mode()
-
-
-@CUDA_ONLY
-def test_cuda_tile_search_differs_at_near_ties_only(monkeypatch):
-    """Paper config, T = 16384, GQA 4, bf16: the tile search's beams and selection equal the one-query
-    search's except at float32 near-ties (its dot sums in another order, on tensor cores in tf32x3)."""
-    from freesolo.backends.triton import fsb_search
-
-    torch.manual_seed(4)
-    T, Hq, Hkv, D = 16384, 8, 2, 64
-    q = torch.randn(1, T, Hq, D, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(1, T, Hkv, D, device="cuda", dtype=torch.bfloat16)
-    cfg = FreeSoloConfig(variant="fsb", tau=float(D**0.5) * 1.4)
-    monkeypatch.setenv(fsb_search.SEARCH_MODE_ENV, "query")
-    ref, ref_found = fsb_select_cells(q, k, cfg, return_found=True)
-    monkeypatch.setenv(fsb_search.SEARCH_MODE_ENV, "tile")
-    idx, found = fsb_select_cells(q, k, cfg, return_found=True)
-    assert (idx[:, cfg.block :] >= 0).all(), "every query past the first block selects top_k cells"
-    differ = (idx != ref).any(-1) | (found.sort(-1).values != ref_found.sort(-1).values).any(-1)
-    assert differ.float().mean().item() <= 0.002, f"{differ.float().mean().item():.4%} of the beams or selections differ"
-    entries = [tuple(int(x) for x in e) for e in differ.nonzero()[:64].tolist()]
-    wide = [r for r in near_tie_audit(q, k, cfg, entries) if r["margin"] > 1e-3]
-    assert not wide, f"the tile search differs at entries with wide float64 margins: {wide[:4]}"
-
-
 def test_rerank_mode_refuses_unknown(monkeypatch):
     from freesolo.backends.triton import fsb_search
 
@@ -515,23 +452,18 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from freesolo.backends.triton import fsb_search as fs
-from freesolo.backends.triton import fsb_tile_search as ts
 
-def compile_sm90(kernel, pointers, constants, floats=("scale", "radius_weight", "two_cell"), num_warps=1):
+def compile_sm90(kernel, pointers, constants, floats=("scale", "radius_weight", "two_cell")):
     names = kernel.arg_names
     if names.index("D") not in kernel.constexprs:  # D a runtime int: its value is not compiled in
         constants = {k: v for k, v in constants.items() if k != "D"}
     signature = {n: pointers.get(n) or ("constexpr" if n in constants else "fp32" if n in floats else "i32") for n in names}
     source = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(k),): v for k, v in constants.items()})
-    options = {"num_warps": num_warps, **({"maxnreg": 72} if num_warps == 1 else {})}
-    triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, "maxnreg": 72})
 
 table = {"mu_ptr": "*fp32", "rad_ptr": "*fp32", "a_ptr": "*fp32", "e_ptr": "*i64", "cell_ptr": "*i64"}
 prefill = {"q_ptr": "*fp32", "k_ptr": "*bf16", **table, "base_ptr": "*i64", "hp_ptr": "*i64", "sigma_ptr": "*fp32",
-           "lam_ptr": "*fp32", "out_ptr": "*i64", "found_ptr": "*i32", "trace_idx_ptr": "*i64", "trace_key_ptr": "*fp32",
-           "list_ptr": "*i64"}
-tile = {"q_ptr": "*fp32", **table, "base_ptr": "*i64", "hp_ptr": "*i64", "sigma_ptr": "*fp32", "lam_ptr": "*fp32",
-        "found_ptr": "*i32", "overflow_ptr": "*i32"}
+           "lam_ptr": "*fp32", "out_ptr": "*i64", "found_ptr": "*i32", "trace_idx_ptr": "*i64", "trace_key_ptr": "*fp32"}
 decode = {"q_ptr": "*bf16", "pos_ptr": "*i64", "n_high_ptr": "*i64", "sigma_ptr": "*fp32", "lam_ptr": "*fp32",
           "found_ptr": "*i64"}
 for forest in ("a", "h"):
@@ -539,11 +471,9 @@ for forest in ("a", "h"):
 for D, block_d in ((64, 64), (48, 64)):
     for ones in ({}, {"G": 1}):  # Triton makes an int argument equal to 1 a constexpr (MHA: G = 1)
         base = dict(D=D, BLOCK_D=block_d, CELL=32, QBLOCK=128, W=16, WP=16, **ones)
-        for trace, listed in ((False, False), (True, False), (False, True)):
+        for trace in (False, True):
             compile_sm90(fs._fsb_search_kernel, prefill, dict(base, DC=16, K=4, KP=4, FOUND=True, TRACE=trace,
-                                                              TRACE_LEVELS=fs.TRACE_LEVELS, RERANK=not trace, LISTED=listed))
-        compile_sm90(ts._fsb_tile_search_kernel, tile, dict(base, TQ=ts.TILE_Q, UP=ts.UNION, CH=ts.CHUNK,
-                                                             DOT_PRECISION="tf32x3"), num_warps=fs.TILE_WARPS)
+                                                              TRACE_LEVELS=fs.TRACE_LEVELS, RERANK=not trace))
         compile_sm90(fs._fsb_decode_search_kernel, decode, dict(base, **({"Hkv": 1} if ones else {})))
 print("compiled")
 """

@@ -227,7 +227,6 @@ def _fsb_search_kernel(
     found_ptr,  # int [T, Hq, 2 W] at strides (stride_ft, stride_fh, 1) (written when FOUND): each forest's beam, slot = rank
     trace_idx_ptr,  # int64 [2, TRACE_LEVELS, W] (written when TRACE, by program (trace_i, trace_h))
     trace_key_ptr,  # fp32 [2, TRACE_LEVELS, W]
-    list_ptr,  # int64 [L, 2] (query, query head) pairs to search (LISTED: program k searches pair k; else unused)
     trace_i,
     trace_h,
     stride_ft,
@@ -253,15 +252,9 @@ def _fsb_search_kernel(
     TRACE: tl.constexpr,
     TRACE_LEVELS: tl.constexpr,
     RERANK: tl.constexpr = True,
-    LISTED: tl.constexpr = False,
 ):
-    if LISTED:  # the queries of the tiles whose union outgrew the tile search (`fsb_tile_search`)
-        pid = tl.program_id(0).to(tl.int64)
-        i = tl.load(list_ptr + 2 * pid)
-        hq = tl.load(list_ptr + 2 * pid + 1)
-    else:
-        i = tl.program_id(0).to(tl.int64)
-        hq = tl.program_id(1).to(tl.int64)
+    i = tl.program_id(0).to(tl.int64)
+    hq = tl.program_id(1).to(tl.int64)
     tracing = (i == trace_i) & (hq == trace_h)
     h = hq // G
     d = tl.arange(0, BLOCK_D)
@@ -543,21 +536,6 @@ SEARCH_DIM_CHUNK = 16
 SEARCH_MAXNREG = 72
 
 
-SEARCH_MODE_ENV = "FREESOLO_TRITON_FSB_SEARCH_MODE"  # "tile": `fsb_tile_search` (tiles of TILE_Q queries); "query": one query a program
-SEARCH_MODE_DEFAULT = "tile"
-TILE_WARPS = 4  # warps a program of the tile search
-
-
-def search_mode() -> str:
-    """The prefill search: SEARCH_MODE_ENV if set ("tile" / "query"), else SEARCH_MODE_DEFAULT. The tile search
-    serves the prefill's tile rerank and the search alone (`_run(..., rerank=False)`); a trace or the per-query
-    rerank runs the one-query kernel."""
-    mode = os.environ.get(SEARCH_MODE_ENV, "").strip() or SEARCH_MODE_DEFAULT
-    if mode not in ("tile", "query"):
-        raise ValueError(f"{SEARCH_MODE_ENV}={mode!r} must be 'tile' or 'query'")
-    return mode
-
-
 def search_dim_chunk(block_d: int) -> int:
     """Dims of D the one-query prefill search (`_node_keys`) loads per step: SEARCH_DIM_CHUNK
     (a power of two) capped at block_d, or block_d when unset."""
@@ -603,7 +581,6 @@ def _run(q, k, cfg: FreeSoloConfig, return_found: bool, num_warps: int, trace, r
     """fsb_select_cells / trace_search. rerank=False (a timing aid: the search alone) leaves the
     selection -1 and skips the rerank's loads."""
     from .attention import tile_unions
-    from .fsb_tile_search import CHUNK, TILE_Q, UNION, _fsb_tile_search_kernel
 
     _check(q, k, cfg)
     B, T, Hq, D = q.shape
@@ -644,53 +621,23 @@ def _run(q, k, cfg: FreeSoloConfig, return_found: bool, num_warps: int, trace, r
             raise ValueError(f"FS-B search: {N} nodes per kv head's table, the int32 frontier indexes at most {MAX_TABLE_NODES}")
         found_b = beams if keep else found[b]
         stride_ft, stride_fh = (Hq * W2, W2) if keep else (W2, T * W2)
-        mu, rad, amax, e, cell = (t[0].contiguous() for t in (tables.mu, tables.rad, tables.A, tables.e, tables.cell))
-        base, hp = tables.base.contiguous(), high_prefix[0].contiguous()
-        grid, listed, listed_mode = (T, Hq), trace_idx, False
-        if keep and trace is None and search_mode() == "tile" and cfg.block % TILE_Q == 0:
-            # the tile search (`fsb_tile_search`) writes the beams; the one-query kernel below then searches
-            # only the queries of tiles whose union outgrew it (a host sync for their count)
-            NT = -(-T // TILE_Q)
-            overflow = torch.empty(NT, Hq, dtype=torch.int32, device=q.device)
-            launch(_fsb_tile_search_kernel, (NT, Hq),
-                q4[b], mu, rad, amax, e, cell, base, hp, sigma, lam, beams, overflow,
-                T, max(N, 1), high_prefix.shape[-1], tables.base.shape[1], G, Hq,
-                float(D**-0.5), float(cfg.radius_weight), float(2 * cfg.cell), D,
-                BLOCK_D=max(16, next_pow2(D)), CELL=cfg.cell, QBLOCK=cfg.block, TQ=TILE_Q, W=cfg.beam, WP=WP, UP=UNION,
-                CH=CHUNK, DOT_PRECISION="tf32x3" if q.is_cuda else "ieee", num_warps=TILE_WARPS,
-            )  # fmt: skip
-            listed, listed_mode = _overflow_queries(overflow, T, TILE_Q), True
-            grid = (listed.shape[0], 1)
-        if grid[0] > 0:
-            launch(_fsb_search_kernel, grid,
-                q4[b], k_rows[b], mu, rad, amax, e, cell, base, hp,
-                sigma, lam, out[b], found_b, trace_idx, trace_key, listed,
-                -1 if trace is None else trace[1], -1 if trace is None else trace[2], stride_ft, stride_fh,
-                T, max(N, 1), high_prefix.shape[-1], tables.base.shape[1], G,
-                float(D**-0.5), float(cfg.radius_weight), float(2 * cfg.cell), D,
-                BLOCK_D=next_pow2(D), DC=search_dim_chunk(next_pow2(D)), CELL=cfg.cell, QBLOCK=cfg.block, W=cfg.beam,
-                WP=WP, K=K, KP=next_pow2(K), FOUND=return_found or keep, TRACE=trace is not None,
-                TRACE_LEVELS=TRACE_LEVELS, RERANK=rerank and not tiled, LISTED=listed_mode,
-                num_warps=num_warps, **({} if SEARCH_MAXNREG is None else {"maxnreg": SEARCH_MAXNREG}),
-            )  # fmt: skip
+        launch(_fsb_search_kernel, (T, Hq),
+            q4[b], k_rows[b], tables.mu[0].contiguous(), tables.rad[0].contiguous(), tables.A[0].contiguous(),
+            tables.e[0].contiguous(), tables.cell[0].contiguous(), tables.base.contiguous(), high_prefix[0].contiguous(),
+            sigma, lam, out[b], found_b, trace_idx, trace_key,
+            -1 if trace is None else trace[1], -1 if trace is None else trace[2], stride_ft, stride_fh,
+            T, max(N, 1), high_prefix.shape[-1], tables.base.shape[1], G,
+            float(D**-0.5), float(cfg.radius_weight), float(2 * cfg.cell), D,
+            BLOCK_D=next_pow2(D), DC=search_dim_chunk(next_pow2(D)), CELL=cfg.cell, QBLOCK=cfg.block, W=cfg.beam,
+            WP=WP, K=K, KP=next_pow2(K), FOUND=return_found or keep, TRACE=trace is not None,
+            TRACE_LEVELS=TRACE_LEVELS, RERANK=rerank and not tiled, num_warps=num_warps,
+            **({} if SEARCH_MAXNREG is None else {"maxnreg": SEARCH_MAXNREG}),
+        )  # fmt: skip
         if tiled:
             _rerank_tiles(q4[b], k_rows[b], beams, out[b], cfg, G, q.dtype, tile_unions)
         if keep and return_found:
             found[b] = beams.permute(1, 0, 2)
     return result()
-
-
-def _overflow_queries(overflow: torch.Tensor, T: int, tile_q: int) -> torch.Tensor:
-    """The (query, query head) pairs of the tiles of tile_q queries flagged in overflow int32 [NT, Hq]:
-    int64 [L, 2] (queries < T), the list the one-query kernel searches with LISTED."""
-    tiles = overflow.nonzero()  # [L_tiles, 2] (tile, hq): a host sync
-    if tiles.shape[0] == 0:
-        return tiles
-    offsets = torch.arange(tile_q, device=overflow.device)
-    i = (tiles[:, :1] * tile_q + offsets[None, :]).reshape(-1)
-    hq = tiles[:, 1:].expand(-1, tile_q).reshape(-1)
-    keep = i < T
-    return torch.stack((i[keep], hq[keep]), dim=1).contiguous()
 
 
 def _rerank_tiles(q_row, k_row, beams, out_row, cfg: FreeSoloConfig, G: int, q_dtype, tile_unions) -> None:
