@@ -312,6 +312,9 @@
 #   s44_tile     (ran at 63a067a, branch s44-tile-search: main has no tile search) issue 12: the tile search (`fsb_tile_search`, default) against the one-query search
 #                (FREESOLO_TRITON_FSB_SEARCH_MODE=query), same process, search / select at 256k and 1M, then the FS-B
 #                search CUDA tests (tile vs one-query near-ties among them)
+#   s44_inter    issue 12: the two forests' levels interleaved in the one-query search (`_search_two_forests`,
+#                SEARCH_INTERLEAVE, default) against one after the other, same process: search / select at 256k and 1M
+#                (select_seq must equal select bit for bit), then the FS-B search CUDA tests
 #   s43_gqa_fs   issue 10: re-measure of the GQA-Hq32-Hkv8-D128 FS forward (s43 call2: 49.5 ms at 64k against 34.7
 #                at 128k): per-kernel profile at 64k / 128k, then triton_fs / SDPA at 32k / 64k / 96k / 128k, rep 300 ms
 #   s42_same / s42_time / s42_tests   issue 12, branch s42-search-trims (int32 row offsets in a kv head's table, D a
@@ -497,6 +500,7 @@ step s41c_tests 240 python3 -m pytest -v -n ${NPROC:-16} -p no:benchmark --durat
 step s41c_fsb 300 bash -c "python3 benchmarks/fsb_forest_phases.py --lengths 262144 1048576 --out $W/fsb_forest_phases.json; python3 benchmarks/fsb_prefill_split.py --lengths 65536 262144 1048576 --providers forests forests_torch search select select_forests_torch --out $W/fsb_prefill_s41.json; python3 benchmarks/gpu_attention.py --providers triton_fsb triton_fs --shapes H16-D64 --modes fwd --lengths 262144 1048576 --budget-s 140 --out $W --tag _fsb_s41"
 step s41d_probe 150 bash -c "python3 benchmarks/fsb_dimchunk_probe.py; FREESOLO_TRITON_FSB_FORESTS=torch python3 benchmarks/fsb_dimchunk_probe.py"
 step s41e_tests 200 python3 -m pytest -v -n ${NPROC:-16} -p no:benchmark --durations=20 proofs_tests/test_triton_fsb_forests.py proofs_tests/test_triton_fsb_search.py proofs_tests/test_triton_decode.py proofs_tests/test_cache_gpu.py proofs_tests/test_models.py -k "(cuda or gpu or fsb or forests) and not cpu"
+step s44_inter 330 bash -c "python3 benchmarks/fsb_prefill_split.py --lengths 262144 1048576 --providers search search_seq select select_seq --rep 50 --audit 0 --out $W/fsb_prefill_s44_inter.json; python3 -m pytest -q -n ${NPROC:-16} -p no:benchmark proofs_tests/test_triton_fsb_search.py -k 'cuda or gpu'"
 step s44_tile 330 bash -c "python3 benchmarks/fsb_prefill_split.py --lengths 262144 1048576 --providers search search_query select select_query --rep 50 --audit 4 --out $W/fsb_prefill_s44_tile.json; python3 -m pytest -q -n ${NPROC:-16} -p no:benchmark proofs_tests/test_triton_fsb_search.py -k 'cuda or gpu'"
 step s44_time 300 bash -c "python3 benchmarks/fsb_prefill_split.py --lengths 262144 1048576 --providers search search_rows search_sum1 select select_rows select_sum1 --rep 50 --audit 0 --out $W/fsb_prefill_s44.json; python3 benchmarks/gpu_attention.py --providers triton_fsb triton_fs --shapes H16-D64 --modes fwd --lengths 1048576 --budget-s 100 --out $W --tag _fsb_s44"
 step s44_tests 200 python3 -m pytest -q -n ${NPROC:-16} -p no:benchmark --durations=10 proofs_tests/test_triton_fsb_search.py -k "cuda or gpu or pair"
