@@ -14,9 +14,6 @@ Per length (B 1, H 16 MHA, D 64, bf16, the default FS-B config, tau = median a_c
               N dims at a time (`fsb_search.SEARCH_DIM_CHUNK`)
   search_mrN / select_mrN (--maxnregs N ...) search / select with the search launched at maxnreg N
               (`fsb_search.SEARCH_MAXNREG`)
-  search_seq / select_seq   search / select with the two forests searched one after the other
-              (fsb_search.SEARCH_INTERLEAVE False, the search before s44) against the default interleaved levels;
-              select_seq must equal select bit for bit
   unions      the tile rerank's `tile_unions` alone (on the search's beams, computed beforehand)
   tile_only   the tile rerank's kernel alone (unions computed beforehand), at the default tile; with
               --tile-shapes ROWSxCELLS ..., also providers tile_ROWSxCELLS (queries per tile, union
@@ -54,7 +51,7 @@ __all__ = ["main"]
 
 SHAPE = {"B": 1, "Hq": 16, "Hkv": 16, "D": 64}
 PROVIDERS = ("forests", "forests_torch", "search", "select", "select_forests_torch", "select_k32", "select_tile", "unions",
-             "tile_only", "search_seq", "select_seq")  # fmt: skip
+             "tile_only")  # fmt: skip
 
 
 def _forests(q, k, cfg):
@@ -147,8 +144,6 @@ def main(argv=None) -> int:
         "select_tile": _select_tile,
         "forests_torch": functools.partial(_with_env, fsb_search.FORESTS_ENV, "torch", _forests),
         "select_forests_torch": functools.partial(_with_env, fsb_search.FORESTS_ENV, "torch", fsb_search.fsb_select_cells),
-        "search_seq": functools.partial(_with_search_setting, "SEARCH_INTERLEAVE", False, _search),
-        "select_seq": functools.partial(_with_search_setting, "SEARCH_INTERLEAVE", False, fsb_search.fsb_select_cells),
     }
     results = []
     t_start = time.perf_counter()
@@ -183,7 +178,7 @@ def main(argv=None) -> int:
             ms = bench_ms(call, device, args.rep)
             results.append({"T": T, "provider": name, "ms": ms})
             line.append(f"{name} {ms:9.2f} ms")
-        for name in ["select_k32", "select_tile", "select_forests_torch", "select_seq"] + [f"tile_{r}x{c}" for r, c in shapes] + [
+        for name in ["select_k32", "select_tile", "select_forests_torch"] + [f"tile_{r}x{c}" for r, c in shapes] + [
             f"select_dc{n}" for n in args.dim_chunks
         ] + [f"select_mr{n}" for n in args.maxnregs]:
             if "select" not in out or name not in out:

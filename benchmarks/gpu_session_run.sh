@@ -312,7 +312,7 @@
 #   s44_tile     (ran at 63a067a, branch s44-tile-search: main has no tile search) issue 12: the tile search (`fsb_tile_search`, default) against the one-query search
 #                (FREESOLO_TRITON_FSB_SEARCH_MODE=query), same process, search / select at 256k and 1M, then the FS-B
 #                search CUDA tests (tile vs one-query near-ties among them)
-#   s44_inter    issue 12: the two forests' levels interleaved in the one-query search (`_search_two_forests`,
+#   s44_inter    (ran at 2d07f53, branch s44-interleave: main searches the forests one after the other) issue 12: the two forests' levels interleaved in the one-query search (`_search_two_forests`,
 #                SEARCH_INTERLEAVE, default) against one after the other, same process: search / select at 256k and 1M
 #                (select_seq must equal select bit for bit), then the FS-B search CUDA tests
 #   s43_gqa_fs   issue 10: re-measure of the GQA-Hq32-Hkv8-D128 FS forward (s43 call2: 49.5 ms at 64k against 34.7

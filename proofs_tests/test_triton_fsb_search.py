@@ -312,45 +312,6 @@ def test_cuda_dim_chunks_differ_at_near_ties_only(monkeypatch):
     assert not wide, f"the chunked search differs at entries with wide float64 margins: {wide[:4]}"
 
 
-@pytest.mark.parametrize("interleave", [True, False])
-def test_interleaved_forests_equal_sequential_bitwise(monkeypatch, interleave):
-    """SEARCH_INTERLEAVE (the default: both forests' levels in one loop, `_search_two_forests`) and the
-    forests one after the other give the same beams and selection bit for bit, and the torch search's
-    beams; T 70 puts the two forests at different heights (one forest's levels end first)."""
-    from freesolo.backends.triton import fsb_search
-
-    rng = np.random.default_rng(7)
-    q, k = rng.standard_normal((1, 70, 4, 8)), rng.standard_normal((1, 70, 2, 8))
-    cfg = _cfg(k, beam=3, leaf_order="content", radius_weight=1.0)
-    qt, kt = _tensors(q, k)
-    monkeypatch.setattr(fsb_search, "SEARCH_INTERLEAVE", interleave)
-    idx, found = fsb_select_cells(qt, kt, cfg, return_found=True)
-    assert (found >= 0).any(), "the beams found nothing: the test would not bite"
-    torch.testing.assert_close(found.cpu(), torch_beams(qt.cpu(), kt.cpu(), cfg), rtol=0, atol=0)
-    monkeypatch.setattr(fsb_search, "SEARCH_INTERLEAVE", not interleave)
-    idx2, found2 = fsb_select_cells(qt, kt, cfg, return_found=True)
-    assert torch.equal(idx, idx2) and torch.equal(found, found2)
-
-
-@CUDA_ONLY
-def test_cuda_interleaved_forests_equal_sequential_bitwise(monkeypatch):
-    """Paper config, T = 16384, GQA 4, bf16: the interleaved search's beams and selection == the sequential
-    one's, bit for bit (the same arithmetic per forest)."""
-    from freesolo.backends.triton import fsb_search
-
-    torch.manual_seed(5)
-    T, Hq, Hkv, D = 16384, 8, 2, 64
-    q = torch.randn(1, T, Hq, D, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(1, T, Hkv, D, device="cuda", dtype=torch.bfloat16)
-    cfg = FreeSoloConfig(variant="fsb", tau=float(D**0.5) * 1.4)
-    out = {}
-    for interleave in (True, False):
-        monkeypatch.setattr(fsb_search, "SEARCH_INTERLEAVE", interleave)
-        out[interleave] = fsb_select_cells(q, k, cfg, return_found=True)
-    assert (out[True][0][:, cfg.block :] >= 0).all()
-    assert torch.equal(out[True][0], out[False][0]) and torch.equal(out[True][1], out[False][1])
-
-
 def test_rerank_mode_refuses_unknown(monkeypatch):
     from freesolo.backends.triton import fsb_search
 
@@ -512,8 +473,7 @@ for D, block_d in ((64, 64), (48, 64)):
         base = dict(D=D, BLOCK_D=block_d, CELL=32, QBLOCK=128, W=16, WP=16, **ones)
         for trace in (False, True):
             compile_sm90(fs._fsb_search_kernel, prefill, dict(base, DC=16, K=4, KP=4, FOUND=True, TRACE=trace,
-                                                              TRACE_LEVELS=fs.TRACE_LEVELS, RERANK=not trace,
-                                                              INTERLEAVE=not trace))
+                                                              TRACE_LEVELS=fs.TRACE_LEVELS, RERANK=not trace))
         compile_sm90(fs._fsb_decode_search_kernel, decode, dict(base, **({"Hkv": 1} if ones else {})))
 print("compiled")
 """

@@ -98,76 +98,6 @@ def _node_keys(flat, ok, q, q_row_ptr, qnorm, pos, sig, lm, node0, mu_ptr, rad_p
 
 
 @triton.jit
-def _level_step(p, tk, g, valid, lvl, active, n, base_ptr, seg_scale, q, q_row_ptr, qnorm, pos, sig, lm, node0, mu_ptr,
-                rad_ptr, a_ptr, e_ptr, scale, radius_weight, two_cell, D, N, BLOCK_D: tl.constexpr, DC: tl.constexpr,
-                W: tl.constexpr, WP: tl.constexpr):  # fmt: skip
-    """One level lvl (>= 0 where active) of `_search_forest`: the frontier (p, tk, g, valid: int32 [WP])
-    -> (p, tk, g, valid, the picked keys fp32 [WP], the root's key): the W best of the frontier's
-    children and the root of the tree of height lvl. Not active (a forest whose levels are done):
-    no loads, the frontier unchanged."""
-    slots = tl.arange(0, WP)
-    lane = tl.arange(0, 2 * WP)
-    lvl_c = tl.maximum(lvl, 0)  # (an inactive forest's level may be below 0: its addresses stay in the tables)
-    # the frontier's children, interleaved (slot s -> lanes 2s, 2s+1)
-    first = 2 * p - tk
-    c_p = tl.reshape(tl.join(first, first + 1), [2 * WP])
-    c_tk = tl.reshape(tl.join(tk, tk), [2 * WP])
-    c_g = tl.reshape(tl.join(2 * g, 2 * g + 1), [2 * WP])
-    c_ok = (tl.reshape(tl.join(valid, valid), [2 * WP]) != 0) & active
-    c_key = _node_keys(tl.where(c_ok, c_p, 0), c_ok, q, q_row_ptr, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr,
-                       a_ptr, e_ptr, scale, radius_weight, two_cell, D, N, BLOCK_D, DC)  # fmt: skip
-    # the root of the tree of height lvl (bit lvl of n), as a one-lane tensor
-    one = tl.arange(0, 1)
-    has_root = (((n >> lvl_c) & 1) == 1) & active
-    r_start = ((n >> (lvl_c + 1)) << (lvl_c + 1)).to(tl.int32)
-    r_tb = (tl.load(base_ptr + lvl_c) + (r_start >> lvl_c) * ((2 << lvl_c) - 1) * seg_scale).to(tl.int32)
-    r_tk = r_tb + (2 << lvl_c)
-    r_p = r_tk - 2
-    r_g = r_start >> lvl_c
-    r_ok = (one == 0) & has_root
-    # (one row: its key summed across the lanes from the q in registers, all of D at once; its rows in
-    # chunks cost 67 more SASS instructions a level, 707 against 640 at D 64)
-    r_key = _node_keys(tl.where(r_ok, r_p + one * 0, 0), r_ok, q, q_row_ptr, qnorm, pos, sig, lm, node0, mu_ptr,
-                       rad_ptr, a_ptr, e_ptr, scale, radius_weight, two_cell, D, N, BLOCK_D, BLOCK_D)  # fmt: skip
-    # the new frontier: the W best of the children and the root by (key desc, index in level
-    # asc), a total order (indices in a level are distinct). Each child gets one int64 sort key:
-    # order-preserving key bits (high 32), then GIDX_MAX - index (25 bits), then its lane (7
-    # bits); one descending sort ranks the children, the root is merged in by its rank; a
-    # picked child's index comes back from its sort key, its p and tk by its lane.
-    tl.device_assert((c_g <= GIDX_MAX) | ~c_ok, "FS-B search: index in level past 2^25")
-    c_packed = tl.where(c_ok, _sort_key(c_key, c_g) | lane.to(tl.int64), _INT64_MIN)
-    ranked = tl.sort(c_packed, 0, descending=True)  # [2 * WP]: best child first
-    r_key_s = tl.max(r_key, 0)
-    r_packed = _sort_key(r_key_s, r_g)  # (its lane bits 0: keys differ in their index bits)
-    best = tl.gather(ranked, slots, 0)  # [WP]: the WP best children
-    rank = tl.sum(((best > r_packed) & (slots < W)).to(tl.int32), 0)  # children that beat the root
-    take_root = has_root & (rank < W)
-    is_root = take_root & (slots == rank)
-    pick = tl.gather(ranked, tl.where(take_root & (slots > rank), slots - 1, slots), 0)  # [WP]
-    from_child = (pick != _INT64_MIN) & ~is_root
-    at = (pick & (2 * WP - 1)).to(tl.int32)  # the picked child's lane
-    new_valid = (slots < W) & (is_root | from_child)
-    new_p = tl.where(is_root, r_p, tl.gather(c_p, at, 0))
-    new_tk = tl.where(is_root, r_tk, tl.gather(c_tk, at, 0))
-    new_g = tl.where(is_root, r_g, (((pick >> 7) & GIDX_MAX) ^ GIDX_MAX).to(tl.int32))  # GIDX_MAX - x == x ^ GIDX_MAX
-    k_sel = tl.where(is_root, r_key_s, tl.gather(c_key, at, 0))
-    p = tl.where(active, new_p, p)
-    tk = tl.where(active, new_tk, tk)
-    g = tl.where(active, new_g, g)
-    valid = tl.where(active, new_valid.to(tl.int32), valid)
-    return p, tk, g, valid, k_sel
-
-
-@triton.jit
-def _top_level(n):
-    """floor(log2 n) for n >= 1, -1 for n == 0: no level above it holds a node for n."""
-    top = -1
-    while (n >> (top + 1)) > 0:
-        top += 1
-    return top
-
-
-@triton.jit
 def _search_forest(n, base_ptr, seg_scale, q, q_row_ptr, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr, e_ptr,
                    cell_ptr, scale, radius_weight, two_cell, D, N, trace_idx_ptr, trace_key_ptr, tracing,
                    BLOCK_D: tl.constexpr, DC: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
@@ -188,57 +118,65 @@ def _search_forest(n, base_ptr, seg_scale, q, q_row_ptr, qnorm, pos, sig, lm, no
     (index in level, key) to trace_idx_ptr / trace_key_ptr [levels, W], level t = top - lvl.
     """
     slots = tl.arange(0, WP)
+    lane = tl.arange(0, 2 * WP)
     p = tl.zeros([WP], dtype=tl.int32)  # flat id of the node (relative to node0)
     tk = tl.zeros([WP], dtype=tl.int32)  # its tree's key
     g = tl.zeros([WP], dtype=tl.int32)  # its index in the level across the forest
     valid = tl.zeros([WP], dtype=tl.int32)
-    top = _top_level(n)
+    top = -1
+    while (n >> (top + 1)) > 0:  # top = floor(log2 n): no level above it holds a node for n
+        top += 1
     for t in range(0, top + 1):
         lvl = top - t
-        p, tk, g, valid, k_sel = _level_step(p, tk, g, valid, lvl, lvl >= 0, n, base_ptr, seg_scale, q, q_row_ptr,
-                                             qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr, e_ptr, scale,
-                                             radius_weight, two_cell, D, N, BLOCK_D, DC, W, WP)  # fmt: skip
+        # the frontier's children, interleaved (slot s -> lanes 2s, 2s+1)
+        first = 2 * p - tk
+        c_p = tl.reshape(tl.join(first, first + 1), [2 * WP])
+        c_tk = tl.reshape(tl.join(tk, tk), [2 * WP])
+        c_g = tl.reshape(tl.join(2 * g, 2 * g + 1), [2 * WP])
+        c_ok = tl.reshape(tl.join(valid, valid), [2 * WP]) != 0
+        c_key = _node_keys(tl.where(c_ok, c_p, 0), c_ok, q, q_row_ptr, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr,
+                           a_ptr, e_ptr, scale, radius_weight, two_cell, D, N, BLOCK_D, DC)  # fmt: skip
+        # the root of the tree of height lvl (bit lvl of n), as a one-lane tensor
+        one = tl.arange(0, 1)
+        has_root = ((n >> lvl) & 1) == 1
+        r_start = ((n >> (lvl + 1)) << (lvl + 1)).to(tl.int32)
+        r_tb = (tl.load(base_ptr + lvl) + (r_start >> lvl) * ((2 << lvl) - 1) * seg_scale).to(tl.int32)
+        r_tk = r_tb + (2 << lvl)
+        r_p = r_tk - 2
+        r_g = r_start >> lvl
+        r_ok = (one == 0) & has_root
+        # (one row: its key summed across the lanes from the q in registers, all of D at once; its rows in
+        # chunks cost 67 more SASS instructions a level, 707 against 640 at D 64)
+        r_key = _node_keys(tl.where(r_ok, r_p + one * 0, 0), r_ok, q, q_row_ptr, qnorm, pos, sig, lm, node0, mu_ptr,
+                           rad_ptr, a_ptr, e_ptr, scale, radius_weight, two_cell, D, N, BLOCK_D, BLOCK_D)  # fmt: skip
+        # the new frontier: the W best of the children and the root by (key desc, index in level
+        # asc), a total order (indices in a level are distinct). Each child gets one int64 sort key:
+        # order-preserving key bits (high 32), then GIDX_MAX - index (25 bits), then its lane (7
+        # bits); one descending sort ranks the children, the root is merged in by its rank; a
+        # picked child's index comes back from its sort key, its p and tk by its lane.
+        tl.device_assert((c_g <= GIDX_MAX) | ~c_ok, "FS-B search: index in level past 2^25")
+        c_packed = tl.where(c_ok, _sort_key(c_key, c_g) | lane.to(tl.int64), _INT64_MIN)
+        ranked = tl.sort(c_packed, 0, descending=True)  # [2 * WP]: best child first
+        r_key_s = tl.max(r_key, 0)
+        r_packed = _sort_key(r_key_s, r_g)  # (its lane bits 0: keys differ in their index bits)
+        best = tl.gather(ranked, slots, 0)  # [WP]: the WP best children
+        rank = tl.sum(((best > r_packed) & (slots < W)).to(tl.int32), 0)  # children that beat the root
+        take_root = has_root & (rank < W)
+        is_root = take_root & (slots == rank)
+        pick = tl.gather(ranked, tl.where(take_root & (slots > rank), slots - 1, slots), 0)  # [WP]
+        from_child = (pick != _INT64_MIN) & ~is_root
+        at = (pick & (2 * WP - 1)).to(tl.int32)  # the picked child's lane
+        new_valid = (slots < W) & (is_root | from_child)
+        p = tl.where(is_root, r_p, tl.gather(c_p, at, 0))
+        tk = tl.where(is_root, r_tk, tl.gather(c_tk, at, 0))
+        g = tl.where(is_root, r_g, (((pick >> 7) & GIDX_MAX) ^ GIDX_MAX).to(tl.int32))  # GIDX_MAX - x == x ^ GIDX_MAX
+        valid = new_valid.to(tl.int32)
         if TRACE:
-            tl.store(trace_idx_ptr + t * W + slots, tl.where(valid != 0, g, -1).to(tl.int64), mask=tracing & (slots < W))
-            tl.store(trace_key_ptr + t * W + slots, k_sel, mask=tracing & (valid != 0))
+            k_sel = tl.where(is_root, r_key_s, tl.gather(c_key, at, 0))
+            tl.store(trace_idx_ptr + t * W + slots, tl.where(new_valid, g, -1).to(tl.int64), mask=tracing & (slots < W))
+            tl.store(trace_key_ptr + t * W + slots, k_sel, mask=tracing & new_valid)
     tl.device_assert(((p >= 0) & (p < N)) | (valid == 0), "FS-B search: leaf id out of its table")
     return tl.load(cell_ptr + node0 + tl.where(valid != 0, p, 0), mask=valid != 0, other=-1)
-
-
-@triton.jit
-def _search_two_forests(n_a, base_a_ptr, n_h, base_h_ptr, q, q_row_ptr, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr,
-                        a_ptr, e_ptr, cell_ptr, scale, radius_weight, two_cell, D, N, BLOCK_D: tl.constexpr,
-                        DC: tl.constexpr, W: tl.constexpr, WP: tl.constexpr):  # fmt: skip
-    """`_search_forest` of both forests of a prefill query (seg_scale 1, one table), their levels
-    interleaved: iteration t runs level top - t of each forest whose tallest tree reaches it (top the
-    taller forest's), so the two forests' independent chains of loads, sorts and gathers sit side by
-    side in one loop body for the scheduler to overlap (one query's program has no other work to hide
-    their latency with). Each forest's arithmetic is `_search_forest`'s: the same beams bit for bit.
-    Returns the found cells int64 [WP] of the all-cells forest, then of the high-norm forest."""
-    p_a = tl.zeros([WP], dtype=tl.int32)
-    tk_a = tl.zeros([WP], dtype=tl.int32)
-    g_a = tl.zeros([WP], dtype=tl.int32)
-    valid_a = tl.zeros([WP], dtype=tl.int32)
-    p_h = tl.zeros([WP], dtype=tl.int32)
-    tk_h = tl.zeros([WP], dtype=tl.int32)
-    g_h = tl.zeros([WP], dtype=tl.int32)
-    valid_h = tl.zeros([WP], dtype=tl.int32)
-    top_a = _top_level(n_a)
-    top_h = _top_level(n_h)
-    top = tl.maximum(top_a, top_h)
-    for t in range(0, top + 1):
-        lvl = top - t
-        p_a, tk_a, g_a, valid_a, _ = _level_step(p_a, tk_a, g_a, valid_a, lvl, lvl <= top_a, n_a, base_a_ptr, 1, q,
-                                                 q_row_ptr, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr, e_ptr,
-                                                 scale, radius_weight, two_cell, D, N, BLOCK_D, DC, W, WP)  # fmt: skip
-        p_h, tk_h, g_h, valid_h, _ = _level_step(p_h, tk_h, g_h, valid_h, lvl, lvl <= top_h, n_h, base_h_ptr, 1, q,
-                                                 q_row_ptr, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr, e_ptr,
-                                                 scale, radius_weight, two_cell, D, N, BLOCK_D, DC, W, WP)  # fmt: skip
-    tl.device_assert(((p_a >= 0) & (p_a < N)) | (valid_a == 0), "FS-B search: leaf id out of its table")
-    tl.device_assert(((p_h >= 0) & (p_h < N)) | (valid_h == 0), "FS-B search: leaf id out of its table")
-    found_a = tl.load(cell_ptr + node0 + tl.where(valid_a != 0, p_a, 0), mask=valid_a != 0, other=-1)
-    found_h = tl.load(cell_ptr + node0 + tl.where(valid_h != 0, p_h, 0), mask=valid_h != 0, other=-1)
-    return found_a, found_h
 
 
 @triton.jit
@@ -314,7 +252,6 @@ def _fsb_search_kernel(
     TRACE: tl.constexpr,
     TRACE_LEVELS: tl.constexpr,
     RERANK: tl.constexpr = True,
-    INTERLEAVE: tl.constexpr = False,
 ):
     i = tl.program_id(0).to(tl.int64)
     hq = tl.program_id(1).to(tl.int64)
@@ -330,18 +267,12 @@ def _fsb_search_kernel(
     n_all = (i // QBLOCK) * QBLOCK // CELL  # cells available to the query's block
     n_high = tl.load(hp_ptr + h * C1 + n_all)
     q_row = q_ptr + (hq * T + i) * D
-    if INTERLEAVE and not TRACE:
-        found_all, found_high = _search_two_forests(n_all, base_ptr, n_high, base_ptr + HB, q, q_row, qnorm, pos, sig, lm,
-                                                    node0, mu_ptr, rad_ptr, a_ptr, e_ptr, cell_ptr, scale, radius_weight,
-                                                    two_cell, D, N, BLOCK_D, DC, W, WP)  # fmt: skip
-    else:
-        found_all = _search_forest(n_all, base_ptr, 1, q, q_row, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr,
-                                   e_ptr, cell_ptr, scale, radius_weight, two_cell, D, N, trace_idx_ptr, trace_key_ptr,
-                                   tracing, BLOCK_D, DC, W, WP, TRACE)  # fmt: skip
-        found_high = _search_forest(n_high, base_ptr + HB, 1, q, q_row, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr,
-                                    a_ptr, e_ptr, cell_ptr, scale, radius_weight, two_cell, D, N,
-                                    trace_idx_ptr + TRACE_LEVELS * W, trace_key_ptr + TRACE_LEVELS * W, tracing,
-                                    BLOCK_D, DC, W, WP, TRACE)  # fmt: skip
+    found_all = _search_forest(n_all, base_ptr, 1, q, q_row, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr, e_ptr,
+                               cell_ptr, scale, radius_weight, two_cell, D, N, trace_idx_ptr, trace_key_ptr, tracing,
+                               BLOCK_D, DC, W, WP, TRACE)  # fmt: skip
+    found_high = _search_forest(n_high, base_ptr + HB, 1, q, q_row, qnorm, pos, sig, lm, node0, mu_ptr, rad_ptr, a_ptr,
+                                e_ptr, cell_ptr, scale, radius_weight, two_cell, D, N, trace_idx_ptr + TRACE_LEVELS * W,
+                                trace_key_ptr + TRACE_LEVELS * W, tracing, BLOCK_D, DC, W, WP, TRACE)  # fmt: skip
     if FOUND:
         slots = tl.arange(0, WP)
         tl.store(found_ptr + i * stride_ft + hq * stride_fh + slots, found_all, mask=slots < W)
@@ -605,12 +536,6 @@ SEARCH_DIM_CHUNK = 16
 SEARCH_MAXNREG = 72
 
 
-# the prefill search's two forests (`_fsb_search_kernel`): True: their levels interleaved in one loop
-# (`_search_two_forests`: the same beams bit for bit, two independent chains a loop body); False: one forest after
-# the other (`_search_forest`, as a trace always runs)
-SEARCH_INTERLEAVE = True
-
-
 def search_dim_chunk(block_d: int) -> int:
     """Dims of D the one-query prefill search (`_node_keys`) loads per step: SEARCH_DIM_CHUNK
     (a power of two) capped at block_d, or block_d when unset."""
@@ -705,7 +630,7 @@ def _run(q, k, cfg: FreeSoloConfig, return_found: bool, num_warps: int, trace, r
             float(D**-0.5), float(cfg.radius_weight), float(2 * cfg.cell), D,
             BLOCK_D=next_pow2(D), DC=search_dim_chunk(next_pow2(D)), CELL=cfg.cell, QBLOCK=cfg.block, W=cfg.beam,
             WP=WP, K=K, KP=next_pow2(K), FOUND=return_found or keep, TRACE=trace is not None,
-            TRACE_LEVELS=TRACE_LEVELS, RERANK=rerank and not tiled, INTERLEAVE=SEARCH_INTERLEAVE, num_warps=num_warps,
+            TRACE_LEVELS=TRACE_LEVELS, RERANK=rerank and not tiled, num_warps=num_warps,
             **({} if SEARCH_MAXNREG is None else {"maxnreg": SEARCH_MAXNREG}),
         )  # fmt: skip
         if tiled:
