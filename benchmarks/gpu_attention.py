@@ -554,38 +554,41 @@ def issue10_bars(results, shape_name="H16-D64") -> dict:
     return bars
 
 
+def _case(r: dict) -> tuple:
+    """The case a result record times: (shape, provider, mode, T)."""
+    return r["shape"], r["provider"], r["mode"], r["T"]
+
+
 def merge(paths: list, supersede: list | None = None) -> dict:
     """One payload from the payloads of several runs of this script on one GPU (same versions): their
     results one after another, the crossovers and issue 10's bars recomputed. A record of a case that
     two runs both timed is refused (the merge never picks between two timings), except where a file of
-    `supersede` (a re-measure, named on purpose) times it: its records replace those of `paths`, and the
-    replaced records are kept in the payload's "superseded" list, with the file that replaced them."""
+    `supersede` (a re-measure, named on purpose, on the same GPU and versions) times it: its records
+    replace those of `paths`, and the replaced records are kept in the payload's "superseded" list, with
+    the file that replaced them. Two supersede files timing one case are refused."""
     supersede = list(supersede or [])
-    payloads = [json.load(open(p)) for p in paths + supersede]
+    every = paths + supersede
+    payloads = [json.load(open(p)) for p in every]
     first = payloads[0]
-    for path, other in zip(paths[1:], payloads[1:]):
+    for path, other in zip(every[1:], payloads[1:]):
         for key in ("gpu", "torch", "triton"):
             if other["env"][key] != first["env"][key]:
                 raise SystemExit(f"{path}: {key} {other['env'][key]!r} differs from {paths[0]}'s {first['env'][key]!r}")
     results, seen = [], set()
     for path, payload in zip(paths, payloads[: len(paths)]):
         for r in payload["results"]:
-            case = (r["shape"], r["provider"], r["mode"], r["T"])
-            if case in seen and r["status"] == "ok":
-                raise SystemExit(f"{path}: {case} was timed by an earlier file too")
-            seen.add(case)
+            if _case(r) in seen and r["status"] == "ok":
+                raise SystemExit(f"{path}: {_case(r)} was timed by an earlier file too")
+            seen.add(_case(r))
             results.append(r)
-    superseded = []
+    superseded, replaced = [], set()
     for path, payload in zip(supersede, payloads[len(paths) :]):
-        new = {(r["shape"], r["provider"], r["mode"], r["T"]): r for r in payload["results"]}
-        kept = []
-        for r in results:
-            case = (r["shape"], r["provider"], r["mode"], r["T"])
-            if case in new:
-                superseded.append(dict(r, superseded_by=os.path.basename(path)))
-            else:
-                kept.append(r)
-        results = kept + list(new.values())
+        new = {_case(r): r for r in payload["results"]}
+        if replaced & new.keys():
+            raise SystemExit(f"{path}: {sorted(replaced & new.keys())[0]} was re-measured by an earlier --supersede file too")
+        replaced |= new.keys()
+        superseded += [dict(r, superseded_by=os.path.basename(path)) for r in results if _case(r) in new]
+        results = [r for r in results if _case(r) not in new] + list(new.values())
     shapes = {}
     for payload in payloads:
         shapes.update(payload["shapes"])
@@ -594,7 +597,7 @@ def merge(paths: list, supersede: list | None = None) -> dict:
         results=results,
         shapes=shapes,
         lengths=sorted({r["T"] for r in results}),
-        merged_from=[os.path.basename(p) for p in paths + supersede],
+        merged_from=[os.path.basename(p) for p in every],
         superseded=superseded,
         crossover_fsl_vs_sdpa={s: {m: crossover(results, s, m) for m in MODES} for s in shapes},
         crossover_triton_fsl_vs_sdpa={s: {m: crossover(results, s, m, "triton_fsl") for m in MODES} for s in shapes},

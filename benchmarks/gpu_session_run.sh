@@ -304,16 +304,16 @@
 #                triton_fsb vs triton_fs forward at 256k / 1M
 #   s41e_tests   the FS-B forests / search / decode / caches / models CUDA tests
 #   s44_time     (ran at 66066fc, branch s44-pair-layout: main no longer has the pair layout or the *_rows / *_sum1
-#                providers) issue 12: the FS-B search on the pair tables (`fsb_search.search_tables`, the default) against the
+#                providers) issue 12: the FS-B search on the pair tables (`fsb_search.search_tables`) against the
 #                row tables (FREESOLO_TRITON_FSB_SEARCH_LAYOUT=rows), same process: search / select at 256k and 1M
 #                (select_rows must equal select bit for bit; *_sum1: SEARCH_SUM_ONCE), then triton_fsb / triton_fs
 #                forward at 1M
 #   s44_tests    the FS-B search CUDA tests (the pair layout's bitwise test among them)
-#   s44_tile     (ran at 63a067a, branch s44-tile-search: main has no tile search) issue 12: the tile search (`fsb_tile_search`, default) against the one-query search
-#                (FREESOLO_TRITON_FSB_SEARCH_MODE=query), same process, search / select at 256k and 1M, then the FS-B
+#   s44_tile     (ran at 63a067a, branch s44-tile-search: main has no tile search) issue 12: the tile search
+#                (`fsb_tile_search`, default) against the one-query search (FREESOLO_TRITON_FSB_SEARCH_MODE=query), same process, search / select at 256k and 1M, then the FS-B
 #                search CUDA tests (tile vs one-query near-ties among them)
-#   s44_inter    (ran at 2d07f53, branch s44-interleave: main searches the forests one after the other) issue 12: the two forests' levels interleaved in the one-query search (`_search_two_forests`,
-#                SEARCH_INTERLEAVE, default) against one after the other, same process: search / select at 256k and 1M
+#   s44_inter    (ran at 2d07f53, branch s44-interleave: main searches the forests one after the other) issue 12:
+#                the two forests' levels interleaved in the one-query search (`_search_two_forests`, SEARCH_INTERLEAVE) against one after the other, same process: search / select at 256k and 1M
 #                (select_seq must equal select bit for bit), then the FS-B search CUDA tests
 #   s43_gqa_fs   issue 10: re-measure of the GQA-Hq32-Hkv8-D128 FS forward (s43 call2: 49.5 ms at 64k against 34.7
 #                at 128k): per-kernel profile at 64k / 128k, then triton_fs / SDPA at 32k / 64k / 96k / 128k, rep 300 ms

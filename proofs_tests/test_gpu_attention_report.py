@@ -81,3 +81,8 @@ def test_merge_supersede_replaces_named_re_measures_and_keeps_the_old(report, tm
     assert [(x["provider"], x["ms"], x["superseded_by"]) for x in merged["superseded"]] == [("triton_fsl", 1.0, "r.json")]
     assert merged["issue10_bars"]["H16-D64"]["triton_fsl / flex_swa512 fwd 64k"]["ratio"] == 3.0
     assert merged["merged_from"] == ["a.json", "r.json"]
+    with pytest.raises(SystemExit, match="re-measured by an earlier --supersede file"):
+        report.merge([str(a)], [str(r), str(r)])
+    r.write_text(json.dumps(_payload([_rec("triton_fsl", 65536, 1.5)], gpu="GPU Y")))
+    with pytest.raises(SystemExit, match="gpu"):
+        report.merge([str(a)], [str(r)])
