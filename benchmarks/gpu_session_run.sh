@@ -332,6 +332,9 @@
 #                .pt files, 2.4 GB, are deleted after the comparison: in call7 they filled the tar, which did not come back)
 #   s39b_tile    the FS-B search CUDA tests with the tile rerank (FREESOLO_TRITON_FSB_RERANK=tile)
 #   s33a_train   issue 11: train_step.py eager providers at 4k / 16k (the FS-L model's attention from the cache)
+#   s45_prio     issue 10: the selection side stream at priority 0 vs the device's highest
+#                (benchmarks/side_priority_ab.py: FS-L / FS through the API and in one user graph, 4k ... 64k, SDPA)
+#   s45_tests    the CUDA tests of the side stream (its priority, overlap), the graph cache and the backend
 set -u
 OUT=${OUT:-/tmp/session_out}
 W=/tmp/session_work
@@ -500,6 +503,8 @@ step s41c_tests 240 python3 -m pytest -v -n ${NPROC:-16} -p no:benchmark --durat
 step s41c_fsb 300 bash -c "python3 benchmarks/fsb_forest_phases.py --lengths 262144 1048576 --out $W/fsb_forest_phases.json; python3 benchmarks/fsb_prefill_split.py --lengths 65536 262144 1048576 --providers forests forests_torch search select select_forests_torch --out $W/fsb_prefill_s41.json; python3 benchmarks/gpu_attention.py --providers triton_fsb triton_fs --shapes H16-D64 --modes fwd --lengths 262144 1048576 --budget-s 140 --out $W --tag _fsb_s41"
 step s41d_probe 150 bash -c "python3 benchmarks/fsb_dimchunk_probe.py; FREESOLO_TRITON_FSB_FORESTS=torch python3 benchmarks/fsb_dimchunk_probe.py"
 step s41e_tests 200 python3 -m pytest -v -n ${NPROC:-16} -p no:benchmark --durations=20 proofs_tests/test_triton_fsb_forests.py proofs_tests/test_triton_fsb_search.py proofs_tests/test_triton_decode.py proofs_tests/test_cache_gpu.py proofs_tests/test_models.py -k "(cuda or gpu or fsb or forests) and not cpu"
+step s45_prio 300 python3 benchmarks/side_priority_ab.py --out $W/side_priority_ab.json
+step s45_tests 300 bash -c "python3 -m pytest -q -p no:benchmark proofs_tests/test_triton_graphs.py; python3 -m pytest -q -n ${NPROC:-16} -p no:benchmark -k 'cuda or gpu' proofs_tests/test_triton_backend.py"
 step s44_inter 330 bash -c "python3 benchmarks/fsb_prefill_split.py --lengths 262144 1048576 --providers search search_seq select select_seq --rep 50 --audit 0 --out $W/fsb_prefill_s44_inter.json; python3 -m pytest -q -n ${NPROC:-16} -p no:benchmark proofs_tests/test_triton_fsb_search.py -k 'cuda or gpu'"
 step s44_tile 330 bash -c "python3 benchmarks/fsb_prefill_split.py --lengths 262144 1048576 --providers search search_query select select_query --rep 50 --audit 4 --out $W/fsb_prefill_s44_tile.json; python3 -m pytest -q -n ${NPROC:-16} -p no:benchmark proofs_tests/test_triton_fsb_search.py -k 'cuda or gpu'"
 step s44_time 300 bash -c "python3 benchmarks/fsb_prefill_split.py --lengths 262144 1048576 --providers search search_rows search_sum1 select select_rows select_sum1 --rep 50 --audit 0 --out $W/fsb_prefill_s44.json; python3 benchmarks/gpu_attention.py --providers triton_fsb triton_fs --shapes H16-D64 --modes fwd --lengths 1048576 --budget-s 100 --out $W --tag _fsb_s44"

@@ -400,6 +400,54 @@ def test_cuda_selection_overlap_changes_no_bit(variant, monkeypatch):
         assert torch.equal(x, y), f"{name}: the side stream changed bits"
 
 
+def test_side_priority_reads_its_switch(monkeypatch):
+    """`attention.side_priority`: SIDE_PRIORITY unless FREESOLO_TRITON_SIDE_PRIORITY names an
+    integer; anything else is refused with the variable's name."""
+    from freesolo.backends.triton import attention as att
+
+    monkeypatch.delenv(att.ENV_SIDE_PRIORITY, raising=False)
+    assert att.side_priority() == att.SIDE_PRIORITY
+    monkeypatch.setenv(att.ENV_SIDE_PRIORITY, "-3")
+    assert att.side_priority() == -3
+    monkeypatch.setenv(att.ENV_SIDE_PRIORITY, "high")
+    with pytest.raises(ValueError, match=att.ENV_SIDE_PRIORITY):
+        att.side_priority()
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (stream priorities, CUDA-graph capture)")
+@pytest.mark.parametrize("variant", ["fsl", "fs"])
+def test_cuda_side_stream_priority_changes_no_bit(variant, monkeypatch):
+    """The selection's side stream at torch's default priority and at the device's highest
+    (FREESOLO_TRITON_SIDE_PRIORITY=-100, clamped by torch): a stream of that priority is used, and
+    eager overlapped calls (forward + backward) and graphed short calls give the same bits."""
+    from freesolo.backends.triton import attention as att
+    from freesolo.backends.triton import graphs
+
+    cfg = FreeSoloConfig(variant=variant)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    B, T, Hq, Hkv, D = 1, 4096 + 33, 4, 2, 64
+    q, k, v = (torch.randn(B, T, h, D, device="cuda", dtype=torch.bfloat16, generator=gen) for h in (Hq, Hkv, Hkv))
+    do = torch.randn(B, T, Hq, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    monkeypatch.setenv(att.ENV_OVERLAP_MIN_T, "0")
+    runs, priorities = {}, {}
+    for value in ("0", "-100"):
+        monkeypatch.setenv(att.ENV_SIDE_PRIORITY, value)
+        graphs.clear()
+        priorities[value] = att._side_stream(q.device).priority
+        qg, kg, vg = (x.clone().requires_grad_(True) for x in (q, k, v))
+        o = freesolo.freesolo_attention(qg, kg, vg, cfg, backend="triton", check_finite=False)
+        o.backward(do)
+        with torch.no_grad():  # the 2nd call of a key captures its graph, the 3rd replays it
+            replays = [freesolo.freesolo_attention(q, k, v, cfg, backend="triton", check_finite=False) for _ in range(3)]
+        runs[value] = [o.detach(), qg.grad, kg.grad, vg.grad, *replays]
+    graphs.clear()
+    assert priorities["0"] == 0
+    assert priorities["-100"] < 0, f"no stream priority above the default on this device: {priorities}"
+    for name, x, y in zip(("o", "dq", "dk", "dv", "eager", "captured", "replayed"), runs["0"], runs["-100"]):
+        assert torch.equal(x, y), f"{name}: the side stream's priority changed bits"
+    assert torch.equal(runs["0"][0], runs["0"][4]) and torch.equal(runs["0"][4], runs["0"][6])
+
+
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (16-bit split kernels, streams)")
 @pytest.mark.parametrize("variant", ["fsl", "fs"])
 def test_cuda_window_first_matches_default(variant, monkeypatch):

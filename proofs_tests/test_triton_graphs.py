@@ -236,7 +236,7 @@ def test_knob_list_names_every_triton_switch_of_the_kernels():
     read = {
         attention.ENV_LONG_BLOCK, attention.ENV_MAXNREG, attention.ENV_LONG_INTO_OUT, attention.ENV_WINDOW_FIRST,
         attention.ENV_SORTED_LONG, attention.ENV_OVERLAP_MIN_T, selection.ENV_FSL_TAIL, attention_bwd.LONG_MODE_ENV,
-        _common.FAST_LAUNCH_ENV, attention.ENV_LONG_TMA,
+        _common.FAST_LAUNCH_ENV, attention.ENV_LONG_TMA, attention.ENV_SIDE_PRIORITY,
     }
     assert read == set(graphs.KNOB_ENVS)
     import pathlib

@@ -1193,11 +1193,32 @@ def overlaps_selection(T: int, device: torch.device) -> bool:
     return T >= (OVERLAP_MIN_T if min_t is None else min_t)
 
 
+# Priority of that side stream (CUDA: lower is more urgent; torch clamps a value past the device's
+# range to its end, so -100 asks for the highest). The selection chain (statistics, pool scan,
+# candidates, scoring, unions) is a string of small, latency-bound kernels on the critical path of
+# the long kernel, while the window kernel beside it fills the GPU with independent tiles; a more
+# urgent side stream lets the block scheduler start the chain's blocks first and fit the window's
+# tiles around them. Under CUDA-graph capture the kernels keep the priority of the stream they were
+# captured on (PyTorch instantiates graphs with cudaGraphInstantiateFlagUseNodePriority), so the
+# graphed short calls (`graphs.py`) get it too. FREESOLO_TRITON_SIDE_PRIORITY overrides it (A/B).
+# Streams and priorities change no bit (tested on CUDA).
+SIDE_PRIORITY = 0
+ENV_SIDE_PRIORITY = "FREESOLO_TRITON_SIDE_PRIORITY"
+
+
+def side_priority() -> int:
+    """The priority asked for the selection's side stream: FREESOLO_TRITON_SIDE_PRIORITY, else SIDE_PRIORITY."""
+    value = _env_int(ENV_SIDE_PRIORITY)
+    return SIDE_PRIORITY if value is None else value
+
+
 def _side_stream(device: torch.device):
-    """One side stream per CUDA device, for the selection that `forward_with_selection` overlaps."""
-    key = device.index if device.index is not None else torch.cuda.current_device()
+    """One side stream per CUDA device and priority (`side_priority`), for the selection that
+    `forward_with_selection` overlaps."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, side_priority())
     if key not in _SIDE_STREAMS:
-        _SIDE_STREAMS[key] = torch.cuda.Stream(device=device)
+        _SIDE_STREAMS[key] = torch.cuda.Stream(device=device, priority=key[1])
     return _SIDE_STREAMS[key]
 
 
