@@ -45,7 +45,7 @@ os.environ.setdefault("FREESOLO_TRITON_GRAPHS", "0")  # eager kernels, as measur
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from triton_attention_bench import _bench, _inputs, flex_swa512, gpu_payload, sdpa_causal  # noqa: E402
+from triton_attention_bench import _bench, _inputs, flex_swa512, gpu_payload, graph_replay_ms, sdpa_causal  # noqa: E402
 
 import freesolo  # noqa: E402
 from freesolo.backends.triton import attention as att  # noqa: E402
@@ -95,20 +95,6 @@ _ORIGINAL_ORDER_CHUNK = att.ORDER_CHUNK
 _ORIGINAL_ATTRS = {name: getattr(att, name) for attrs in CONFIG_ATTRS.values() for name in attrs}
 
 
-def _graph_ms(fn, rep: int) -> float:
-    """fn captured once in a CUDA graph (warm-up on a side stream), replay timed."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return _bench(graph.replay, rep)
-
-
 def host_ms(fn, calls: int = 20) -> float:
     """Host time per call (no syncs between calls: the GPU queue absorbs them while not full)."""
     torch.cuda.synchronize()
@@ -149,7 +135,7 @@ def case(variant: str, T: int, rep: int, configs) -> dict:
             "long_kernel_ms": _bench(lambda: att._launch_long(q, k, v, idx, unions, beta, cfg, tiles, outputs), rep),
             "unions_ms": _bench(lambda: att.forward_unions(idx, cfg, tiles), rep),
             "api_ms": _bench(api, rep),
-            "graph_ms": _graph_ms(api, rep),
+            "graph_ms": graph_replay_ms(api, rep),
             "host_ms": host_ms(api),
             "rms_rel_vs_first": _rms_rel(out, ref),
             "union_mean": float(count.float().mean()),

@@ -335,6 +335,8 @@
 #   s45_prio     issue 10: the selection side stream at priority 0 vs the device's highest
 #                (benchmarks/side_priority_ab.py: FS-L / FS through the API and in one user graph, 4k ... 64k, SDPA)
 #   s45_tests    the CUDA tests of the side stream (its priority, overlap), the graph cache and the backend
+#   s45_tl       issue 10: timeline of the FS-L / FS forward's kernels in one CUDA-graph replay (forward_timeline.py),
+#                4k / 64k, side stream at priority 0 and the highest
 #   s45_attn     issue 10: gpu_attention.py on the current defaults, H16-D64, fwd 4k ... 128k and fwd+bwd 4k / 16k:
 #                triton FS-L / FS, SDPA, Flex SWA-512 (the 4k and 64k bars' same-run ratios)
 set -u
@@ -507,6 +509,7 @@ step s41d_probe 150 bash -c "python3 benchmarks/fsb_dimchunk_probe.py; FREESOLO_
 step s41e_tests 200 python3 -m pytest -v -n ${NPROC:-16} -p no:benchmark --durations=20 proofs_tests/test_triton_fsb_forests.py proofs_tests/test_triton_fsb_search.py proofs_tests/test_triton_decode.py proofs_tests/test_cache_gpu.py proofs_tests/test_models.py -k "(cuda or gpu or fsb or forests) and not cpu"
 step s45_prio 300 python3 benchmarks/side_priority_ab.py --out $W/side_priority_ab.json
 step s45_tests 300 bash -c "python3 -m pytest -q -p no:benchmark proofs_tests/test_triton_graphs.py; python3 -m pytest -q -n ${NPROC:-16} -p no:benchmark -k 'cuda or gpu' proofs_tests/test_triton_backend.py"
+step s45_tl 200 python3 benchmarks/forward_timeline.py --lengths 4096 16384 65536 --variants fsl fs --out $W/forward_timeline.json
 step s45_attn 300 python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fs sdpa_causal flex_swa512 --shapes H16-D64 --modes fwd --lengths 4096 8192 16384 65536 131072 --budget-s 150 --rep-ms 100 --out $W --tag _s45_fwd
 step s45_attnb 200 python3 benchmarks/gpu_attention.py --providers triton_fsl sdpa_causal --shapes H16-D64 --modes fwd+bwd --lengths 4096 16384 --budget-s 100 --rep-ms 100 --out $W --tag _s45_bwd
 step s44_inter 330 bash -c "python3 benchmarks/fsb_prefill_split.py --lengths 262144 1048576 --providers search search_seq select select_seq --rep 50 --audit 0 --out $W/fsb_prefill_s44_inter.json; python3 -m pytest -q -n ${NPROC:-16} -p no:benchmark proofs_tests/test_triton_fsb_search.py -k 'cuda or gpu'"

@@ -30,8 +30,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from forward_overlap_ab import _graph_ms  # noqa: E402
-from triton_attention_bench import _bench, _inputs, gpu_payload  # noqa: E402
+from triton_attention_bench import _bench, _inputs, gpu_payload, graph_replay_ms  # noqa: E402
 
 import freesolo  # noqa: E402
 from freesolo.backends.triton import attention as att  # noqa: E402
@@ -101,7 +100,7 @@ def case(variant: str, T: int, mode: str, rep: int, rounds: int) -> dict:
             row["stream_priority"][arm] = _set_priority(arm)
             outs[arm] = [x.detach().clone() for x in fn()]
             api = _bench(fn, rep)
-            graph = _graph_ms(fn, rep) if mode == "fwd" else None  # (a backward in a user graph needs static grads)
+            graph = graph_replay_ms(fn, rep) if mode == "fwd" else None  # (a backward in a user graph needs static grads)
             row["rounds"][arm].append({"api_ms": api, "graph_ms": graph})
     row["same_bits"] = all(torch.equal(a, b) for a, b in zip(outs["p0"], outs["high"]))
     for arm in PRIORITIES:

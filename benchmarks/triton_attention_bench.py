@@ -103,6 +103,25 @@ def _bench(fn, rep: int) -> float:
     return float(triton.testing.do_bench(fn, warmup=max(5, rep // 4), rep=rep, return_mode="median"))
 
 
+def capture_graph(fn) -> "torch.cuda.CUDAGraph":
+    """fn captured once in a CUDA graph (two warm-up calls on a side stream first)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def graph_replay_ms(fn, rep: int) -> float:
+    """GPU time of fn without its host work: fn captured in one CUDA graph, the replay timed (do_bench median)."""
+    return _bench(capture_graph(fn).replay, rep)
+
+
 def _inputs(T, Hq, Hkv, D, dtype, keys: str, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(1, T, Hq, D, device="cuda", generator=g)
