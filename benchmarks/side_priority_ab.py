@@ -43,11 +43,10 @@ H, D = 16, 64
 
 
 def _set_priority(arm: str) -> int:
+    """Set the arm's FREESOLO_TRITON_SIDE_PRIORITY (every length), drop the cached graphs; the stream's real priority."""
     os.environ[att.ENV_SIDE_PRIORITY] = PRIORITIES[arm]
     graphs.clear()  # (the key holds the switch too; clearing keeps the memory of one arm at a time)
-    if torch.cuda.is_available():
-        return int(att._side_stream(torch.device("cuda")).priority)
-    return att.side_priority()
+    return int(att._side_stream(torch.device("cuda"), att.side_priority(0)).priority)
 
 
 def _call(variant: str, T: int, mode: str):
