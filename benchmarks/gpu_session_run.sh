@@ -337,8 +337,10 @@
 #   s45_tests    the CUDA tests of the side stream (its priority, overlap), the graph cache and the backend
 #   s45_tl       issue 10: timeline of the FS-L / FS forward's kernels in one CUDA-graph replay (forward_timeline.py),
 #                4k / 64k, side stream at priority 0 and the highest
-#   s45_attn     issue 10: gpu_attention.py on the current defaults, H16-D64, fwd 4k ... 128k and fwd+bwd 4k / 16k:
-#                triton FS-L / FS, SDPA, Flex SWA-512 (the 4k and 64k bars' same-run ratios)
+#   s45_h16      issue 10: the same-run H16-D64 forward table on the current code (as s42_h16 + s42_flexfsl, one run
+#                each; fla_install first): triton FS-L / FS / FS-B, SDPA, fla NSA, Flex SWA-512 at 4k ... 128k, flex_fsl
+#                at 16k / 64k; then --merge --supersede into results/gpu_attention.json
+#   s45_bwd      issue 11 guard: FS-L fwd+bwd through the API against SDPA at 4k / 16k (the graphed backward)
 set -u
 OUT=${OUT:-/tmp/session_out}
 W=/tmp/session_work
@@ -510,8 +512,8 @@ step s41e_tests 200 python3 -m pytest -v -n ${NPROC:-16} -p no:benchmark --durat
 step s45_prio 300 python3 benchmarks/side_priority_ab.py --out $W/side_priority_ab.json
 step s45_tests 300 bash -c "python3 -m pytest -q -p no:benchmark proofs_tests/test_triton_graphs.py; python3 -m pytest -q -n ${NPROC:-16} -p no:benchmark -k 'cuda or gpu' proofs_tests/test_triton_backend.py"
 step s45_tl 200 python3 benchmarks/forward_timeline.py --lengths 4096 16384 65536 --variants fsl fs --out $W/forward_timeline.json
-step s45_attn 300 python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fs sdpa_causal flex_swa512 --shapes H16-D64 --modes fwd --lengths 4096 8192 16384 65536 131072 --budget-s 150 --rep-ms 100 --out $W --tag _s45_fwd
-step s45_attnb 200 python3 benchmarks/gpu_attention.py --providers triton_fsl sdpa_causal --shapes H16-D64 --modes fwd+bwd --lengths 4096 16384 --budget-s 100 --rep-ms 100 --out $W --tag _s45_bwd
+step s45_h16 240 bash -c "python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fs triton_fsb sdpa_causal fla_nsa flex_swa512 --shapes H16-D64 --modes fwd --lengths 4096 16384 65536 131072 --budget-s 170 --rep-ms 30 --out $W --tag _s45_h16; python3 benchmarks/gpu_attention.py --providers flex_fsl --shapes H16-D64 --modes fwd --lengths 16384 65536 --budget-s 50 --rep-ms 30 --out $W --tag _s45_flexfsl"
+step s45_bwd 120 python3 benchmarks/gpu_attention.py --providers triton_fsl sdpa_causal --shapes H16-D64 --modes fwd+bwd --lengths 4096 16384 --budget-s 80 --rep-ms 30 --out $W --tag _s45_bwd
 step s44_inter 330 bash -c "python3 benchmarks/fsb_prefill_split.py --lengths 262144 1048576 --providers search search_seq select select_seq --rep 50 --audit 0 --out $W/fsb_prefill_s44_inter.json; python3 -m pytest -q -n ${NPROC:-16} -p no:benchmark proofs_tests/test_triton_fsb_search.py -k 'cuda or gpu'"
 step s44_tile 330 bash -c "python3 benchmarks/fsb_prefill_split.py --lengths 262144 1048576 --providers search search_query select select_query --rep 50 --audit 4 --out $W/fsb_prefill_s44_tile.json; python3 -m pytest -q -n ${NPROC:-16} -p no:benchmark proofs_tests/test_triton_fsb_search.py -k 'cuda or gpu'"
 step s44_time 300 bash -c "python3 benchmarks/fsb_prefill_split.py --lengths 262144 1048576 --providers search search_rows search_sum1 select select_rows select_sum1 --rep 50 --audit 0 --out $W/fsb_prefill_s44.json; python3 benchmarks/gpu_attention.py --providers triton_fsb triton_fs --shapes H16-D64 --modes fwd --lengths 1048576 --budget-s 100 --out $W --tag _fsb_s44"
