@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from gpu_attention import write_results  # noqa: E402
 from triton_attention_bench import _inputs, capture_graph, gpu_payload  # noqa: E402
 
 import freesolo  # noqa: E402
@@ -138,11 +139,7 @@ def main(argv=None):
                 payload["results"].append(case(variant, T, priority, args.replays))
     os.environ.pop(att.ENV_SIDE_PRIORITY, None)
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(payload, f, indent=1)
-        plot(payload, os.path.splitext(args.out)[0] + ".png")
-        print("wrote", args.out, flush=True)
+        write_results(args.out, payload, plot)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ SDPA causal (forward, forward + backward) in the same run. B 1, H 16, D 64, bf16
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -30,6 +29,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from gpu_attention import write_results  # noqa: E402
 from triton_attention_bench import _bench, _inputs, gpu_payload, graph_replay_ms  # noqa: E402
 
 import freesolo  # noqa: E402
@@ -160,11 +160,7 @@ def main(argv=None):
         payload["results"].append(case("fsl", T, "fwd+bwd", args.rep, args.rounds))
     os.environ.pop(att.ENV_SIDE_PRIORITY, None)
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(payload, f, indent=1)
-        plot(payload, os.path.splitext(args.out)[0] + ".png")
-        print("wrote", args.out, flush=True)
+        write_results(args.out, payload, plot)
 
 
 if __name__ == "__main__":
