@@ -99,7 +99,8 @@ def case(variant: str, T: int, mode: str, rep: int, rounds: int) -> dict:
             row["stream_priority"][arm] = _set_priority(arm)
             outs[arm] = [x.detach().clone() for x in fn()]
             api = _bench(fn, rep)
-            graph = graph_replay_ms(fn, rep) if mode == "fwd" else None  # (a backward in a user graph needs static grads)
+            # (a backward in a user graph needs static gradients: the forward only)
+            graph = graph_replay_ms(fn, rep) if mode == "fwd" else None
             row["rounds"][arm].append({"api_ms": api, "graph_ms": graph})
     row["same_bits"] = all(torch.equal(a, b) for a, b in zip(outs["p0"], outs["high"]))
     for arm in PRIORITIES:

@@ -440,7 +440,9 @@ def test_cuda_side_stream_priority_changes_no_bit(variant, monkeypatch):
         o = freesolo.freesolo_attention(qg, kg, vg, cfg, backend="triton", check_finite=False)
         o.backward(do)
         with torch.no_grad():  # the 2nd call of a key captures its graph, the 3rd replays it
-            replays = [freesolo.freesolo_attention(q, k, v, cfg, backend="triton", check_finite=False) for _ in range(3)]
+            replays = [
+                freesolo.freesolo_attention(q, k, v, cfg, backend="triton", check_finite=False) for _ in range(3)
+            ]
         runs[value] = [o.detach(), qg.grad, kg.grad, vg.grad, *replays]
     graphs.clear()
     assert priorities["0"] == 0
