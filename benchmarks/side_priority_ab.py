@@ -46,7 +46,7 @@ def _set_priority(arm: str) -> int:
     """Set the arm's FREESOLO_TRITON_SIDE_PRIORITY (every length), drop the cached graphs; the stream's real priority."""
     os.environ[att.ENV_SIDE_PRIORITY] = PRIORITIES[arm]
     graphs.clear()  # (the key holds the switch too; clearing keeps the memory of one arm at a time)
-    return int(att._side_stream(torch.device("cuda"), att.side_priority(0)).priority)
+    return int(att._side_stream(torch.device("cuda"), att.side_priority()).priority)
 
 
 def _call(variant: str, T: int, mode: str):

@@ -401,19 +401,17 @@ def test_cuda_selection_overlap_changes_no_bit(variant, monkeypatch):
 
 
 def test_side_priority_reads_its_switch(monkeypatch):
-    """`attention.side_priority(T)`: SIDE_PRIORITY_SHORT below OVERLAP_MIN_T, SIDE_PRIORITY from it,
-    unless FREESOLO_TRITON_SIDE_PRIORITY names an integer (then at every T); anything else is
-    refused with the variable's name."""
+    """`attention.side_priority`: SIDE_PRIORITY (torch's default 0) unless FREESOLO_TRITON_SIDE_PRIORITY
+    names an integer; anything else is refused with the variable's name."""
     from freesolo.backends.triton import attention as att
 
     monkeypatch.delenv(att.ENV_SIDE_PRIORITY, raising=False)
-    assert att.side_priority(att.OVERLAP_MIN_T - 1) == att.SIDE_PRIORITY_SHORT < 0
-    assert att.side_priority(att.OVERLAP_MIN_T) == att.SIDE_PRIORITY == 0
+    assert att.side_priority() == att.SIDE_PRIORITY == 0
     monkeypatch.setenv(att.ENV_SIDE_PRIORITY, "-3")
-    assert att.side_priority(16) == att.side_priority(att.OVERLAP_MIN_T) == -3
+    assert att.side_priority() == -3
     monkeypatch.setenv(att.ENV_SIDE_PRIORITY, "high")
     with pytest.raises(ValueError, match=att.ENV_SIDE_PRIORITY):
-        att.side_priority(16)
+        att.side_priority()
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (stream priorities, CUDA-graph capture)")
@@ -435,7 +433,7 @@ def test_cuda_side_stream_priority_changes_no_bit(variant, monkeypatch):
     for value in ("0", "-100"):
         monkeypatch.setenv(att.ENV_SIDE_PRIORITY, value)
         graphs.clear()
-        priorities[value] = att._side_stream(q.device, att.side_priority(T)).priority
+        priorities[value] = att._side_stream(q.device, att.side_priority()).priority
         qg, kg, vg = (x.clone().requires_grad_(True) for x in (q, k, v))
         o = freesolo.freesolo_attention(qg, kg, vg, cfg, backend="triton", check_finite=False)
         o.backward(do)

@@ -1194,30 +1194,25 @@ def overlaps_selection(T: int, device: torch.device) -> bool:
 
 
 # Priority of that side stream (CUDA: lower is more urgent; torch clamps a value past the device's
-# range to its end, so -100 asks for the highest). Below OVERLAP_MIN_T positions the side stream runs
-# only under CUDA-graph capture (the backend's graphed short calls, `graphs.py`, or the caller's own
-# graph), where the selection chain (statistics, pool scan, candidates, scoring, unions) is a string
-# of small, latency-bound kernels on the long kernel's critical path while the window kernel fills
-# the GPU beside it: an urgent side stream lets the block scheduler start the chain's blocks first.
-# Graph kernels keep the priority of the stream they were captured on (PyTorch instantiates graphs
-# with cudaGraphInstantiateFlagUseNodePriority). From OVERLAP_MIN_T on the chain is GPU-wide work and
-# the default priority is kept. H100 (s45 call1, FS-L bf16 H16 D64, one user CUDA graph, priority 0
-# -> highest (-3)): 4k 0.1386 -> 0.1312 ms, 8k 0.2475 -> 0.2410, 16k 0.4638 -> 0.4555, 64k 1.654 ->
-# 1.668 (eager 64k 1.667 -> 1.713). FREESOLO_TRITON_SIDE_PRIORITY sets one priority for every length
-# (A/B). Streams and priorities change no bit (tested on CUDA).
-SIDE_PRIORITY_SHORT = -100
+# range to its end, so -100 asks for the highest). Graph kernels keep the priority of the stream they
+# were captured on (PyTorch instantiates graphs with cudaGraphInstantiateFlagUseNodePriority), so it
+# also reaches the graphed short calls (`graphs.py`). An urgent side stream lets the block scheduler
+# start the selection chain's blocks (statistics, pool scan, candidates, scoring, unions: the long
+# kernel's critical path) before the window kernel's pending tiles. Measured on the H100 (s45 call1,
+# bf16 H16 D64, `benchmarks/side_priority_ab.py`, one user CUDA graph, priority 0 -> highest (-3)):
+# FS-L 4k 0.1386 -> 0.1312 ms, 8k 0.2475 -> 0.2410, 16k 0.4638 -> 0.4555, 64k 1.654 -> 1.668 (eager
+# 1.667 -> 1.713); FS 4k 0.1274 -> 0.1294. Mixed and at most 5 %, and the change's effect through the
+# API (graph cache copies included) and the CUDA test suite at such a default could not be run this
+# stop (no device machine would start), so the default stays torch's 0: FREESOLO_TRITON_SIDE_PRIORITY
+# opts in. Streams and priorities change no bit (tested on CUDA, both priorities).
 SIDE_PRIORITY = 0
 ENV_SIDE_PRIORITY = "FREESOLO_TRITON_SIDE_PRIORITY"
 
 
-def side_priority(T: int) -> int:
-    """The priority asked for the selection's side stream of a T-position forward:
-    FREESOLO_TRITON_SIDE_PRIORITY if set, else SIDE_PRIORITY_SHORT below OVERLAP_MIN_T and
-    SIDE_PRIORITY from it."""
+def side_priority() -> int:
+    """The priority asked for the selection's side stream: FREESOLO_TRITON_SIDE_PRIORITY, else SIDE_PRIORITY."""
     value = _env_int(ENV_SIDE_PRIORITY)
-    if value is not None:
-        return value
-    return SIDE_PRIORITY_SHORT if T < OVERLAP_MIN_T else SIDE_PRIORITY
+    return SIDE_PRIORITY if value is None else value
 
 
 def _side_stream(device: torch.device, priority: int):
@@ -1253,7 +1248,7 @@ def forward_with_selection(
     unused = _placeholder(q.device, torch.int32)  # the window kernel's idx / union / count (not read)
     overlap = overlaps_selection(q.shape[1], q.device)
     main = torch.cuda.current_stream(q.device) if overlap else None
-    side = _side_stream(q.device, side_priority(q.shape[1])) if overlap else None
+    side = _side_stream(q.device, side_priority()) if overlap else None
     if side is not None:
         side.wait_stream(main)
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
