@@ -335,6 +335,7 @@
 #   s45_prio     issue 10: the selection side stream at priority 0 vs the device's highest
 #                (benchmarks/side_priority_ab.py: FS-L / FS through the API and in one user graph, 4k ... 64k, SDPA)
 #   s45_tests    the CUDA tests of the side stream (its priority, overlap), the graph cache and the backend
+#   (s45_tl, s45_h16 and s45_bwd were written in s45 and never ran: no machine would start)
 #   s45_tl       issue 10: timeline of the FS-L / FS forward's kernels in one CUDA-graph replay (forward_timeline.py),
 #                4k / 64k, side stream at priority 0 and the highest
 #   s45_h16      issue 10: the same-run H16-D64 forward table on the current code (as s42_h16 + s42_flexfsl, one run
