@@ -333,7 +333,8 @@
 #   s39b_tile    the FS-B search CUDA tests with the tile rerank (FREESOLO_TRITON_FSB_RERANK=tile)
 #   s33a_train   issue 11: train_step.py eager providers at 4k / 16k (the FS-L model's attention from the cache)
 #   s45_prio     issue 10: the selection side stream at priority 0 vs the device's highest
-#                (benchmarks/side_priority_ab.py: FS-L / FS through the API and in one user graph, 4k ... 64k, SDPA)
+#                (benchmarks/switch_ab.py, then named side_priority_ab.py: FS-L / FS through the API and in one user
+#                graph, 4k ... 64k, SDPA)
 #   s45_tests    the CUDA tests of the side stream (its priority, overlap), the graph cache and the backend
 #   (s45_tl, s45_h16 and s45_bwd were written in s45 and never ran: no machine would start)
 #   s45_tl       issue 10: timeline of the FS-L / FS forward's kernels in one CUDA-graph replay (forward_timeline.py),
@@ -342,6 +343,11 @@
 #                each; fla_install first): triton FS-L / FS / FS-B, SDPA, fla NSA, Flex SWA-512 at 4k ... 128k, flex_fsl
 #                at 16k / 64k; then --merge --supersede into results/gpu_attention.json
 #   s45_bwd      issue 11 guard: FS-L fwd+bwd through the API against SDPA at 4k / 16k (the graphed backward)
+#   s46_tests    the CUDA tests of the short-sequence FS-L candidate kernel (FREESOLO_TRITON_FSL_DIRECT_MAX_CELLS), the
+#                selection, the graph cache and the backend
+#   s46_direct   issue 10: FS-L candidates by the pool scan vs the direct sort (and the sort with the side stream at the
+#                highest priority), API / user graph / select_cells, 4k ... 32k, SDPA same run (switch_ab.py)
+#   s46_tl       issue 10: timelines of one graph replay at 4k / 16k, the scan (priority 0 and highest) and the direct sort
 set -u
 OUT=${OUT:-/tmp/session_out}
 W=/tmp/session_work
@@ -510,9 +516,12 @@ step s41c_tests 240 python3 -m pytest -v -n ${NPROC:-16} -p no:benchmark --durat
 step s41c_fsb 300 bash -c "python3 benchmarks/fsb_forest_phases.py --lengths 262144 1048576 --out $W/fsb_forest_phases.json; python3 benchmarks/fsb_prefill_split.py --lengths 65536 262144 1048576 --providers forests forests_torch search select select_forests_torch --out $W/fsb_prefill_s41.json; python3 benchmarks/gpu_attention.py --providers triton_fsb triton_fs --shapes H16-D64 --modes fwd --lengths 262144 1048576 --budget-s 140 --out $W --tag _fsb_s41"
 step s41d_probe 150 bash -c "python3 benchmarks/fsb_dimchunk_probe.py; FREESOLO_TRITON_FSB_FORESTS=torch python3 benchmarks/fsb_dimchunk_probe.py"
 step s41e_tests 200 python3 -m pytest -v -n ${NPROC:-16} -p no:benchmark --durations=20 proofs_tests/test_triton_fsb_forests.py proofs_tests/test_triton_fsb_search.py proofs_tests/test_triton_decode.py proofs_tests/test_cache_gpu.py proofs_tests/test_models.py -k "(cuda or gpu or fsb or forests) and not cpu"
-step s45_prio 300 python3 benchmarks/side_priority_ab.py --out $W/side_priority_ab.json
+step s45_prio 300 python3 benchmarks/switch_ab.py --out $W/side_priority_ab.json
 step s45_tests 300 bash -c "python3 -m pytest -q -p no:benchmark proofs_tests/test_triton_graphs.py; python3 -m pytest -q -n ${NPROC:-16} -p no:benchmark -k 'cuda or gpu' proofs_tests/test_triton_backend.py"
 step s45_tl 200 python3 benchmarks/forward_timeline.py --lengths 4096 16384 65536 --variants fsl fs --out $W/forward_timeline.json
+step s46_tests 300 bash -c "python3 -m pytest -q -n ${NPROC:-16} -p no:benchmark -k 'cuda or gpu or direct' proofs_tests/test_triton_selection.py proofs_tests/test_triton_backend.py; python3 -m pytest -q -p no:benchmark proofs_tests/test_triton_graphs.py"
+step s46_direct 300 python3 benchmarks/switch_ab.py --arm scan: --arm direct:FREESOLO_TRITON_FSL_DIRECT_MAX_CELLS=1024 --arm direct_high:FREESOLO_TRITON_FSL_DIRECT_MAX_CELLS=1024,FREESOLO_TRITON_SIDE_PRIORITY=-100 --lengths 4096 8192 16384 32768 --fs-lengths --bwd-lengths 4096 --select --out $W/fsl_direct_ab.json
+step s46_tl 200 bash -c "python3 benchmarks/forward_timeline.py --lengths 4096 16384 --variants fsl --out $W/forward_timeline.json; FREESOLO_TRITON_FSL_DIRECT_MAX_CELLS=1024 python3 benchmarks/forward_timeline.py --lengths 4096 16384 --variants fsl --out $W/forward_timeline_direct.json"
 step s45_h16 240 bash -c "python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fs triton_fsb sdpa_causal fla_nsa flex_swa512 --shapes H16-D64 --modes fwd --lengths 4096 16384 65536 131072 --budget-s 170 --rep-ms 30 --out $W --tag _s45_h16; python3 benchmarks/gpu_attention.py --providers flex_fsl --shapes H16-D64 --modes fwd --lengths 16384 65536 --budget-s 50 --rep-ms 30 --out $W --tag _s45_flexfsl"
 step s45_bwd 120 python3 benchmarks/gpu_attention.py --providers triton_fsl sdpa_causal --shapes H16-D64 --modes fwd+bwd --lengths 4096 16384 --budget-s 80 --rep-ms 30 --out $W --tag _s45_bwd
 step s44_inter 330 bash -c "python3 benchmarks/fsb_prefill_split.py --lengths 262144 1048576 --providers search search_seq select select_seq --rep 50 --audit 0 --out $W/fsb_prefill_s44_inter.json; python3 -m pytest -q -n ${NPROC:-16} -p no:benchmark proofs_tests/test_triton_fsb_search.py -k 'cuda or gpu'"

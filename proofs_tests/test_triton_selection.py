@@ -130,11 +130,26 @@ def test_cell_stats_match_float64(B, T, Hkv, D, cell):
 def test_fsl_pools_equal_oracle(T, cell, block, pool, recent, tied, chunk):
     """cand[b, g, j] == oracle.block_candidates(a, n_j) as sets, every block, pools exactly, for
     scan steps (`chunk`) smaller than, equal to and larger than the cells per block."""
+    _check_pools(T, cell, block, pool, recent, tied, chunk, direct=False)
+
+
+@pytest.mark.parametrize(
+    "T,cell,block,pool,recent,tied",
+    [(200, 4, 8, 3, 2, True), (97, 4, 4, 4, 2, True), (63, 4, 8, 64, 2, False), (150, 2, 32, 3, 1, True)],
+    ids=lambda x: str(x),
+)
+def test_fsl_direct_pools_equal_oracle(T, cell, block, pool, recent, tied):
+    """The short-sequence kernel that sorts each block's older cells (`direct`): the same sets as the
+    oracle's, ties in a_c included, a pool larger than every older set, 16 cells per block."""
+    _check_pools(T, cell, block, pool, recent, tied, None, direct=True)
+
+
+def _check_pools(T, cell, block, pool, recent, tied, chunk, direct):
     B, Hkv, D = 2, 2, 8
     cfg = _cfg(cell=cell, block=block, window=block, pool=pool, recent=recent)
     k = _tied_keys(T, B, T, Hkv, D) if tied else random_qkv(T, B, T, 1, Hkv, D)[1]
     _, amax = cell_stats(_t(k), cell)
-    cand = fsl_candidates(amax, T, cfg, chunk=chunk).cpu().numpy()
+    cand = fsl_candidates(amax, T, cfg, chunk=chunk, direct=direct).cpu().numpy()
     nblocks = -(-T // block)
     assert cand.shape == (B, Hkv, nblocks, pool + recent) and cand.dtype == np.int32, (cand.shape, cand.dtype)
     ties = 0
@@ -152,6 +167,43 @@ def test_fsl_pools_equal_oracle(T, cell, block, pool, recent, tied, chunk):
                 assert len(got) <= pool + recent
     if tied:
         assert ties > 0, "the tied-keys input must produce equal a_c"
+
+
+def test_fsl_direct_switch(monkeypatch):
+    """FREESOLO_TRITON_FSL_DIRECT_MAX_CELLS picks the sorting kernel up to that many cells (the same
+    selections either way, with ties in a_c); bad values and a forced sort past its cap are errors."""
+    from freesolo.backends.triton import selection
+
+    monkeypatch.delenv(selection.ENV_FSL_DIRECT_MAX_CELLS, raising=False)
+    assert selection.fsl_direct_max_cells() == selection.FSL_DIRECT_MAX_CELLS
+    for bad in ("-1", "x", str(selection.DIRECT_CELLS_CAP + 1)):
+        monkeypatch.setenv(selection.ENV_FSL_DIRECT_MAX_CELLS, bad)
+        with pytest.raises(ValueError, match=selection.ENV_FSL_DIRECT_MAX_CELLS):
+            selection.fsl_direct_max_cells()
+    cfg = _cfg(pool=3, recent=2, top_k=2)
+    T = 150
+    q = random_qkv(5, 1, T, 2, 1, 8)[0]
+    k = _tied_keys(5, 1, T, 1, 8)
+    calls = []
+    real_launch = selection.launch
+
+    def counting_launch(kernel, *args, **kwargs):
+        calls.append(kernel)
+        return real_launch(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(selection, "launch", counting_launch)
+    picked = {}
+    for limit in ("0", str(T // cfg.cell)):
+        monkeypatch.setenv(selection.ENV_FSL_DIRECT_MAX_CELLS, limit)
+        calls.clear()
+        picked[limit] = _select(q, k, cfg)
+        direct_ran = selection._fsl_cand_direct_kernel in calls
+        assert direct_ran == (limit != "0"), (limit, calls)
+        assert (selection._fsl_pool_scan_kernel in calls) == (limit == "0"), (limit, calls)
+    np.testing.assert_array_equal(picked["0"], picked[str(T // cfg.cell)])
+    with pytest.raises(ValueError, match="direct=True"):
+        too_many = selection.DIRECT_CELLS_CAP + 1
+        fsl_candidates(torch.zeros(1, 1, too_many), 32 * too_many, FreeSoloConfig(), direct=True)
 
 
 # ---- selection against the oracle (L8) -------------------------------------------------------
@@ -449,3 +501,26 @@ def test_cuda_int64_offsets_fsl_at_1m():
             assert len(real) == len(cells), f"(b={b}, i={i}, h={h}): {got} vs {cells}"
             gap = (torch.sort(score(real)).values - torch.sort(score(cells)).values).abs().max().item()
             assert gap <= 2e-4, f"(b={b}, i={i}, h={h}): {got} vs {cells}, score gap {gap:.2e}"
+
+
+@needs_cuda
+@pytest.mark.parametrize("T", [4096, 8192, 32768])
+def test_cuda_fsl_direct_candidates_equal_scan(T, monkeypatch):
+    """The sorting candidate kernel (`direct`) against the pool scan on the device, default config
+    (pool 64, recent 8, block 128): the same set in every block, on bf16 keys with ties in a_c (keys
+    v * e_d) and on iid keys; then the same selections through `select_cells`."""
+    cfg = FreeSoloConfig(variant="fsl")
+    for keys in ("tied", "iid"):
+        k = _tied_keys(T, 2, T, 2, 64) if keys == "tied" else random_qkv(T, 2, T, 1, 2, 64)[1]
+        kt = _t(k, torch.bfloat16, "cuda")
+        _, amax = cell_stats(kt, cfg.cell)
+        scan = fsl_candidates(amax, T, cfg, direct=False)
+        direct = fsl_candidates(amax, T, cfg, direct=True)
+        assert torch.equal(scan.sort(-1).values, direct.sort(-1).values), (keys, T)
+    q = _t(random_qkv(T + 1, 2, T, 4, 2, 64)[0], torch.bfloat16, "cuda")
+    from freesolo.backends.triton import selection
+
+    monkeypatch.setenv(selection.ENV_FSL_DIRECT_MAX_CELLS, "0")
+    base = select_cells(q, kt, cfg)
+    monkeypatch.setenv(selection.ENV_FSL_DIRECT_MAX_CELLS, str(selection.DIRECT_CELLS_CAP))
+    assert torch.equal(select_cells(q, kt, cfg), base)

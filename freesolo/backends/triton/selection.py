@@ -51,6 +51,7 @@ __all__ = [
     "cell_stats",
     "fsl_tail_width",
     "fsl_candidates",
+    "fsl_direct_max_cells",
     "head_params",
     "pool_chunk",
     "score_tiles",
@@ -261,6 +262,41 @@ def _fsl_cand_kernel(
             pool_a, pool_c, pool_r = _merge_cells(pool_a, pool_c, pool_r, live, amax_row, prev, m_j, NEW_PAD, POOL, P_PAD)
             prev = m_j
         _store_cand_row(CAND, pid, j, NBLOCKS, pool_a, pool_c, m_j, n_j, POOL, P_PAD, RECENT, R_PAD)
+
+
+@triton.jit
+def _fsl_cand_direct_kernel(
+    AMAX,  # fp32 [B, Hkv, C]
+    CAND,  # int32 [B, Hkv, NBLOCKS, POOL + RECENT]
+    C,
+    NBLOCKS,
+    POOL: tl.constexpr,
+    RECENT: tl.constexpr,
+    CELLS_PER_BLOCK: tl.constexpr,  # Bq / s
+    N_PAD: tl.constexpr,  # a power of two >= max(C, POOL)
+    R_PAD: tl.constexpr,
+):
+    """The candidate row of query block j straight from the definition of spec §5 (one program per
+    (j, b * Hkv + g), all in parallel, no pool stream): the older cells [0, m_j) sorted on
+    (a_c desc, c desc) as one int64 key each, (bits of a_c) << 32 | c (a_c >= 0, so its float32
+    bits order like its value; a tie in a_c is decided by the larger c), the first POOL of them
+    stored, then the recent cells. O(N_PAD log^2 N_PAD) per block: for short sequences only
+    (`fsl_candidates`: C <= `fsl_direct_max_cells()`), where it replaces the scan's two launches."""
+    j = tl.program_id(0).to(tl.int64)
+    pid = tl.program_id(1).to(tl.int64)  # b * Hkv + g
+    n_j = j * CELLS_PER_BLOCK
+    m_j = tl.maximum(n_j - RECENT, 0)  # older cells [0, m_j)
+    c = tl.arange(0, N_PAD)
+    older = c < m_j
+    a = tl.load(AMAX + pid * C + c, mask=older, other=0.0)
+    key = (a.to(tl.int32, bitcast=True).to(tl.int64) << 32) | c.to(tl.int64)
+    key = tl.sort(tl.where(older, key, -1), descending=True)  # absent cells (-1) last
+    slot_cell = tl.where(key >= 0, (key & 0xFFFFFFFF).to(tl.int32), -1)
+    row = CAND + (pid * NBLOCKS + j) * (POOL + RECENT)
+    tl.store(row + c, slot_cell, mask=c < POOL)
+    r_off = tl.arange(0, R_PAD)
+    rc = m_j + r_off
+    tl.store(row + POOL + r_off, tl.where(rc < n_j, rc, -1).to(tl.int32), mask=r_off < RECENT)
 
 
 @triton.jit
@@ -611,8 +647,40 @@ def pool_chunk(pool: int) -> int:
     return max(16, min(64, 4096 // next_pow2(pool)))
 
 
-def fsl_candidates(amax: torch.Tensor, T: int, cfg: FreeSoloConfig, chunk: Optional[int] = None) -> torch.Tensor:
-    """FS-L candidate cells of every query block (spec §5), linear in T, in two kernels:
+# Short sequences: FS-L candidates straight from spec §5's definition (`_fsl_cand_direct_kernel`,
+# one launch, a sort of the older cells per block) up to this many cells, instead of the pool scan
+# and its continuation (two launches whose sequential depth is the critical path of the side stream
+# at 4k: 8.7 + 13.0 us on the H100, s41 profile). 0 = always the scan (the default until the two are
+# measured against each other on the GPU). FREESOLO_TRITON_FSL_DIRECT_MAX_CELLS overrides it
+# (process-wide, read at each call; at most DIRECT_CELLS_CAP).
+FSL_DIRECT_MAX_CELLS = 0
+DIRECT_CELLS_CAP = 1024
+ENV_FSL_DIRECT_MAX_CELLS = "FREESOLO_TRITON_FSL_DIRECT_MAX_CELLS"
+
+
+def fsl_direct_max_cells() -> int:
+    """The most cells C = T // s for which `fsl_candidates` sorts each block's older cells (one
+    launch) instead of scanning: FSL_DIRECT_MAX_CELLS or the environment's override."""
+    raw = os.environ.get(ENV_FSL_DIRECT_MAX_CELLS, "").strip()
+    if raw == "":
+        return FSL_DIRECT_MAX_CELLS
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= DIRECT_CELLS_CAP:
+        raise ValueError(
+            f"environment variable {ENV_FSL_DIRECT_MAX_CELLS}={raw!r} must be an integer in [0, {DIRECT_CELLS_CAP}]"
+        )
+    return value
+
+
+def fsl_candidates(
+    amax: torch.Tensor, T: int, cfg: FreeSoloConfig, chunk: Optional[int] = None, direct: Optional[bool] = None
+) -> torch.Tensor:
+    """FS-L candidate cells of every query block (spec §5). Short sequences (C <= `fsl_direct_max_cells()`,
+    or direct=True) take one kernel, `_fsl_cand_direct_kernel`: each block sorts its older cells on
+    (a_c desc, c desc) and keeps the first P (the pool slots in that order). Otherwise, linear in T, two kernels:
 
     1. `_fsl_pool_scan_kernel`, one program per (b, kv head): the streaming form of §5 over the
        older cells in chunks of `chunk` cells (the cells leaving the recent window compete with the
@@ -626,10 +694,14 @@ def fsl_candidates(amax: torch.Tensor, T: int, cfg: FreeSoloConfig, chunk: Optio
        union is associative), then the W recent cells [m_j, n_j). O(P * Bq / s) per block
        (the s22 kernel ranked BASE[t] + up to chunk cells per block: O((P + chunk)^2)).
 
+    Both give the same sets, for a_c >= 0 (norms; NaN norms give unspecified candidates).
+
     Args:
         amax: fp32 [B, Hkv, C] max key norms (from `cell_stats`).
         T: sequence length (nblocks = ceil(T / block)).
         chunk: scan step in cells (default `pool_chunk(pool)`; a power of two; tests use small ones).
+        direct: True / False force the sorting kernel / the scan (True needs C <= DIRECT_CELLS_CAP);
+            None: the sort up to `fsl_direct_max_cells()` cells.
     Returns:
         cand int32 [B, Hkv, nblocks, pool + recent]: the pool's slots (unordered, -1 = empty),
         then the recent cells [max(0, n_j - W), n_j) (-1 past n_j).
@@ -641,10 +713,21 @@ def fsl_candidates(amax: torch.Tensor, T: int, cfg: FreeSoloConfig, chunk: Optio
     chunk = chunk or pool_chunk(P)
     if chunk & (chunk - 1):
         raise ValueError(f"chunk={chunk} must be a power of two")
+    if direct is None:
+        direct = C <= fsl_direct_max_cells()
+    elif direct and C > DIRECT_CELLS_CAP:
+        raise ValueError(f"direct=True sorts every block's cells: C={C} must be <= {DIRECT_CELLS_CAP}")
     cand = torch.empty((B, Hkv, nblocks, P + W), dtype=torch.int32, device=amax.device)
     if B * Hkv * nblocks == 0:
         return cand
     amax = amax.contiguous()
+    if direct:
+        launch(_fsl_cand_direct_kernel, (nblocks, B * Hkv),
+            amax, cand, C, nblocks,
+            POOL=P, RECENT=W, CELLS_PER_BLOCK=cpb, N_PAD=max(2, next_pow2(max(C, P))), R_PAD=next_pow2(W),
+            num_warps=4 if max(C, P) >= 256 else 1,
+        )  # fmt: skip
+        return cand
     m_last = max(0, (nblocks - 1) * cpb - W)
     nchunks = cdiv(m_last, chunk)
     base = torch.empty((B, Hkv, nchunks + 1, P), dtype=torch.int32, device=amax.device)
