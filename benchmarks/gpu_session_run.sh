@@ -343,8 +343,8 @@
 #                each; fla_install first): triton FS-L / FS / FS-B, SDPA, fla NSA, Flex SWA-512 at 4k ... 128k, flex_fsl
 #                at 16k / 64k; then --merge --supersede into results/gpu_attention.json
 #   s45_bwd      issue 11 guard: FS-L fwd+bwd through the API against SDPA at 4k / 16k (the graphed backward)
-#   s46_tests    the CUDA tests of the short-sequence FS-L candidate kernel (FREESOLO_TRITON_FSL_DIRECT_MAX_CELLS), the
-#                selection, the graph cache and the backend
+#   s46_tests    the CUDA tests of the short-sequence FS-L candidate kernel (FREESOLO_TRITON_FSL_DIRECT_MAX_CELLS) and
+#                the selection; the backend, L12, forward and graph-cache CUDA tests with that kernel up to 1024 cells
 #   s46_direct   issue 10: FS-L candidates by the pool scan vs the direct sort (and the sort with the side stream at the
 #                highest priority), API / user graph / select_cells, 4k ... 32k, SDPA same run (switch_ab.py)
 #   s46_tl       issue 10: timelines of one graph replay at 4k / 16k, the scan (priority 0 and highest) and the direct sort
@@ -519,7 +519,7 @@ step s41e_tests 200 python3 -m pytest -v -n ${NPROC:-16} -p no:benchmark --durat
 step s45_prio 300 python3 benchmarks/switch_ab.py --out $W/side_priority_ab.json
 step s45_tests 300 bash -c "python3 -m pytest -q -p no:benchmark proofs_tests/test_triton_graphs.py; python3 -m pytest -q -n ${NPROC:-16} -p no:benchmark -k 'cuda or gpu' proofs_tests/test_triton_backend.py"
 step s45_tl 200 python3 benchmarks/forward_timeline.py --lengths 4096 16384 65536 --variants fsl fs --out $W/forward_timeline.json
-step s46_tests 300 bash -c "python3 -m pytest -q -n ${NPROC:-16} -p no:benchmark -k 'cuda or gpu or direct' proofs_tests/test_triton_selection.py proofs_tests/test_triton_backend.py; python3 -m pytest -q -p no:benchmark proofs_tests/test_triton_graphs.py"
+step s46_tests 300 bash -c "python3 -m pytest -q -n ${NPROC:-16} -p no:benchmark -k 'cuda or gpu or direct' proofs_tests/test_triton_selection.py; FREESOLO_TRITON_FSL_DIRECT_MAX_CELLS=1024 python3 -m pytest -q -n ${NPROC:-16} -p no:benchmark -k 'cuda or gpu' proofs_tests/test_triton_backend.py proofs_tests/test_row_independence.py proofs_tests/test_triton_attention.py; FREESOLO_TRITON_FSL_DIRECT_MAX_CELLS=1024 python3 -m pytest -q -p no:benchmark proofs_tests/test_triton_graphs.py"
 step s46_direct 300 python3 benchmarks/switch_ab.py --arm scan: --arm direct:FREESOLO_TRITON_FSL_DIRECT_MAX_CELLS=1024 --arm direct_high:FREESOLO_TRITON_FSL_DIRECT_MAX_CELLS=1024,FREESOLO_TRITON_SIDE_PRIORITY=-100 --lengths 4096 8192 16384 32768 --fs-lengths --bwd-lengths 4096 --select --out $W/fsl_direct_ab.json
 step s46_tl 200 bash -c "python3 benchmarks/forward_timeline.py --lengths 4096 16384 --variants fsl --out $W/forward_timeline.json; FREESOLO_TRITON_FSL_DIRECT_MAX_CELLS=1024 python3 benchmarks/forward_timeline.py --lengths 4096 16384 --variants fsl --out $W/forward_timeline_direct.json"
 step s45_h16 240 bash -c "python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fs triton_fsb sdpa_causal fla_nsa flex_swa512 --shapes H16-D64 --modes fwd --lengths 4096 16384 65536 131072 --budget-s 170 --rep-ms 30 --out $W --tag _s45_h16; python3 benchmarks/gpu_attention.py --providers flex_fsl --shapes H16-D64 --modes fwd --lengths 16384 65536 --budget-s 50 --rep-ms 30 --out $W --tag _s45_flexfsl"
