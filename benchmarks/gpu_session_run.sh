@@ -347,6 +347,7 @@
 #                the selection; the backend, L12, forward and graph-cache CUDA tests with that kernel up to 1024 cells
 #   s46_direct   issue 10: FS-L candidates by the pool scan vs the direct sort (and the sort with the side stream at the
 #                highest priority), API / user graph / select_cells, 4k ... 32k, SDPA same run (switch_ab.py)
+#   s46_min      the smallest A/B of the direct candidates: 4k / 8k (API, graph, select_cells), timelines at 4k
 #   s46_quick    s46_direct + s46_tl + the direct kernel's CUDA tests cut to ~4 minutes (4k / 8k / 16k; the timeline at 4k)
 #   s46_tl       issue 10: timelines of one graph replay at 4k / 16k, the scan (priority 0 and highest) and the direct sort
 set -u
@@ -520,6 +521,7 @@ step s41e_tests 200 python3 -m pytest -v -n ${NPROC:-16} -p no:benchmark --durat
 step s45_prio 300 python3 benchmarks/switch_ab.py --out $W/side_priority_ab.json
 step s45_tests 300 bash -c "python3 -m pytest -q -p no:benchmark proofs_tests/test_triton_graphs.py; python3 -m pytest -q -n ${NPROC:-16} -p no:benchmark -k 'cuda or gpu' proofs_tests/test_triton_backend.py"
 step s45_tl 200 python3 benchmarks/forward_timeline.py --lengths 4096 16384 65536 --variants fsl fs --out $W/forward_timeline.json
+step s46_min 200 bash -c "python3 benchmarks/switch_ab.py --arm scan: --arm direct:FREESOLO_TRITON_FSL_DIRECT_MAX_CELLS=1024 --lengths 4096 8192 --fs-lengths --bwd-lengths --select --rep 60 --out $W/fsl_direct_ab.json; python3 benchmarks/forward_timeline.py --lengths 4096 --variants fsl --priorities 0 --replays 3 --out $W/forward_timeline.json; FREESOLO_TRITON_FSL_DIRECT_MAX_CELLS=1024 python3 benchmarks/forward_timeline.py --lengths 4096 --variants fsl --priorities 0 --replays 3 --out $W/forward_timeline_direct.json"
 step s46_quick 280 bash -c "python3 benchmarks/switch_ab.py --arm scan: --arm direct:FREESOLO_TRITON_FSL_DIRECT_MAX_CELLS=1024 --lengths 4096 8192 16384 --fs-lengths --bwd-lengths --select --out $W/fsl_direct_ab.json; python3 benchmarks/forward_timeline.py --lengths 4096 --variants fsl --priorities 0 --replays 3 --out $W/forward_timeline.json; FREESOLO_TRITON_FSL_DIRECT_MAX_CELLS=1024 python3 benchmarks/forward_timeline.py --lengths 4096 --variants fsl --priorities 0 --replays 3 --out $W/forward_timeline_direct.json; python3 -m pytest -q -n 8 -p no:benchmark -k direct proofs_tests/test_triton_selection.py"
 step s46_direct 300 python3 benchmarks/switch_ab.py --arm scan: --arm direct:FREESOLO_TRITON_FSL_DIRECT_MAX_CELLS=1024 --arm direct_high:FREESOLO_TRITON_FSL_DIRECT_MAX_CELLS=1024,FREESOLO_TRITON_SIDE_PRIORITY=-100 --lengths 4096 8192 16384 32768 --fs-lengths --bwd-lengths 4096 --select --out $W/fsl_direct_ab.json
 step s46_tl 200 bash -c "python3 benchmarks/forward_timeline.py --lengths 4096 16384 --variants fsl --out $W/forward_timeline.json; FREESOLO_TRITON_FSL_DIRECT_MAX_CELLS=1024 python3 benchmarks/forward_timeline.py --lengths 4096 16384 --variants fsl --out $W/forward_timeline_direct.json"
