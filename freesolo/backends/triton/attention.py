@@ -1199,7 +1199,7 @@ def overlaps_selection(T: int, device: torch.device) -> bool:
 # also reaches the graphed short calls (`graphs.py`). An urgent side stream lets the block scheduler
 # start the selection chain's blocks (statistics, pool scan, candidates, scoring, unions: the long
 # kernel's critical path) before the window kernel's pending tiles. Measured on the H100 (s45 call1,
-# bf16 H16 D64, `benchmarks/side_priority_ab.py`, one user CUDA graph, priority 0 -> highest (-3)):
+# bf16 H16 D64, `benchmarks/side_priority_ab.py`, now `switch_ab.py`; one user CUDA graph, priority 0 -> highest (-3)):
 # FS-L 4k 0.1386 -> 0.1312 ms, 8k 0.2475 -> 0.2410, 16k 0.4638 -> 0.4555, 64k 1.654 -> 1.668 (eager
 # 1.667 -> 1.713); FS 4k 0.1274 -> 0.1294. Mixed and at most 5 %, and the change's effect through the
 # API (graph cache copies included) and the CUDA test suite at such a default could not be run this
