@@ -201,8 +201,8 @@ def test_fsl_direct_switch(monkeypatch):
         assert direct_ran == (limit != "0"), (limit, calls)
         assert (selection._fsl_pool_scan_kernel in calls) == (limit == "0"), (limit, calls)
     np.testing.assert_array_equal(picked["0"], picked[str(T // cfg.cell)])
+    too_many = selection.DIRECT_CELLS_CAP + 1
     with pytest.raises(ValueError, match="direct=True"):
-        too_many = selection.DIRECT_CELLS_CAP + 1
         fsl_candidates(torch.zeros(1, 1, too_many), 32 * too_many, FreeSoloConfig(), direct=True)
 
 

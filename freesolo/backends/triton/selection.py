@@ -214,9 +214,16 @@ def _store_cand_row(CAND, pid, j, NBLOCKS, pool_a, pool_c, m_j, n_j,
                     POOL: tl.constexpr, P_PAD: tl.constexpr, RECENT: tl.constexpr, R_PAD: tl.constexpr):  # fmt: skip
     """cand[pid, j]: the pool's P slots (cells, -1 for an empty slot), then the recent cells [m_j, n_j) (-1 past n_j)."""
     slot = tl.arange(0, P_PAD)
-    r_off = tl.arange(0, R_PAD)
     row = CAND + (pid * NBLOCKS + j) * (POOL + RECENT)
     tl.store(row + slot, tl.where(pool_a >= 0.0, pool_c, -1).to(tl.int32), mask=slot < POOL)
+    _store_recent_cells(row, m_j, n_j, POOL, RECENT, R_PAD)
+
+
+@triton.jit
+def _store_recent_cells(row, m_j, n_j, POOL: tl.constexpr, RECENT: tl.constexpr, R_PAD: tl.constexpr):
+    """The recent part of one cand row (`row` points at its first slot): cells [m_j, n_j) after the
+    POOL slots, -1 past n_j."""
+    r_off = tl.arange(0, R_PAD)
     rc = m_j + r_off
     tl.store(row + POOL + r_off, tl.where(rc < n_j, rc, -1).to(tl.int32), mask=r_off < RECENT)
 
@@ -294,9 +301,7 @@ def _fsl_cand_direct_kernel(
     slot_cell = tl.where(key >= 0, (key & 0xFFFFFFFF).to(tl.int32), -1)
     row = CAND + (pid * NBLOCKS + j) * (POOL + RECENT)
     tl.store(row + c, slot_cell, mask=c < POOL)
-    r_off = tl.arange(0, R_PAD)
-    rc = m_j + r_off
-    tl.store(row + POOL + r_off, tl.where(rc < n_j, rc, -1).to(tl.int32), mask=r_off < RECENT)
+    _store_recent_cells(row, m_j, n_j, POOL, RECENT, R_PAD)
 
 
 @triton.jit
