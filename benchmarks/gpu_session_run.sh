@@ -349,6 +349,7 @@
 #                highest priority), API / user graph / select_cells, 4k ... 32k, SDPA same run (switch_ab.py)
 #   s46_min      the smallest A/B of the direct candidates: 4k / 8k (API, graph, select_cells), timelines at 4k
 #   s46_quick    s46_direct + s46_tl + the direct kernel's CUDA tests cut to ~4 minutes (4k / 8k / 16k; the timeline at 4k)
+#   s46_sanitize memcheck + racecheck of the direct FS-L candidate kernel (sanitize_triton.py fsl_direct, ~1 min)
 #   s46_tl       issue 10: timelines of one graph replay at 4k / 16k, the scan (priority 0 and highest) and the direct sort
 set -u
 OUT=${OUT:-/tmp/session_out}
@@ -526,6 +527,7 @@ step s46_quick 280 bash -c "python3 benchmarks/switch_ab.py --arm scan: --arm di
 step s46_direct 300 python3 benchmarks/switch_ab.py --arm scan: --arm direct:FREESOLO_TRITON_FSL_DIRECT_MAX_CELLS=1024 --arm direct_high:FREESOLO_TRITON_FSL_DIRECT_MAX_CELLS=1024,FREESOLO_TRITON_SIDE_PRIORITY=-100 --lengths 4096 8192 16384 32768 --fs-lengths --bwd-lengths 4096 --select --out $W/fsl_direct_ab.json
 step s46_tl 200 bash -c "python3 benchmarks/forward_timeline.py --lengths 4096 16384 --variants fsl --out $W/forward_timeline.json; FREESOLO_TRITON_FSL_DIRECT_MAX_CELLS=1024 python3 benchmarks/forward_timeline.py --lengths 4096 16384 --variants fsl --out $W/forward_timeline_direct.json"
 step s46_tests 300 bash -c "python3 -m pytest -q -n ${NPROC:-16} -p no:benchmark -k 'cuda or gpu or direct' proofs_tests/test_triton_selection.py; FREESOLO_TRITON_FSL_DIRECT_MAX_CELLS=1024 python3 -m pytest -q -n ${NPROC:-16} -p no:benchmark -k 'cuda or gpu' proofs_tests/test_triton_backend.py proofs_tests/test_row_independence.py proofs_tests/test_triton_attention.py; FREESOLO_TRITON_FSL_DIRECT_MAX_CELLS=1024 python3 -m pytest -q -p no:benchmark proofs_tests/test_triton_graphs.py"
+step s46_sanitize 150 bash -c "compute-sanitizer --tool memcheck python3 benchmarks/sanitize_triton.py fsl_direct && compute-sanitizer --tool racecheck python3 benchmarks/sanitize_triton.py fsl_direct"
 step s45_h16 240 bash -c "python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fs triton_fsb sdpa_causal fla_nsa flex_swa512 --shapes H16-D64 --modes fwd --lengths 4096 16384 65536 131072 --budget-s 170 --rep-ms 30 --out $W --tag _s45_h16; python3 benchmarks/gpu_attention.py --providers flex_fsl --shapes H16-D64 --modes fwd --lengths 16384 65536 --budget-s 50 --rep-ms 30 --out $W --tag _s45_flexfsl"
 step s45_bwd 120 python3 benchmarks/gpu_attention.py --providers triton_fsl sdpa_causal --shapes H16-D64 --modes fwd+bwd --lengths 4096 16384 --budget-s 80 --rep-ms 30 --out $W --tag _s45_bwd
 step s44_inter 330 bash -c "python3 benchmarks/fsb_prefill_split.py --lengths 262144 1048576 --providers search search_seq select select_seq --rep 50 --audit 0 --out $W/fsb_prefill_s44_inter.json; python3 -m pytest -q -n ${NPROC:-16} -p no:benchmark proofs_tests/test_triton_fsb_search.py -k 'cuda or gpu'"

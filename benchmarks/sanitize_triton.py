@@ -5,6 +5,7 @@ forest carries) and of the FS-B search and tree builder for compute-sanitizer (m
 
     compute-sanitizer --tool memcheck python benchmarks/sanitize_triton.py
     compute-sanitizer --tool racecheck python benchmarks/sanitize_triton.py [forward_backward] [decode] [fsb_search] [fsb_build] [fsb_build_small]
+    compute-sanitizer --tool racecheck python benchmarks/sanitize_triton.py fsl_direct   # the s46 candidate kernel alone
     compute-sanitizer --tool racecheck python benchmarks/sanitize_triton.py decode_fsb   # FS-B decode alone, builds traced
     python benchmarks/sanitize_triton.py fsb_build_repeat decode_fsb_repeat   # repeated runs, bitwise (no sanitizer)
 
@@ -165,6 +166,8 @@ def main(parts=("forward_backward", "decode", "fsb_search", "fsb_build", "fsb_bu
         saved_min_t, att.SORTED_LONG_MIN_T = att.SORTED_LONG_MIN_T, 0  # the long tiles sorted by selection at any T
         forward_backward(None)
         att.SORTED_LONG_MIN_T = saved_min_t
+    if "forward_backward" in parts or "fsl_direct" in parts:
+        fsl_direct()
     if "decode" in parts:
         decode()
     if "fsb_search" in parts:
@@ -183,6 +186,24 @@ def main(parts=("forward_backward", "decode", "fsb_search", "fsb_build", "fsb_bu
     if "fsb_build_repeat" in parts:  # no sanitizer: do repeated builds of the same inputs give the same bits?
         fsb_build(D=32, cases=small, repeats=200)
         fsb_build(cases=((5, None), (9, 2)), repeats=50)
+
+
+def fsl_direct():
+    """The FS-L candidates of short sequences by one sorting launch (`_fsl_cand_direct_kernel`, s46):
+    the forward + backward with it on, then the kernel alone on the default config at 1k / 8k / 32k
+    keys (N_PAD 64: the 64 pool slots pad 31 cells; 256 on 4 warps; 1024 at the cap)."""
+    from freesolo.backends.triton import selection
+
+    os.environ[selection.ENV_FSL_DIRECT_MAX_CELLS] = str(selection.DIRECT_CELLS_CAP)
+    forward_backward(None)
+    del os.environ[selection.ENV_FSL_DIRECT_MAX_CELLS]
+    cfg = freesolo.FreeSoloConfig(variant="fsl")
+    for T in (1000, 8192, 32768):
+        k = torch.randn(2, T, 2, 64, device="cuda", dtype=torch.bfloat16)
+        _, amax = selection.cell_stats(k, cfg.cell)
+        cand = selection.fsl_candidates(amax, T, cfg, direct=True)
+        torch.cuda.synchronize()
+        print("fsl_direct", T, "ok", tuple(cand.shape), int(cand.max()))
 
 
 def fsb_search():
