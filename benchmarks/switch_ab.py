@@ -14,7 +14,8 @@ backend's cached CUDA graphs dropped between arms (the switches are part of thei
 SDPA causal (forward, forward + backward) in the same run. B 1, H 16, D 64, bf16, iid keys. The
 default arms compare the selection side stream's priority (torch's 0 against the device's highest,
 `FREESOLO_TRITON_SIDE_PRIORITY=-100`, clamped by torch); s46 adds the short-sequence FS-L candidate
-kernel (`FREESOLO_TRITON_FSL_DIRECT_MAX_CELLS`):
+kernel (`FREESOLO_TRITON_FSL_DIRECT_MAX_CELLS`), s47 the cached graphs that read the caller's inputs
+in place (`FREESOLO_TRITON_GRAPH_DIRECT`, not a kernel switch: it changes the API time only):
 
     python benchmarks/switch_ab.py --out $OUT/side_priority_ab.json                   # ~2 min on an H100
     python benchmarks/switch_ab.py --arm scan: --arm direct:FREESOLO_TRITON_FSL_DIRECT_MAX_CELLS=1024 \\
@@ -41,20 +42,22 @@ from freesolo.backends.triton import graphs, selection  # noqa: E402
 
 __all__ = ["DEFAULT_ARMS", "parse_arm", "main"]
 
+# the kernels' switches, and whether the graph cache may read the caller's inputs in place (s47)
+SWITCHES = graphs.KNOB_ENVS + (graphs.DIRECT_ENV,)
 DEFAULT_ARMS = ("p0:FREESOLO_TRITON_SIDE_PRIORITY=0", "high:FREESOLO_TRITON_SIDE_PRIORITY=-100")
 H, D = 16, 64
 
 
 def parse_arm(text: str) -> tuple[str, dict]:
-    """'NAME:VAR=VALUE,VAR=VALUE' -> (NAME, {VAR: VALUE}); every VAR must be one of graphs.KNOB_ENVS."""
+    """'NAME:VAR=VALUE,VAR=VALUE' -> (NAME, {VAR: VALUE}); every VAR must be one of `SWITCHES`."""
     name, _, body = text.partition(":")
     if not name:
         raise SystemExit(f"--arm {text!r}: expected NAME:VAR=VALUE,...")
     values = {}
     for item in filter(None, body.split(",")):
         var, eq, value = item.partition("=")
-        if not eq or var not in graphs.KNOB_ENVS:
-            raise SystemExit(f"--arm {text!r}: {item!r} is not VAR=VALUE with VAR one of {graphs.KNOB_ENVS}")
+        if not eq or var not in SWITCHES:
+            raise SystemExit(f"--arm {text!r}: {item!r} is not VAR=VALUE with VAR one of {SWITCHES}")
         values[var] = value
     return name, values
 
@@ -66,7 +69,7 @@ def _set_arm(values: dict, every_var: set) -> dict:
     os.environ.update(values)
     graphs.clear()  # (the key holds the switches too; clearing keeps the memory of one arm at a time)
     return {"side_stream_priority": int(att._side_stream(torch.device("cuda"), att.side_priority()).priority),
-            "fsl_direct_max_cells": selection.fsl_direct_max_cells()}  # fmt: skip
+            "fsl_direct_max_cells": selection.fsl_direct_max_cells(), "graph_direct": graphs.direct_inputs()}  # fmt: skip
 
 
 def _call(variant: str, T: int, mode: str):
@@ -134,7 +137,8 @@ def case(variant: str, T: int, mode: str, arms: dict, rep: int, rounds: int, sel
             # (a backward in a user graph needs static gradients: the forward only)
             graph = graph_replay_ms(fn, rep) if mode == "fwd" else None
             select_ms = _bench(sel, rep) if sel is not None else None
-            row["rounds"][arm].append({"api_ms": api, "graph_ms": graph, "select_ms": select_ms})
+            row["rounds"][arm].append({"api_ms": api, "graph_ms": graph, "select_ms": select_ms,
+                                       "graph_cache": graphs.CACHE.stats, "direct_graphs": graphs.CACHE.direct_stats})
     first = next(iter(arms))
     row["same_bits"] = all(torch.equal(a, b) for arm in arms for a, b in zip(outs[first], outs[arm]))
     for arm in arms:

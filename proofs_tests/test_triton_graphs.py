@@ -100,7 +100,8 @@ class _Emulated(graphs._Graph):
     code's (one stream: no stream ordering)."""
 
     def _capture(self, body, args):
-        self._run = lambda: body(*self.inputs, *args)
+        inputs = self.inputs  # what a CUDA graph would read: the static buffers, or the caller's memory (`on_inputs`)
+        self._run = lambda: body(*inputs, *args)
         return self._run()
 
     def _replay(self):
@@ -201,6 +202,82 @@ def test_a_constant_input_is_read_in_place_and_keyed_by_its_identity(monkeypatch
     assert cache.captures == 2 and torch.equal(y, x * other), "a copied input shared the constant's graph"
 
 
+def test_direct_graphs_read_repeated_addresses_in_place_and_others_are_copied(monkeypatch):
+    """`call_direct` on emulated graphs: eager, then the copying graph; the third call at the addresses
+    of the second captures a graph on the caller's tensors, later calls there replay it without copies
+    (an in-place change of the inputs is read); inputs elsewhere take the copying graph, and a second
+    call at the new addresses captures a graph of their own. Every output equals the direct computation."""
+    cache = graphs.GraphCache(capture=_Emulated)
+    w = torch.tensor([1.0, -2.0, 3.0])
+    x = torch.arange(6.0).reshape(2, 3)
+
+    def check(x):
+        out, graph = cache.call_direct("k", _fwd_body, (x, w), ("t",))
+        assert torch.equal(out[0], x * w) and torch.equal(out[1], x.sum(dim=-1))
+        return graph
+
+    assert check(x) is None
+    copying = check(x)
+    assert copying is not None and cache.stats["captures"] == 1
+    assert cache.direct_stats["captures"] == 0, "the copying graph's capture call captured a direct graph too"
+    direct = check(x)
+    assert direct is not copying and direct.inputs == () and direct._copied_in == ()
+    assert cache.direct_stats == {"graphs": 1, "captures": 1, "replays": 1, "evictions": 0, "disabled": False}
+    x.mul_(-1.5)  # the graph reads the memory, not a copy taken at its capture
+    assert check(x) is direct
+    y = x.clone() + 1
+    assert check(y) is copying, "inputs at other addresses did not take the copying graph"
+    assert check(y) not in (copying, direct) and cache.direct_stats["graphs"] == 2
+    assert check(x) is direct
+    strided = torch.as_strided(x, (2, 3), (1, 2))  # x's memory and shape, other strides: not the captured layout
+    assert strided.data_ptr() == x.data_ptr()
+    assert check(strided) is copying
+    assert cache.direct_stats["replays"] == 4 and cache.stats["replays"] == 3, (cache.stats, cache.direct_stats)
+    cache.clear()
+    assert cache.direct_stats == {"graphs": 0, "captures": 0, "replays": 0, "evictions": 0, "disabled": False}
+
+
+def test_direct_graphs_evict_and_turn_off_when_addresses_keep_changing(monkeypatch):
+    monkeypatch.setattr(graphs, "MAX_DIRECT_ENTRIES", 2)
+    monkeypatch.setattr(graphs, "MAX_DIRECT_EVICTIONS", 3)
+    cache = graphs.GraphCache(capture=_Emulated)
+    w = torch.tensor([2.0, 0.5])
+    xs = [torch.full((3, 2), float(i)) for i in range(6)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x in xs:
+            for _ in range(3):
+                out, _graph = cache.call_direct("k", _fwd_body, (x, w), ("t",))
+                assert torch.equal(out[0], x * w)
+    stats = cache.direct_stats
+    assert stats["disabled"] and stats["evictions"] == 3 and stats["graphs"] == 0, stats
+    assert any(graphs.DIRECT_ENV in str(item.message) for item in caught), "turning direct graphs off was not warned"
+    assert not cache.disabled, "the copying graphs were turned off with the direct ones"
+    replays = cache.replays
+    for _ in range(3):
+        out, graph = cache.call_direct("k", _fwd_body, (xs[0], w), ("t",))
+        assert torch.equal(out[0], xs[0] * w) and graph is not None
+    assert cache.replays == replays + 3 and cache.direct_stats["captures"] == stats["captures"]
+
+
+def test_run_takes_the_direct_graphs_only_when_switched_on(monkeypatch):
+    cache = graphs.GraphCache(capture=_Emulated)
+    monkeypatch.setattr(graphs, "CACHE", cache)
+    w, x = torch.tensor([1.0, 3.0]), torch.ones(2, 2)
+    monkeypatch.setenv(graphs.DIRECT_ENV, "0")
+    for _ in range(4):
+        assert torch.equal(graphs.run(_fwd_body, (x, w), ("t",))[0], x * w)
+    assert cache.direct_stats["captures"] == 0 and cache.stats["replays"] == 3
+    monkeypatch.setenv(graphs.DIRECT_ENV, "1")
+    for _ in range(3):
+        assert torch.equal(graphs.run(_fwd_body, (x, w), ("t",))[0], x * w)
+    assert cache.direct_stats["captures"] == 1 and cache.direct_stats["replays"] == 2, cache.direct_stats
+    for bad in ("2", "yes", "-1"):
+        monkeypatch.setenv(graphs.DIRECT_ENV, bad)
+        with pytest.raises(ValueError, match=graphs.DIRECT_ENV):
+            graphs.direct_inputs()
+
+
 def test_max_elements_parses_the_switch(monkeypatch):
     monkeypatch.delenv(graphs.GRAPHS_ENV, raising=False)
     assert graphs.max_elements() == graphs.DEFAULT_MAX_ELEMENTS == 8192 * 16 * 64
@@ -248,7 +325,7 @@ def test_knob_list_names_every_triton_switch_of_the_kernels():
     for path in root.glob("*.py"):
         named |= set(re.findall(r'"(FREESOLO_TRITON_[A-Z_]+)"', path.read_text()))
     fsb_prefill = {"FREESOLO_TRITON_FSB_SEARCH", "FREESOLO_TRITON_FSB_RERANK", "FREESOLO_TRITON_FSB_FORESTS"}
-    assert named - set(graphs.KNOB_ENVS) == {graphs.GRAPHS_ENV} | fsb_prefill, named
+    assert named - set(graphs.KNOB_ENVS) == {graphs.GRAPHS_ENV, graphs.DIRECT_ENV} | fsb_prefill, named
 
 
 def test_the_deterministic_gather_and_union_backwards_are_not_captured(monkeypatch):
@@ -497,3 +574,42 @@ def test_cuda_replays_of_one_graph_on_two_streams_are_ordered(graphs_on, monkeyp
             for i, (a, b) in enumerate(zip(got, want)):
                 assert all(torch.equal(x, y) for x, y in zip(a, b)), f"{run.__name__}, round {round_}, stream {i}"
     assert graphs_on.stats["replays"] > 0, graphs_on.stats
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU: CUDA graphs exist only there")
+@pytest.mark.parametrize("variant", ["fsl", "fs"])
+def test_cuda_direct_graphs_read_the_callers_inputs_and_equal_eager(variant, graphs_on, monkeypatch):
+    """FREESOLO_TRITON_GRAPH_DIRECT=1, forward without grad: the same tensors passed again and again
+    are read in place by a graph of their own (no copies in), new values written into them are read,
+    tensors elsewhere take the copying graph; inputs freed and reallocated at the captured addresses
+    (the allocator's reuse) are read as well; every output has the eager kernels' bits."""
+    cfg = FreeSoloConfig(variant=variant)
+    cases = [_inputs(seed, 1, 4096 + 5, 4, 2, 64) for seed in (61, 62)]
+    monkeypatch.setenv(graphs.GRAPHS_ENV, "0")
+    with torch.no_grad():
+        want = [freesolo.freesolo_attention(*xs, cfg, backend="triton", check_finite=False) for xs in cases]
+    monkeypatch.setenv(graphs.GRAPHS_ENV, "")
+    monkeypatch.setenv(graphs.DIRECT_ENV, "1")
+    first, second = cases
+    held = [x.clone() for x in first]
+    with torch.no_grad():
+        for _ in range(4):
+            assert torch.equal(freesolo.freesolo_attention(*first, cfg, backend="triton", check_finite=False), want[0])
+        assert graphs_on.direct_stats["captures"] == 1 and graphs_on.direct_stats["replays"] == 2, graphs_on.direct_stats
+        for x, y in zip(first, second):
+            x.copy_(y)  # the captured memory now holds the second case's values
+        assert torch.equal(freesolo.freesolo_attention(*first, cfg, backend="triton", check_finite=False), want[1])
+        for x, h in zip(first, held):
+            x.copy_(h)
+        assert torch.equal(freesolo.freesolo_attention(*held, cfg, backend="triton", check_finite=False), want[0])
+        assert graphs_on.direct_stats["replays"] == 3, "inputs at other addresses replayed the direct graph"
+        # the allocator's reuse: free the inputs, allocate the same shapes again, fill them with case 2
+        pointers = [x.data_ptr() for x in first]
+        del first, cases, x, y, h  # (the loop names hold tensors too)
+        again = [torch.empty_like(y) for y in second]
+        if [x.data_ptr() for x in again] == pointers:
+            for x, y in zip(again, second):
+                x.copy_(y)
+            assert torch.equal(freesolo.freesolo_attention(*again, cfg, backend="triton", check_finite=False), want[1])
+            assert graphs_on.direct_stats["replays"] == 4, graphs_on.direct_stats
+    assert graphs_on.direct_stats["captures"] == 1, graphs_on.direct_stats

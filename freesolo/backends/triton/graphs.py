@@ -37,6 +37,20 @@ module does the same for plain eager calls, inside the backend:
   with a warning.
 
 FREESOLO_TRITON_GRAPHS=0 turns the cache off; an integer N > 0 sets `max_elements()` to N.
+
+Graphs on the caller's inputs (`run` only, i.e. forwards without gradients and free backwards;
+FREESOLO_TRITON_GRAPH_DIRECT=1, off by default until measured on the GPU): a replay of the graph
+above first copies q, k, v and beta into its static buffers (at 4k, H 16, D 64, bf16: 3 x 8 MB,
+four memcpys). When two calls of a key in a row pass inputs at the same addresses (same data_ptr
+and strides: a benchmark loop, a decoder whose allocator hands each layer the same blocks), the
+third captures a second graph that reads those addresses in place, and every later call whose
+inputs lie there again replays it without copies in. A graph reads memory, not tensors: a call
+whose tensors occupy exactly the captured ranges (the key fixes shapes and dtypes, the direct key
+the addresses and strides) gives the graph the bytes the eager call would read, so the outputs are
+the same bits. Such graphs keep no reference to the caller's tensors (their memory goes back to
+the allocator as usual); they live in an LRU of their own (`MAX_DIRECT_ENTRIES`), and after
+`MAX_DIRECT_EVICTIONS` evictions (addresses that keep changing) the process stops capturing them
+with a warning, and the copying graphs carry on.
 Memory: a graph keeps static copies of its inputs and its own pool for the outputs and the
 intermediates, about the size of the call's working set (a bound backward has no input copies but
 the output gradient): at H 16, D 64, bf16 (s34 probe) 0.03 / 0.06 GiB per 4k-token forward /
@@ -57,11 +71,14 @@ import torch
 
 __all__ = [
     "GRAPHS_ENV",
+    "DIRECT_ENV",
     "DEFAULT_MAX_ELEMENTS",
     "KNOB_ENVS",
     "GraphCache",
     "CACHE",
     "max_elements",
+    "direct_inputs",
+    "input_addresses",
     "eligible",
     "cache_key",
     "Binding",
@@ -77,6 +94,9 @@ MAX_ENTRIES = 8  # graphs (a forward and a backward count apart): <= ~0.7 GiB he
 MAX_EVICTIONS = 64
 CAPTURE_AFTER = 2  # the call of a key that captures it (the first runs eagerly)
 MAX_SEEN = 1024  # keys counted before their capture; the counts are cleared beyond it
+DIRECT_ENV = "FREESOLO_TRITON_GRAPH_DIRECT"
+MAX_DIRECT_ENTRIES = 4  # graphs on callers' addresses (module docstring)
+MAX_DIRECT_EVICTIONS = 32
 # the environment switches that change which kernels a call runs (read at call time by
 # attention.py, attention_bwd.py, selection.py, _common.py): part of every key
 KNOB_ENVS = (
@@ -108,6 +128,21 @@ def max_elements() -> int:
     if value < 0:
         raise ValueError(f"{GRAPHS_ENV}={text!r} must be 0 (off) or a positive count of query elements")
     return value
+
+
+def direct_inputs() -> bool:
+    """Whether `run` may replay graphs that read the caller's inputs in place (FREESOLO_TRITON_GRAPH_DIRECT:
+    unset, empty or "0" = no, "1" = yes)."""
+    text = os.environ.get(DIRECT_ENV, "")
+    if text not in ("", "0", "1"):
+        raise ValueError(f"{DIRECT_ENV}={text!r} must be 0 (copy the inputs into the graph's buffers) or 1")
+    return text == "1"
+
+
+def input_addresses(tensors: tuple) -> tuple:
+    """(data_ptr, strides) of each tensor (None kept): with the shapes and dtypes of a key, the memory a
+    graph on these tensors reads."""
+    return tuple(None if x is None else (x.data_ptr(), x.stride()) for x in tensors)
 
 
 def eligible(q: torch.Tensor, variant: str) -> bool:
@@ -143,6 +178,21 @@ class _Graph:
         self._stream = None  # the stream of the buffers' last use
         self._device = next(x for x in self.inputs if x is not None).device
         self.outputs = tuple(self._capture(body, args))
+
+    @classmethod
+    def on_inputs(cls, body: Callable, tensors: tuple, args: tuple) -> "_Graph":
+        """A graph that reads `tensors` where they lie (no static copies; module docstring): replay it
+        only for tensors at the same addresses and strides (`input_addresses`). It holds no reference
+        to them: `inputs` is empty after the capture."""
+        graph = cls.__new__(cls)
+        graph.inputs = tuple(None if x is None else x.detach() for x in tensors)
+        graph._copied_in = ()
+        graph.owner = None
+        graph._stream = None
+        graph._device = next(x for x in graph.inputs if x is not None).device
+        graph.outputs = tuple(graph._capture(body, args))
+        graph.inputs = ()
+        return graph
 
     def _capture(self, body: Callable, args: tuple) -> tuple:
         device = self._device
@@ -249,11 +299,24 @@ class GraphCache:
         self.evictions = 0
         self.refreshes = 0  # `run_bound` replays that first copied saved tensors back into a forward's buffers
         self.disabled = False
+        # graphs on the caller's inputs (`call_direct`): key + addresses -> graph; key -> the addresses of its last call
+        self._direct: OrderedDict = OrderedDict()
+        self._last_addresses: dict = {}
+        self.direct_captures = 0
+        self.direct_replays = 0
+        self.direct_evictions = 0
+        self.direct_disabled = False
 
     @property
     def stats(self) -> dict:
         return {"graphs": len(self._graphs), "captures": self.captures, "replays": self.replays,
                 "evictions": self.evictions, "refreshes": self.refreshes, "disabled": self.disabled}
+
+    @property
+    def direct_stats(self) -> dict:
+        """The graphs on callers' inputs (`call_direct`)."""
+        return {"graphs": len(self._direct), "captures": self.direct_captures, "replays": self.direct_replays,
+                "evictions": self.direct_evictions, "disabled": self.direct_disabled}
 
     def clear(self) -> None:
         """Drop every graph (their memory goes back to torch's allocator once no `Binding` holds it),
@@ -261,6 +324,9 @@ class GraphCache:
         self._graphs.clear()
         self._seen.clear()
         self.captures = self.replays = self.evictions = self.refreshes = 0
+        self._direct.clear()
+        self._last_addresses.clear()
+        self.direct_captures = self.direct_replays = self.direct_evictions = 0
 
     def call(
         self, key, body: Callable, tensors: tuple, args: tuple, n_outputs: Optional[int] = None,
@@ -306,6 +372,49 @@ class GraphCache:
             self._graphs.move_to_end(key)
         self.replays += 1
         return graph(tensors, n_outputs, prepare), graph
+
+    def call_direct(self, key, body: Callable, tensors: tuple, args: tuple, n_outputs: Optional[int] = None) -> tuple:
+        """`call` for a key whose graph may read the caller's inputs in place (module docstring): the
+        graph captured on these addresses if there is one; else, when the key's copying graph exists and
+        its last call passed inputs at these same addresses, one is captured here (the capture class's
+        `on_inputs(body, tensors, args)`, `_Graph.on_inputs` by default); else `call`."""
+        addresses = input_addresses(tensors)
+        direct_key = (key, addresses)
+        graph = self._direct.get(direct_key)
+        if graph is None:
+            repeated = self._last_addresses.get(key) == addresses
+            if len(self._last_addresses) >= MAX_SEEN:
+                self._last_addresses.clear()
+            self._last_addresses[key] = addresses
+            if not repeated or self.direct_disabled or self.disabled or key not in self._graphs:
+                return self.call(key, body, tensors, args, n_outputs)
+            try:
+                graph = self._capture.on_inputs(body, tensors, args)
+            except Exception as error:
+                raise RuntimeError(
+                    f"freesolo: capturing a triton call in a CUDA graph on its inputs failed ({error}); "
+                    f"{DIRECT_ENV}=0 turns such graphs off"
+                ) from error
+            self.direct_captures += 1
+            self._direct[direct_key] = graph
+            if len(self._direct) > MAX_DIRECT_ENTRIES:
+                self._direct.popitem(last=False)
+                self.direct_evictions += 1
+                if self.direct_evictions >= MAX_DIRECT_EVICTIONS:
+                    self.direct_disabled = True
+                    self._direct.clear()
+                    warnings.warn(
+                        f"freesolo: the triton backend's CUDA graphs on callers' inputs were evicted "
+                        f"{self.direct_evictions} times (the input addresses keep changing); no more are "
+                        f"captured in this process, calls copy their inputs into the cached graphs "
+                        f"({DIRECT_ENV}=0 turns them off from the start)",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
+        else:
+            self._direct.move_to_end(direct_key)
+        self.direct_replays += 1
+        return graph(tensors, n_outputs), graph
 
 
 CACHE = GraphCache()
@@ -354,8 +463,11 @@ def run(body: Callable, tensors: tuple, args: tuple, n_outputs: Optional[int] = 
     tensors: torch tensors (or None) on one CUDA device; args: hashable non-tensor arguments;
     n_outputs: how many of body's outputs the caller reads (None: all; a replay copies only those
     out of the graph and returns None for the others).
-    Returns body's tuple of outputs (tensors or None), fresh tensors the caller owns."""
+    Returns body's tuple of outputs (tensors or None), fresh tensors the caller owns.
+    With `direct_inputs()`, a graph may read the inputs in place (`GraphCache.call_direct`)."""
     key = cache_key(body, tensors, args)
+    if direct_inputs():
+        return _on_device(key[2], CACHE.call_direct, key, body, tensors, args, n_outputs)[0]
     return _on_device(key[2], CACHE.call, key, body, tensors, args, n_outputs)[0]
 
 
