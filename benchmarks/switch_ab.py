@@ -137,8 +137,15 @@ def case(variant: str, T: int, mode: str, arms: dict, rep: int, rounds: int, sel
             # (a backward in a user graph needs static gradients: the forward only)
             graph = graph_replay_ms(fn, rep) if mode == "fwd" else None
             select_ms = _bench(sel, rep) if sel is not None else None
-            row["rounds"][arm].append({"api_ms": api, "graph_ms": graph, "select_ms": select_ms,
-                                       "graph_cache": graphs.CACHE.stats, "direct_graphs": graphs.CACHE.direct_stats})
+            row["rounds"][arm].append(
+                {
+                    "api_ms": api,
+                    "graph_ms": graph,
+                    "select_ms": select_ms,
+                    "graph_cache": graphs.CACHE.stats,
+                    "direct_graphs": graphs.CACHE.direct_stats,
+                }
+            )
     first = next(iter(arms))
     row["same_bits"] = all(torch.equal(a, b) for arm in arms for a, b in zip(outs[first], outs[arm]))
     for arm in arms:
