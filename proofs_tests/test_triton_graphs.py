@@ -272,6 +272,8 @@ def test_run_takes_the_direct_graphs_only_when_switched_on(monkeypatch):
     for _ in range(3):
         assert torch.equal(graphs.run(_fwd_body, (x, w), ("t",))[0], x * w)
     assert cache.direct_stats["captures"] == 1 and cache.direct_stats["replays"] == 2, cache.direct_stats
+    monkeypatch.delenv(graphs.DIRECT_ENV)
+    assert graphs.direct_inputs(), "the direct graphs are not the default"
     for bad in ("2", "yes", "-1"):
         monkeypatch.setenv(graphs.DIRECT_ENV, bad)
         with pytest.raises(ValueError, match=graphs.DIRECT_ENV):
@@ -359,6 +361,7 @@ def _inputs(seed, B, T, Hq, Hkv, D, grad=False):
 @pytest.fixture
 def graphs_on(monkeypatch):
     monkeypatch.setenv(graphs.GRAPHS_ENV, "")
+    monkeypatch.setenv(graphs.DIRECT_ENV, "0")  # the copying graphs (their counts); the direct ones' tests set 1
     graphs.clear()
     yield graphs.CACHE
     graphs.clear()

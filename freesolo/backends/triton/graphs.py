@@ -132,11 +132,11 @@ def max_elements() -> int:
 
 def direct_inputs() -> bool:
     """Whether `run` may replay graphs that read the caller's inputs in place (FREESOLO_TRITON_GRAPH_DIRECT:
-    unset, empty or "0" = no, "1" = yes)."""
+    unset, empty or "1" = yes (the default since s47), "0" = no)."""
     text = os.environ.get(DIRECT_ENV, "")
     if text not in ("", "0", "1"):
         raise ValueError(f"{DIRECT_ENV}={text!r} must be 0 (copy the inputs into the graph's buffers) or 1")
-    return text == "1"
+    return text != "0"
 
 
 def input_addresses(tensors: tuple) -> tuple:

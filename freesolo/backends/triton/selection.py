@@ -658,7 +658,7 @@ def pool_chunk(pool: int) -> int:
 # at 4k: 8.7 + 13.0 us on the H100, s41 profile). 0 = always the scan (the default until the two are
 # measured against each other on the GPU). FREESOLO_TRITON_FSL_DIRECT_MAX_CELLS overrides it
 # (process-wide, read at each call; at most DIRECT_CELLS_CAP).
-FSL_DIRECT_MAX_CELLS = 0
+FSL_DIRECT_MAX_CELLS = 512
 DIRECT_CELLS_CAP = 1024
 ENV_FSL_DIRECT_MAX_CELLS = "FREESOLO_TRITON_FSL_DIRECT_MAX_CELLS"
 
