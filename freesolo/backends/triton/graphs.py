@@ -39,9 +39,10 @@ module does the same for plain eager calls, inside the backend:
 FREESOLO_TRITON_GRAPHS=0 turns the cache off; an integer N > 0 sets `max_elements()` to N.
 
 Graphs on the caller's inputs (`run` only, i.e. forwards without gradients and free backwards;
-FREESOLO_TRITON_GRAPH_DIRECT=1, off by default until measured on the GPU): a replay of the graph
+on by default since s47, FREESOLO_TRITON_GRAPH_DIRECT=0 turns them off): a replay of the graph
 above first copies q, k, v and beta into its static buffers (at 4k, H 16, D 64, bf16: 3 x 8 MB,
-four memcpys). When two calls of a key in a row pass inputs at the same addresses (same data_ptr
+four memcpys; H100, s47, FS-L forward through the API, same run: 4k 0.148 vs 0.180 ms, 8k 0.260
+vs 0.319, FS 4k 0.135 vs 0.162; same bits). When two calls of a key in a row pass inputs at the same addresses (same data_ptr
 and strides: a benchmark loop, a decoder whose allocator hands each layer the same blocks), the
 third captures a second graph that reads those addresses in place, and every later call whose
 inputs lie there again replays it without copies in. A graph reads memory, not tensors: a call

@@ -655,9 +655,13 @@ def pool_chunk(pool: int) -> int:
 # Short sequences: FS-L candidates straight from spec §5's definition (`_fsl_cand_direct_kernel`,
 # one launch, a sort of the older cells per block) up to this many cells, instead of the pool scan
 # and its continuation (two launches whose sequential depth is the critical path of the side stream
-# at 4k: 8.7 + 13.0 us on the H100, s41 profile). 0 = always the scan (the default until the two are
-# measured against each other on the GPU). FREESOLO_TRITON_FSL_DIRECT_MAX_CELLS overrides it
-# (process-wide, read at each call; at most DIRECT_CELLS_CAP).
+# at 4k: 8.7 + 13.0 us on the H100, s41 profile). The sort is O(C log C) per block, so it is kept to
+# short sequences (a constant cap: the forward stays linear in T beyond it). Default 512 cells (16k
+# tokens at s = 32) since s47, H100, bf16 H16 D64, FS-L forward replayed in a user CUDA graph, same
+# run, same bits: 4k 0.1270 vs 0.1378 ms (-8 %), 8k 0.2327 vs 0.2469 (-6 %), 16k 0.4649 vs 0.4648
+# (the window kernel dominates); 32k not measured, so not on by default there
+# (`results/session_2026-12-06_s47/`). 0 = always the scan. FREESOLO_TRITON_FSL_DIRECT_MAX_CELLS
+# overrides it (process-wide, read at each call; at most DIRECT_CELLS_CAP).
 FSL_DIRECT_MAX_CELLS = 512
 DIRECT_CELLS_CAP = 1024
 ENV_FSL_DIRECT_MAX_CELLS = "FREESOLO_TRITON_FSL_DIRECT_MAX_CELLS"
