@@ -57,7 +57,9 @@ intermediates, about the size of the call's working set (a bound backward has no
 the output gradient): at H 16, D 64, bf16 (s34 probe) 0.03 / 0.06 GiB per 4k-token forward /
 forward + backward, 0.06 / 0.13 GiB at 8k, so at most ~0.7 GiB for the 8 graphs of 4 shapes at the
 limit (`GraphCache.stats` counts graphs, captures, replays, evictions, refreshes;
-`clear()` frees them).
+`clear()` frees them). A graph on the caller's inputs has no input copies, only its pool (<= 0.03 /
+0.06 GiB per 4k / 8k forward at that shape), so its 4 add at most ~0.25 GiB
+(`GraphCache.direct_stats` counts them).
 """
 
 from __future__ import annotations
