@@ -287,6 +287,26 @@ class Binding:
         return self.lent
 
 
+def _checked_capture(capture: Callable, what: str, switch_hint: str):
+    """capture(), its error re-raised as a RuntimeError that names the call's graph (`what`) and the switch that
+    turns such graphs off."""
+    try:
+        return capture()
+    except Exception as error:
+        raise RuntimeError(
+            f"freesolo: capturing a triton call in a CUDA graph{what} failed ({error}); {switch_hint}"
+        ) from error
+
+
+def _insert_lru(graphs: OrderedDict, key, graph, max_entries: int) -> bool:
+    """graphs[key] = graph as the most recent entry; True when that evicted the least recent one."""
+    graphs[key] = graph
+    if len(graphs) > max_entries:
+        graphs.popitem(last=False)
+        return True
+    return False
+
+
 class GraphCache:
     """Graphs of eligible calls, keyed as the module docstring says; `capture(body, tensors, args)`
     builds a replayable entry (the CUDA `_Graph` by default; tests on the CPU pass a stand-in)."""
@@ -348,17 +368,11 @@ class GraphCache:
                 self._seen[key] = seen
                 return tuple(body(*tensors, *args)), None
             self._seen.pop(key, None)
-            try:
-                graph = self._capture(body, tensors, args, fixed)
-            except Exception as error:
-                raise RuntimeError(
-                    f"freesolo: capturing a triton call in a CUDA graph failed ({error}); "
-                    f"{GRAPHS_ENV}=0 turns the backend's graph cache off"
-                ) from error
+            graph = _checked_capture(
+                lambda: self._capture(body, tensors, args, fixed), "", f"{GRAPHS_ENV}=0 turns the backend's graph cache off"
+            )
             self.captures += 1
-            self._graphs[key] = graph
-            if len(self._graphs) > self.max_entries:
-                self._graphs.popitem(last=False)
+            if _insert_lru(self._graphs, key, graph, self.max_entries):
                 self.evictions += 1
                 if self.evictions >= self.max_evictions:
                     evictions = self.evictions
@@ -391,17 +405,11 @@ class GraphCache:
             self._last_addresses[key] = addresses
             if not repeated or self.direct_disabled or self.disabled or key not in self._graphs:
                 return self.call(key, body, tensors, args, n_outputs)
-            try:
-                graph = self._capture.on_inputs(body, tensors, args)
-            except Exception as error:
-                raise RuntimeError(
-                    f"freesolo: capturing a triton call in a CUDA graph on its inputs failed ({error}); "
-                    f"{DIRECT_ENV}=0 turns such graphs off"
-                ) from error
+            graph = _checked_capture(
+                lambda: self._capture.on_inputs(body, tensors, args), " on its inputs", f"{DIRECT_ENV}=0 turns such graphs off"
+            )
             self.direct_captures += 1
-            self._direct[direct_key] = graph
-            if len(self._direct) > MAX_DIRECT_ENTRIES:
-                self._direct.popitem(last=False)
+            if _insert_lru(self._direct, direct_key, graph, MAX_DIRECT_ENTRIES):
                 self.direct_evictions += 1
                 if self.direct_evictions >= MAX_DIRECT_EVICTIONS:
                     self.direct_disabled = True
