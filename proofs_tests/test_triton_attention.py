@@ -708,6 +708,14 @@ def test_tiles_switches():
         with pytest.raises(ValueError, match="sorted_long=True .* but the unions were made without an order"):
             att.launch_forward(q, k, v, idx, tile_unions(idx, 16), beta, cos, sin, _cfg(top_k=2), sorted_tiles)
     assert att.forward_unions(idx, _cfg(top_k=2), sorted_tiles).order is None  # T 40 < SORTED_LONG_MIN_T
+    with pytest.MonkeyPatch.context() as mp:  # the environment's threshold overrides the module's
+        mp.setenv(att.ENV_SORTED_LONG_MIN_T, "40")
+        assert att.forward_unions(idx, _cfg(top_k=2), sorted_tiles).order is not None
+        mp.setenv(att.ENV_SORTED_LONG_MIN_T, "41")
+        assert att.forward_unions(idx, _cfg(top_k=2), sorted_tiles).order is None
+        mp.setenv(att.ENV_SORTED_LONG_MIN_T, "soon")
+        with pytest.raises(ValueError, match="FREESOLO_TRITON_SORTED_LONG_MIN_T='soon' must be an integer"):
+            att.forward_unions(idx, _cfg(top_k=2), sorted_tiles)
     with pytest.raises(ValueError, match="sorted_long=True needs the separate long kernel"):
         AttentionTiles(32, 32, 1, 1, sorted_long=True)
 

@@ -74,6 +74,7 @@ __all__ = [
     "order_key_layout",
     "ORDER_CHUNK",
     "SORTED_LONG_MIN_T",
+    "ENV_SORTED_LONG_MIN_T",
     "sorts_long_tiles",
     "ROTATION_CHUNK_BYTES",
     "ROTATION_CHUNK_MIN_POSITIONS",
@@ -813,8 +814,10 @@ ORDER_CHUNK = 4096
 # not applied): the order costs what the smaller unions save, and the call is host-bound there
 # (H200, s27 call3, FS-L 16k: long kernel 0.197 -> 0.139 ms, order + unions 0.021 -> 0.129, GPU time
 # in a CUDA graph 0.494 -> 0.493, API 0.64 -> 0.91 ms; at 64k the API gains 2.09 -> 1.97 ms). Output
-# bits do not depend on it (the order never changes a bit).
+# bits do not depend on it (the order never changes a bit). FREESOLO_TRITON_SORTED_LONG_MIN_T overrides it
+# (an A/B switch, read at each call; s48: the order at 4k-16k since the selection runs on a side stream).
 SORTED_LONG_MIN_T = 32768
+ENV_SORTED_LONG_MIN_T = "FREESOLO_TRITON_SORTED_LONG_MIN_T"
 
 
 def order_key_layout(n_cells: int, top_k: int, chunk: int) -> tuple[int, int]:
@@ -893,8 +896,10 @@ def forward_unions(idx: torch.Tensor, cfg, tiles: "AttentionTiles") -> TileUnion
 
 
 def sorts_long_tiles(tiles: "AttentionTiles", T: int) -> bool:
-    """Whether the forward's long tiles are sorted by selection: tiles.sorted_long and T >= SORTED_LONG_MIN_T."""
-    return tiles.sorted_long and T >= SORTED_LONG_MIN_T
+    """Whether the forward's long tiles are sorted by selection: tiles.sorted_long and T >= SORTED_LONG_MIN_T
+    (or the environment's FREESOLO_TRITON_SORTED_LONG_MIN_T)."""
+    min_t = _env_int(ENV_SORTED_LONG_MIN_T)
+    return tiles.sorted_long and T >= (SORTED_LONG_MIN_T if min_t is None else min_t)
 
 
 # Bytes of rotated keys the forward holds at once (`rotation_chunk_tiles`): with H 16, D 64, bf16
@@ -1010,7 +1015,8 @@ def _check_union(unions: TileUnions, q, cfg, tiles: AttentionTiles) -> None:
         )
     if (order is not None) != sorts_long_tiles(tiles, T):
         raise ValueError(
-            f"tiles.sorted_long={tiles.sorted_long} (T={T}, SORTED_LONG_MIN_T={SORTED_LONG_MIN_T}) but the unions were "
+            f"tiles.sorted_long={tiles.sorted_long} (T={T}, sorted from SORTED_LONG_MIN_T={SORTED_LONG_MIN_T} or "
+            f"{ENV_SORTED_LONG_MIN_T}) but the unions were "
             f"made {'with' if order is not None else 'without'} an order: use forward_unions(idx, cfg, tiles)"
         )
     for name, x in (("union", union), ("count", count)) + ((("order", order),) if order is not None else ()):
