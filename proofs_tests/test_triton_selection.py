@@ -524,3 +524,111 @@ def test_cuda_fsl_direct_candidates_equal_scan(T, monkeypatch):
     base = select_cells(q, kt, cfg)
     monkeypatch.setenv(selection.ENV_FSL_DIRECT_MAX_CELLS, str(selection.DIRECT_CELLS_CAP))
     assert torch.equal(select_cells(q, kt, cfg), base)
+
+
+@pytest.mark.parametrize("variant", ["fs", "fsl"])
+def test_fused_unions_equal_tile_unions(variant):
+    """select_cells(..., union_rows) (the scoring kernel also writes each long tile's union) gives
+    select_cells' selection and attention.tile_unions' unions on it, every element (unwritten
+    output is poisoned): B 2, GQA, a partial last tile, queries with fewer cells than K, a query
+    block of one and of two scoring tiles, a sequence of one query block (no older cell)."""
+    from freesolo.backends.triton.attention import tile_unions
+    from freesolo.backends.triton.selection import ScoreTiles, fuses_unions
+
+    for T, block, tiles in ((37, 16, None), (48, 32, ScoreTiles(16, 16, 1, early_exit=False)), (9, 16, None)):
+        cfg = _cfg(variant, block=block, window=32)
+        q, k, _ = random_qkv(T, 2, T, 2, 1, 16)
+        qt, kt = (torch.as_tensor(x, dtype=torch.float32, device=DEVICE) for x in (q, k))
+        assert fuses_unions(cfg, 16, qt.dtype, 16, tiles)
+        idx, union, count = select_cells(qt, kt, cfg, tiles=tiles, out_dtype=torch.int32, union_rows=16)
+        want = select_cells(qt, kt, cfg, tiles=tiles, out_dtype=torch.int32)
+        assert torch.equal(idx, want), (T, block)
+        ref = tile_unions(want, 16, use_kernel=False)
+        assert torch.equal(union, ref.union) and torch.equal(count, ref.count), (T, block)
+        assert (count.sum() > 0) == (T > block)
+
+
+def test_fused_unions_need_the_union_tiles():
+    """union_rows that are not the scoring tiles (or do not divide the query block) is an error naming
+    both; FS-B never fuses."""
+    from freesolo.backends.triton.selection import ScoreTiles, fuses_unions
+
+    q, k, _ = random_qkv(3, 1, 40, 2, 1, 16)
+    qt, kt = (torch.as_tensor(x, dtype=torch.float32, device=DEVICE) for x in (q, k))
+    cfg = _cfg("fsl", block=16)
+    with pytest.raises(ValueError, match="union_rows=32: the scoring tiles \\(16 queries\\)"):
+        select_cells(qt, kt, cfg, union_rows=32)
+    assert not fuses_unions(_cfg("fsl", block=24, window=24), 16, qt.dtype, 16, ScoreTiles(16, 16, 1))
+    assert not fuses_unions(_cfg("fsb", block=16), 16, qt.dtype, 16)
+
+
+def test_forward_with_fused_unions_changes_no_bit(monkeypatch):
+    """FREESOLO_TRITON_FUSED_UNIONS=1: `forward_with_selection` takes the selection and the unions from
+    select_unions (the scoring kernel) on consecutive long tiles, and gives the bits of select + the
+    union launch; sorted long tiles keep select (select_unions is not called); 2 is an error."""
+    from freesolo.backends.torch._ops import rope_tables
+    from freesolo.backends.triton import attention as att
+    from freesolo.backends.triton.backend import _select_with_unions
+
+    cfg = _cfg("fsl", block=16, window=16)
+    q, k, v = random_qkv(5, 1, 40, 2, 1, 16)
+    qt, kt, vt = (torch.as_tensor(x, dtype=torch.float32, device=DEVICE) for x in (q, k, v))
+    beta = torch.tensor([1.0, -0.5], device=DEVICE)
+    cos, sin = rope_tables(40, 16, cfg.rope_theta, DEVICE, torch.float32)
+    tiles = att.AttentionTiles(32, 32, 1, 1, long_block=16, long_into_out=True, window_first=True)
+    calls = []
+
+    def select(q_, k_):
+        calls.append("select")
+        return select_cells(q_, k_, cfg, out_dtype=torch.int32)
+
+    def select_unions(q_, k_, rows):
+        calls.append("fused")
+        return _select_with_unions(q_, k_, cfg, rows)
+
+    run = lambda: att.forward_with_selection(qt, kt, vt, select, beta, cos, sin, cfg, tiles, select_unions=select_unions)  # noqa: E731
+    monkeypatch.setenv(att.ENV_FUSED_UNIONS, "0")
+    ref_idx, ref = run()
+    monkeypatch.setenv(att.ENV_FUSED_UNIONS, "1")
+    got_idx, got = run()
+    assert calls == ["select", "fused"]
+    assert torch.equal(got_idx, ref_idx)
+    for name, a, b in zip(("o", "lse_loc", "lse_long", "rstd"), got, ref):
+        assert torch.equal(a, b), name
+    monkeypatch.setattr(att, "SORTED_LONG_MIN_T", 0)
+    sorted_tiles = att.AttentionTiles(32, 32, 1, 1, long_block=16, long_into_out=True, window_first=True, sorted_long=True)
+    got_idx, got = att.forward_with_selection(qt, kt, vt, select, beta, cos, sin, cfg, sorted_tiles,
+                                              select_unions=select_unions)  # fmt: skip
+    assert calls[-1] == "select" and torch.equal(got[0], ref[0])
+    monkeypatch.setenv(att.ENV_FUSED_UNIONS, "2")
+    with pytest.raises(ValueError, match="FREESOLO_TRITON_FUSED_UNIONS=2 must be 0 or 1"):
+        run()
+
+
+@needs_cuda
+@pytest.mark.parametrize("variant", ["fs", "fsl"])
+def test_cuda_fused_unions_change_no_bit(variant, monkeypatch):
+    """On the device, default config, bf16, GQA, B 2, T not a multiple of the tile: the fused
+    unions equal the union kernel's, and the public API's forward and gradients with
+    FREESOLO_TRITON_FUSED_UNIONS=1 are bitwise those with 0 (side stream, graph cache and all)."""
+    import freesolo
+    from freesolo.backends.triton import attention as att
+    from freesolo.backends.triton.attention import tile_unions
+
+    cfg = FreeSoloConfig(variant=variant)
+    T = 4096 + 96
+    q, k, v = (_t(x, torch.bfloat16, "cuda") for x in random_qkv(T + 7, 2, T, 8, 2, 64))
+    idx, union, count = select_cells(q, k, cfg, out_dtype=torch.int32, union_rows=64)
+    ref = tile_unions(idx, 64)
+    assert torch.equal(union, ref.union) and torch.equal(count, ref.count)
+    outs = {}
+    for on in ("0", "1"):
+        monkeypatch.setenv(att.ENV_FUSED_UNIONS, on)
+        for _ in range(3):  # eager, then the graph cache's capture and replay
+            with torch.no_grad():
+                o = freesolo.freesolo_attention(q, k, v, cfg, backend="triton")
+        qg, kg, vg = (x.clone().requires_grad_(True) for x in (q, k, v))
+        freesolo.freesolo_attention(qg, kg, vg, cfg, backend="triton").float().square().sum().backward()
+        outs[on] = (o, qg.grad, kg.grad, vg.grad)
+    for name, a, b in zip(("o", "dq", "dk", "dv"), outs["1"], outs["0"]):
+        assert torch.equal(a, b), name

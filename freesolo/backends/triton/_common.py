@@ -32,6 +32,7 @@ __all__ = [
     "rope_halves",
     "rope_rotate",
     "same_device",
+    "store_union",
 ]
 
 
@@ -230,6 +231,25 @@ def padded_dims(D: int) -> tuple[int, int]:
     """(D_P, HALF_P): D and D/2 rounded up to powers of two, at least 16 (tl.dot's minimum width)."""
     check_head_dim(D)
     return max(16, next_pow2(D)), max(16, next_pow2(D // 2))
+
+
+@triton.jit
+def store_union(x, out, count_ptr, U_MAX, ok):
+    """Writes the distinct values of x (int32 [U_P], U_P a power of two; INT32_MAX = absent) ascending
+    into out[0:n], -1 into out[n:U_MAX], n into *count_ptr (stores masked by the scalar `ok`): sorted
+    (bitonic, tl.sort), deduplicated (first of each run, tl.gather of the left neighbour), compacted
+    by a prefix sum. The tile unions of the long branch (`attention._tile_union_kernel`, and the
+    scoring kernel's fused form, `selection._score_topk_kernel` with UNION_OUT)."""
+    big = 2147483647
+    x = tl.sort(x, 0)
+    e = tl.arange(0, x.shape[0])
+    prev = tl.gather(x, tl.maximum(e - 1, 0), 0)
+    first = (x != big) & ((e == 0) | (x != prev))
+    pos = tl.cumsum(first.to(tl.int32), 0) - 1
+    n = tl.sum(first.to(tl.int32), 0)
+    tl.store(out + pos, x, mask=first & ok)
+    tl.store(out + e, tl.full(x.shape, -1, tl.int32), mask=(e >= n) & (e < U_MAX) & ok)
+    tl.store(count_ptr, n, mask=ok)
 
 
 @triton.jit

@@ -56,7 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import NEG_BIG, launch, next_pow2, padded_dims, rope_rotate
+from ._common import NEG_BIG, launch, next_pow2, padded_dims, rope_rotate, store_union
 
 __all__ = [
     "ENV_LONG_BLOCK",
@@ -75,6 +75,9 @@ __all__ = [
     "ORDER_CHUNK",
     "SORTED_LONG_MIN_T",
     "ENV_SORTED_LONG_MIN_T",
+    "ENV_FUSED_UNIONS",
+    "FUSED_UNIONS_DEFAULT",
+    "fused_unions_on",
     "sorts_long_tiles",
     "ROTATION_CHUNK_BYTES",
     "ROTATION_CHUNK_MIN_POSITIONS",
@@ -480,9 +483,8 @@ def _tile_union_kernel(
     U_P: tl.constexpr,
     HAS_ORDER: tl.constexpr,
 ):
-    """One program per (tile, b * Hq + h): the tile's BLOCK_M * KSEL selections, sorted (bitonic,
-    tl.sort), deduplicated (first of each run, tl.gather of the left neighbour), compacted by a
-    prefix sum; the rest of the row is -1."""
+    """One program per (tile, b * Hq + h): the tile's BLOCK_M * KSEL selections, distinct and
+    ascending (`store_union`); the rest of the row is -1."""
     pid_m = tl.program_id(0).to(tl.int64)
     pid_bh = tl.program_id(1).to(tl.int64)
     b = pid_bh // Hq
@@ -492,17 +494,9 @@ def _tile_union_kernel(
     if HAS_ORDER:
         row = tl.load(ORDER + pid_bh * T + row, mask=(e < U_MAX) & (row < T), other=T).to(tl.int64)
     ok = (e < U_MAX) & (row < T)
-    big = 2147483647
     x = tl.load(IDX + ((b * T + row) * Hq + h) * KSEL + e % KSEL, mask=ok, other=-1).to(tl.int32)
-    x = tl.sort(tl.where(x < 0, big, x), 0)
-    prev = tl.gather(x, tl.maximum(e - 1, 0), 0)
-    first = (x != big) & ((e == 0) | (x != prev))
-    pos = tl.cumsum(first.to(tl.int32), 0) - 1
-    n = tl.sum(first.to(tl.int32), 0)
-    out = UNION + (pid_bh * NT + pid_m) * U_MAX
-    tl.store(out + pos, x, mask=first)
-    tl.store(out + e, tl.full([U_P], -1, tl.int32), mask=(e >= n) & (e < U_MAX))
-    tl.store(COUNT + pid_bh * NT + pid_m, n)
+    store_union(tl.where(x < 0, 2147483647, x), UNION + (pid_bh * NT + pid_m) * U_MAX, COUNT + pid_bh * NT + pid_m,
+                U_MAX, True)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -1230,13 +1224,35 @@ def _side_stream(device: torch.device, priority: int):
     return _SIDE_STREAMS[key]
 
 
+# FREESOLO_TRITON_FUSED_UNIONS=1: where the long tiles are consecutive (below the sorted tiles'
+# threshold) and the caller passes `select_unions` (the backend does for FS / FS-L), the scoring kernel
+# writes the tile unions itself (`selection.select_cells(..., union_rows=...)`): one launch less on the
+# selection chain, the long kernel's critical path at short lengths (s47's 4k timeline: the union kernel
+# 5.8 us + its launch gap). The same unions, so the same bits (tested). Off by default until measured.
+FUSED_UNIONS_DEFAULT = False
+ENV_FUSED_UNIONS = "FREESOLO_TRITON_FUSED_UNIONS"
+
+
+def fused_unions_on() -> bool:
+    """Whether `forward_with_selection` asks `select_unions` for the unions: FREESOLO_TRITON_FUSED_UNIONS
+    (0 / 1), else FUSED_UNIONS_DEFAULT."""
+    value = _env_int(ENV_FUSED_UNIONS)
+    if value not in (None, 0, 1):
+        raise ValueError(f"environment variable {ENV_FUSED_UNIONS}={value} must be 0 or 1")
+    return FUSED_UNIONS_DEFAULT if value is None else bool(value)
+
+
 def forward_with_selection(
-    q, k, v, select, beta, cos, sin, cfg, tiles: AttentionTiles | None = None, save_stats: bool = True
-):
+    q, k, v, select, beta, cos, sin, cfg, tiles: AttentionTiles | None = None, save_stats: bool = True,
+    select_unions=None,
+):  # fmt: skip
     """The selection and the forward: (idx, (o, lse_loc, lse_long, rstd)).
 
     Args as `attention_forward`, except select: (q, k) -> idx (the selection, e.g.
-    `selection.select_cells`), called once. With tiles.window_first, the window kernel (it does
+    `selection.select_cells`), called once; select_unions: None, or (q, k, union_rows) ->
+    (idx, union, count) as `selection.select_cells(..., union_rows=...)` gives, or None where it
+    cannot: with window_first tiles, consecutive long tiles and `fused_unions_on()`, it is called
+    instead of select (and the union launch). With tiles.window_first, the window kernel (it does
     not read the selection) and the selection + tile unions, then the long kernel adds its term;
     on CUDA when `overlaps_selection` (from OVERLAP_MIN_T positions, or under CUDA-graph capture)
     the selection and the unions run on a side stream while the window kernel runs on the current
@@ -1258,8 +1274,15 @@ def forward_with_selection(
     if side is not None:
         side.wait_stream(main)
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-        idx = select(q, k)
-        unions = forward_unions(idx, cfg, tiles)
+        fused = None
+        if select_unions is not None and fused_unions_on() and not sorts_long_tiles(tiles, q.shape[1]):
+            fused = select_unions(q, k, tiles.union_rows)
+        if fused is None:
+            idx = select(q, k)
+            unions = forward_unions(idx, cfg, tiles)
+        else:
+            idx, union, count = fused
+            unions = TileUnions(union, count, None)
     _launch_window(q, k, v, unused, unused, unused, beta, cos, sin, cfg, tiles, outputs)
     if side is not None:
         main.wait_stream(side)

@@ -218,6 +218,17 @@ def _select(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig, out_dtype: to
     return triton_select(q, k, cfg, out_dtype=out_dtype)
 
 
+def _select_with_unions(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig, union_rows: int):
+    """(idx int32 [B, T, Hq, K], union, count): FS / FS-L's selection and the long tiles' unions from
+    the scoring kernel (`selection.select_cells` with union_rows); None where it cannot (FS-B, or
+    scoring tiles that are not the union tiles: `selection.fuses_unions`)."""
+    from .selection import fuses_unions, select_cells
+
+    if cfg.variant == "fsb" or not fuses_unions(cfg, q.shape[3], q.dtype, union_rows):
+        return None
+    return select_cells(q, k, cfg, out_dtype=torch.int32, union_rows=union_rows)
+
+
 _ONES: dict = {}
 
 
@@ -258,7 +269,7 @@ def _forward_impl(q, k, v, beta, cfg_json, save_stats: bool = True):
         # tiles it runs on a side stream beside the window kernel (`forward_with_selection`)
         idx, (o, lse_loc, lse_long, rstd) = forward_with_selection(
             q, k, v, lambda q_, k_: _select(q_, k_, cfg, torch.int32), beta.to(torch.float32), cos, sin, cfg,
-            save_stats=save_stats,
+            save_stats=save_stats, select_unions=lambda q_, k_, rows: _select_with_unions(q_, k_, cfg, rows),
         )
     return o, idx, lse_loc, lse_long, rstd
 

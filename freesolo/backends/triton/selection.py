@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from ...config import FreeSoloConfig
-from ._common import cdiv, launch, next_pow2  # (importing _common also patches the interpreter's dynamic loop bounds for NumPy >= 2.4)
+from ._common import cdiv, launch, next_pow2, store_union  # (importing _common also patches the interpreter's dynamic loop bounds for NumPy >= 2.4)
 
 __all__ = [
     "ERF_ONE",
@@ -52,6 +52,7 @@ __all__ = [
     "fsl_tail_width",
     "fsl_candidates",
     "fsl_direct_max_cells",
+    "fuses_unions",
     "head_params",
     "pool_chunk",
     "score_tiles",
@@ -451,9 +452,12 @@ def _score_topk_kernel(
     SIGMA,  # fp32 [Hq]
     LAM,  # fp32 [Hq]
     IDX,  # int64 / int32 [B, T, Hq, TOP_K] contiguous (tl.store casts the int64 cells)
+    UNION,  # int32 [B * Hq, NT, U_MAX] (out, UNION_OUT): each tile's distinct cells ascending, -1 padded
+    COUNT,  # int32 [B * Hq, NT] (out, UNION_OUT)
     T,
     C,
     NBLOCKS,
+    NT,  # UNION_OUT: union tiles per (b, h), ceil(T / BLOCK_M); a program pid_t >= NT (past T) writes none
     HQ,
     HKV,
     stride_qb,
@@ -478,6 +482,8 @@ def _score_topk_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    UNION_OUT: tl.constexpr = False,  # also write the tile's union (BLOCK_M divides QBLOCK: program pid_t = tile pid_t)
+    U_MAX: tl.constexpr = 1,  # BLOCK_M * TOP_K
 ):
     pid_t = tl.program_id(0).to(tl.int64)
     pid_bh = tl.program_id(1).to(tl.int64)
@@ -574,6 +580,11 @@ def _score_topk_kernel(
         top_s = tl.where((top_s == bs[:, None]) & (top_c == bc[:, None]), float("-inf"), top_s)
     out = IDX + ((b * T + i) * HQ + h)[:, None] * TOP_K + k_lane[None, :]
     tl.store(out, cell_out, mask=row_ok[:, None] & (k_lane[None, :] < TOP_K))
+    if UNION_OUT:
+        # the long branch's tile union of these BLOCK_M queries (`attention.tile_unions`' consecutive tiles)
+        real = row_ok[:, None] & (k_lane[None, :] < TOP_K) & (cell_out >= 0)
+        cells = tl.reshape(tl.where(real, cell_out, _INT32_MAX).to(tl.int32), [BLOCK_M * K_PAD])
+        store_union(cells, UNION + (pid_bh * NT + pid_t) * U_MAX, COUNT + pid_bh * NT + pid_t, U_MAX, pid_t < NT)
 
 
 # ---- host launchers --------------------------------------------------------------------------
@@ -828,13 +839,21 @@ def head_params(cfg: FreeSoloConfig, Hq: int, device: torch.device) -> Tuple[tor
     return hit
 
 
+def fuses_unions(cfg: FreeSoloConfig, D: int, dtype: torch.dtype, union_rows: int, tiles: Optional[ScoreTiles] = None) -> bool:
+    """Whether `select_cells(..., union_rows=union_rows)` can write the tile unions from the scoring
+    kernel: a scoring tile is one union tile (tiles.block_m == union_rows, dividing the query block)."""
+    tiles = tiles or score_tiles(cfg, D, dtype)
+    return cfg.variant in ("fs", "fsl") and tiles.block_m == union_rows and cfg.block % union_rows == 0
+
+
 def select_cells(
     q: torch.Tensor,
     k: torch.Tensor,
     cfg: FreeSoloConfig,
     tiles: Optional[ScoreTiles] = None,
     out_dtype: torch.dtype = torch.int64,
-) -> torch.Tensor:
+    union_rows: Optional[int] = None,
+):
     """FS / FS-L selection (spec §3-§5, §7) by the Triton kernels.
 
     Args:
@@ -844,8 +863,13 @@ def select_cells(
         tiles: scoring tile sizes (default `score_tiles(cfg, D, q.dtype)`; benchmarks sweep them).
         out_dtype: torch.int64 (default) or torch.int32 (half the bytes: the triton forward keeps
             its selections in int32 for the backward).
+        union_rows: None, or the long tiles' rows (`fuses_unions` must hold): the scoring kernel
+            also writes each tile's union, what `attention.tile_unions(idx, union_rows)` gives for
+            consecutive tiles, without a launch of its own.
     Returns:
-        out_dtype [B, T, Hq, top_k]: cells by descending score (ties: larger c first), -1 padded.
+        idx out_dtype [B, T, Hq, top_k]: cells by descending score (ties: larger c first), -1 padded;
+        with union_rows, (idx, union int32 [B * Hq, NT, union_rows * top_k], count int32 [B * Hq, NT]),
+        NT = ceil(T / union_rows).
     """
     _check_inputs(q, k, cfg)
     if out_dtype not in (torch.int32, torch.int64):
@@ -856,14 +880,28 @@ def select_cells(
     fsl = cfg.variant == "fsl"
     nblocks = cdiv(T, cfg.block)
     C = T // cfg.cell
-    if B * T * Hq == 0 or nblocks <= 1 or C == 0:
-        return torch.full((B, T, Hq, K), -1, dtype=out_dtype, device=q.device)
+    tiles = tiles or score_tiles(cfg, D, q.dtype)
+    if union_rows is not None and not fuses_unions(cfg, D, q.dtype, union_rows, tiles):
+        raise ValueError(
+            f"union_rows={union_rows}: the scoring tiles ({tiles.block_m} queries) must be the union tiles and "
+            f"divide the query block ({cfg.block}); use attention.tile_unions on the selection instead"
+        )
+    n_tiles = cdiv(T, union_rows) if union_rows else 0
+    u_max = (union_rows or 0) * K
+    if B * T * Hq == 0 or nblocks <= 1 or C == 0:  # no query has an older cell
+        idx = torch.full((B, T, Hq, K), -1, dtype=out_dtype, device=q.device)
+        if not union_rows:
+            return idx
+        union = torch.full((B * Hq, n_tiles, u_max), -1, dtype=torch.int32, device=q.device)
+        return idx, union, torch.zeros((B * Hq, n_tiles), dtype=torch.int32, device=q.device)
+    # every tile's row is written by the kernel (its grid covers the NT tiles)
+    union = torch.empty((B * Hq, n_tiles, u_max), dtype=torch.int32, device=q.device)
+    count = torch.empty((B * Hq, n_tiles), dtype=torch.int32, device=q.device)
     kbar, amax = cell_stats(k, cfg.cell)
     n_cand = cfg.pool + cfg.recent if fsl else 0
     cand = fsl_candidates(amax, T, cfg) if fsl else torch.empty(1, dtype=torch.int32, device=q.device)
     sigma, lam = head_params(cfg, Hq, q.device)
     idx = torch.empty((B, T, Hq, K), dtype=out_dtype, device=q.device)
-    tiles = tiles or score_tiles(cfg, D, q.dtype)
     BLOCK_M, BLOCK_N, BLOCK_D = tiles.block_m, tiles.block_n, max(16, next_pow2(D))
     tiles_per_block = cdiv(cfg.block, BLOCK_M)
     grid = (nblocks * tiles_per_block, B * Hq)
@@ -876,9 +914,12 @@ def select_cells(
         sigma,
         lam,
         idx,
+        union,
+        count,
         T,
         C,
         nblocks,
+        n_tiles,
         Hq,
         Hkv,
         *q.stride(),
@@ -900,7 +941,9 @@ def select_cells(
         BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N,
         BLOCK_D=BLOCK_D,
+        UNION_OUT=bool(union_rows),
+        U_MAX=max(u_max, 1),
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
-    return idx
+    return (idx, union, count) if union_rows else idx
