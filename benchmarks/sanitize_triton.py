@@ -168,6 +168,8 @@ def main(parts=("forward_backward", "decode", "fsb_search", "fsb_build", "fsb_bu
         att.SORTED_LONG_MIN_T = saved_min_t
     if "forward_backward" in parts or "fsl_direct" in parts:
         fsl_direct()
+    if "forward_backward" in parts or "fused_unions" in parts:
+        fused_unions()
     if "decode" in parts:
         decode()
     if "fsb_search" in parts:
@@ -204,6 +206,26 @@ def fsl_direct():
         cand = selection.fsl_candidates(amax, T, cfg, direct=True)
         torch.cuda.synchronize()
         print("fsl_direct", T, "ok", tuple(cand.shape), int(cand.max()))
+
+
+def fused_unions():
+    """The tile unions written by the scoring kernel (FREESOLO_TRITON_FUSED_UNIONS=1, s48): the forward +
+    backward with 32-query long tiles (the scoring tiles of block 32), then `select_cells` with
+    union_rows on the default config at 4k + 96 (GQA, B 2, a partial last tile)."""
+    from freesolo.backends.triton import attention as att
+    from freesolo.backends.triton import selection
+
+    os.environ[att.ENV_FUSED_UNIONS] = "1"
+    forward_backward(32)
+    os.environ.pop("FREESOLO_TRITON_LONG_BLOCK", None)
+    for variant in ("fsl", "fs"):
+        cfg = freesolo.FreeSoloConfig(variant=variant)
+        q = torch.randn(2, 4192, 8, 64, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(2, 4192, 2, 64, device="cuda", dtype=torch.bfloat16)
+        idx, union, count = selection.select_cells(q, k, cfg, out_dtype=torch.int32, union_rows=64)
+        torch.cuda.synchronize()
+        print("fused_unions", variant, "ok", tuple(union.shape), int(count.max()))
+    del os.environ[att.ENV_FUSED_UNIONS]
 
 
 def fsb_search():
