@@ -354,6 +354,7 @@
 #                up to 1024 cells (32k), the long tiles sorted by selection at every length (and with the priority),
 #                the tile unions written by the scoring kernel (FREESOLO_TRITON_FUSED_UNIONS=1, alone and with the
 #                priority), against the defaults; 4k / 8k / 16k / 32k FS-L, 4k FS, 4k fwd+bwd (switch_ab.py, ~5 min)
+#   s48_fused    base / fused unions (FREESOLO_TRITON_FUSED_UNIONS=1) at 4k / 8k / 16k FS-L, 4k FS, 4k fwd+bwd
 #   s48_tests    the fused unions' tests (CUDA ones incl.), backend / L12 / attention / models / graph-cache CUDA tests
 #                with FREESOLO_TRITON_FUSED_UNIONS=1
 #   s48_sanitize memcheck + racecheck of the fused unions (sanitize_triton.py fused_unions: forward + backward, select_cells)
@@ -534,6 +535,7 @@ step s45_prio 300 python3 benchmarks/switch_ab.py --out $W/side_priority_ab.json
 step s45_tests 300 bash -c "python3 -m pytest -q -p no:benchmark proofs_tests/test_triton_graphs.py; python3 -m pytest -q -n ${NPROC:-16} -p no:benchmark -k 'cuda or gpu' proofs_tests/test_triton_backend.py"
 step s45_tl 200 python3 benchmarks/forward_timeline.py --lengths 4096 16384 65536 --variants fsl fs --out $W/forward_timeline.json
 step s48_min 420 python3 benchmarks/switch_ab.py --arm base: --arm high:FREESOLO_TRITON_SIDE_PRIORITY=-100 --arm sort1024:FREESOLO_TRITON_FSL_DIRECT_MAX_CELLS=1024 --arm sorted:FREESOLO_TRITON_SORTED_LONG_MIN_T=0 --arm fused:FREESOLO_TRITON_FUSED_UNIONS=1 --arm high_fused:FREESOLO_TRITON_SIDE_PRIORITY=-100,FREESOLO_TRITON_FUSED_UNIONS=1 --lengths 4096 8192 16384 32768 --fs-lengths 4096 --bwd-lengths 4096 --rep 50 --rounds 3 --out $W/s48_ab.json
+step s48_fused 200 python3 benchmarks/switch_ab.py --arm base: --arm fused:FREESOLO_TRITON_FUSED_UNIONS=1 --lengths 4096 8192 16384 --fs-lengths 4096 --bwd-lengths 4096 --rep 50 --rounds 3 --out $W/s48_fused_ab.json
 step s48_tests 300 bash -c "python3 -m pytest -q -n ${NPROC:-16} -p no:benchmark -k 'cuda or gpu or fused' proofs_tests/test_triton_selection.py; FREESOLO_TRITON_FUSED_UNIONS=1 python3 -m pytest -q -n ${NPROC:-16} -p no:benchmark -k 'cuda or gpu' proofs_tests/test_triton_backend.py proofs_tests/test_row_independence.py proofs_tests/test_triton_attention.py proofs_tests/test_models.py; FREESOLO_TRITON_FUSED_UNIONS=1 python3 -m pytest -q -p no:benchmark proofs_tests/test_triton_graphs.py"
 step s48_sanitize 200 bash -c "compute-sanitizer --tool memcheck python3 benchmarks/sanitize_triton.py fused_unions && compute-sanitizer --tool racecheck python3 benchmarks/sanitize_triton.py fused_unions"
 step s48_tl 200 bash -c "python3 benchmarks/forward_timeline.py --lengths 4096 --variants fsl --priorities 0 -100 --replays 3 --out $W/forward_timeline_s48.json; FREESOLO_TRITON_FUSED_UNIONS=1 python3 benchmarks/forward_timeline.py --lengths 4096 --variants fsl --priorities 0 -100 --replays 3 --out $W/forward_timeline_s48_fused.json; FREESOLO_TRITON_SORTED_LONG_MIN_T=0 python3 benchmarks/forward_timeline.py --lengths 4096 --variants fsl --priorities -100 --replays 3 --out $W/forward_timeline_s48_sorted.json"

@@ -247,7 +247,7 @@ def store_union(x, out, count_ptr, U_MAX, ok):
     first = (x != big) & ((e == 0) | (x != prev))
     pos = tl.cumsum(first.to(tl.int32), 0) - 1
     n = tl.sum(first.to(tl.int32), 0)
-    tl.store(out + pos, x, mask=first & ok)
+    tl.store(out + pos, x, mask=first & (pos < U_MAX) & ok)  # pos < U_MAX holds: a guard, never a clip
     tl.store(out + e, tl.full(x.shape, -1, tl.int32), mask=(e >= n) & (e < U_MAX) & ok)
     tl.store(count_ptr, n, mask=ok)
 

@@ -484,6 +484,7 @@ def _score_topk_kernel(
     BLOCK_D: tl.constexpr,
     UNION_OUT: tl.constexpr = False,  # also write the tile's union (BLOCK_M divides QBLOCK: program pid_t = tile pid_t)
     U_MAX: tl.constexpr = 1,  # BLOCK_M * TOP_K
+    U_P: tl.constexpr = 1,  # next_pow2(U_MAX), at least the program's thread count
 ):
     pid_t = tl.program_id(0).to(tl.int64)
     pid_bh = tl.program_id(1).to(tl.int64)
@@ -581,10 +582,17 @@ def _score_topk_kernel(
     out = IDX + ((b * T + i) * HQ + h)[:, None] * TOP_K + k_lane[None, :]
     tl.store(out, cell_out, mask=row_ok[:, None] & (k_lane[None, :] < TOP_K))
     if UNION_OUT:
-        # the long branch's tile union of these BLOCK_M queries (`attention.tile_unions`' consecutive tiles)
-        real = row_ok[:, None] & (k_lane[None, :] < TOP_K) & (cell_out >= 0)
-        cells = tl.reshape(tl.where(real, cell_out, _INT32_MAX).to(tl.int32), [BLOCK_M * K_PAD])
-        store_union(cells, UNION + (pid_bh * NT + pid_t) * U_MAX, COUNT + pid_bh * NT + pid_t, U_MAX, pid_t < NT)
+        # the long branch's tile union of these BLOCK_M queries (`attention.tile_unions`' consecutive
+        # tiles), read back from IDX as one flat vector after a barrier (the program's own stores are
+        # then visible to all its threads). Not a tl.reshape of cell_out: sorting the reshaped tile gave
+        # unsorted, duplicated output on an H100 (s48 call2; the interpreter was right).
+        tl.debug_barrier()
+        e = tl.arange(0, U_P)
+        row = j * QBLOCK + tile * BLOCK_M + e // TOP_K
+        ok = (e < U_MAX) & (row < T)
+        got = tl.load(IDX + ((b * T + row) * HQ + h) * TOP_K + e % TOP_K, mask=ok, other=-1).to(tl.int32)
+        store_union(tl.where(got < 0, _INT32_MAX, got), UNION + (pid_bh * NT + pid_t) * U_MAX,
+                    COUNT + pid_bh * NT + pid_t, U_MAX, pid_t < NT)  # fmt: skip
 
 
 # ---- host launchers --------------------------------------------------------------------------
@@ -943,6 +951,7 @@ def select_cells(
         BLOCK_D=BLOCK_D,
         UNION_OUT=bool(union_rows),
         U_MAX=max(u_max, 1),
+        U_P=max(next_pow2(max(u_max, 1)), 32 * tiles.num_warps),  # >= one element per thread (no replicated sort)
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
