@@ -809,7 +809,11 @@ ORDER_CHUNK = 4096
 # (H200, s27 call3, FS-L 16k: long kernel 0.197 -> 0.139 ms, order + unions 0.021 -> 0.129, GPU time
 # in a CUDA graph 0.494 -> 0.493, API 0.64 -> 0.91 ms; at 64k the API gains 2.09 -> 1.97 ms). Output
 # bits do not depend on it (the order never changes a bit). FREESOLO_TRITON_SORTED_LONG_MIN_T overrides it
-# (an A/B switch, read at each call; s48: the order at 4k-16k since the selection runs on a side stream).
+# (an A/B switch, read at each call). Re-measured with the selection on a side stream (H100, s48 call1,
+# FS-L fwd through the API, sorted at every length vs the default): 4k 0.1779 vs 0.1337 ms, 8k 0.2762
+# vs 0.2445, 16k 0.5121 vs 0.4968. The 4k timeline (call2) shows why: the order's torch radix sort takes
+# 37 us on the selection chain, and the long kernel gains 4 us (40 vs 44 us; at 4k it is bound by
+# the latency of its steps, not by the union's masked work).
 SORTED_LONG_MIN_T = 32768
 ENV_SORTED_LONG_MIN_T = "FREESOLO_TRITON_SORTED_LONG_MIN_T"
 
@@ -1204,7 +1208,12 @@ def overlaps_selection(T: int, device: torch.device) -> bool:
 # 1.667 -> 1.713); FS 4k 0.1274 -> 0.1294. Mixed and at most 5 %, and the change's effect through the
 # API (graph cache copies included) and the CUDA test suite at such a default could not be run this
 # stop (no device machine would start), so the default stays torch's 0: FREESOLO_TRITON_SIDE_PRIORITY
-# opts in. Streams and priorities change no bit (tested on CUDA, both priorities).
+# opts in. Streams and priorities change no bit (tested on CUDA, both priorities). Re-measured at the
+# s47 defaults (H100, s48 call1, through the API, 3 rounds): FS-L 4k 0.1330 vs 0.1337 ms, 8k 0.2466 vs
+# 0.2445, 16k 0.4952 vs 0.4968, 32k 0.8600 vs 0.8855; FS 4k 0.1381 vs 0.1359; 4k fwd+bwd 0.7597 vs
+# 0.7616. The 4k timeline (call2): scoring starts at 24.5 us instead of 39.6, the window kernel it
+# shares the GPU with stretches from 43.8 to 62.0 us, and the long kernel starts at 78.7 instead of
+# 79.4: the kernels fill the GPU either way, so the order of their blocks moves little. Stays 0.
 SIDE_PRIORITY = 0
 ENV_SIDE_PRIORITY = "FREESOLO_TRITON_SIDE_PRIORITY"
 
@@ -1228,7 +1237,11 @@ def _side_stream(device: torch.device, priority: int):
 # threshold) and the caller passes `select_unions` (the backend does for FS / FS-L), the scoring kernel
 # writes the tile unions itself (`selection.select_cells(..., union_rows=...)`): one launch less on the
 # selection chain, the long kernel's critical path at short lengths (s47's 4k timeline: the union kernel
-# 5.8 us + its launch gap). The same unions, so the same bits (tested). Off by default until measured.
+# 5.8 us + its launch gap). The same unions, so the same bits (tested; CUDA tests and compute-sanitizer
+# clean, s48 calls 3-4). Off: slower on the H100 (s48 call3, FS-L fwd through the API, same run, same
+# bits): 4k 0.1381 vs 0.1358 ms, 8k 0.2504 vs 0.2457, 16k 0.5096 vs 0.4976, FS 4k 0.1408 vs 0.1357;
+# the union's sort (one barrier, a reload of the tile's selections) lengthens every scoring program
+# by more than the separate launch costs.
 FUSED_UNIONS_DEFAULT = False
 ENV_FUSED_UNIONS = "FREESOLO_TRITON_FUSED_UNIONS"
 

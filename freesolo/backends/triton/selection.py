@@ -678,8 +678,9 @@ def pool_chunk(pool: int) -> int:
 # short sequences (a constant cap: the forward stays linear in T beyond it). Default 512 cells (16k
 # tokens at s = 32) since s47, H100, bf16 H16 D64, FS-L forward replayed in a user CUDA graph, same
 # run, same bits: 4k 0.1270 vs 0.1378 ms (-8 %), 8k 0.2327 vs 0.2469 (-6 %), 16k 0.4649 vs 0.4648
-# (the window kernel dominates); 32k not measured, so not on by default there
-# (`results/session_2026-12-06_s47/`). 0 = always the scan. FREESOLO_TRITON_FSL_DIRECT_MAX_CELLS
+# (the window kernel dominates); at 32k (1024 cells, s48 call1, API) the sort costs 1.049 ms against
+# the scan's 0.886: the default stops at 512 (`results/session_2026-12-06_s47/`,
+# `session_2026-12-07_s48/`). 0 = always the scan. FREESOLO_TRITON_FSL_DIRECT_MAX_CELLS
 # overrides it (process-wide, read at each call; at most DIRECT_CELLS_CAP).
 FSL_DIRECT_MAX_CELLS = 512
 DIRECT_CELLS_CAP = 1024
