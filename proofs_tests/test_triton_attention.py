@@ -718,6 +718,16 @@ def test_tiles_switches():
             att.forward_unions(idx, _cfg(top_k=2), sorted_tiles)
     with pytest.raises(ValueError, match="sorted_long=True needs the separate long kernel"):
         AttentionTiles(32, 32, 1, 1, sorted_long=True)
+    with pytest.raises(ValueError, match="long_maxnreg needs the separate long kernel"):
+        AttentionTiles(32, 32, 1, 1, long_maxnreg=64)
+    with pytest.raises(ValueError, match="long_maxnreg=300 must be None or in"):
+        AttentionTiles(32, 32, 1, 1, long_block=16, long_maxnreg=300)
+    # a register cap changes no arithmetic: the same bits (the interpreter ignores it; the CUDA run checks it)
+    capped = AttentionTiles(32, 32, 1, 1, long_block=16, long_into_out=True, long_maxnreg=64)
+    plain = dataclasses.replace(capped, long_maxnreg=None)
+    ref = att.launch_forward(q, k, v, idx, tile_unions(idx, 16), beta, cos, sin, _cfg(top_k=2), plain)
+    got = att.launch_forward(q, k, v, idx, tile_unions(idx, 16), beta, cos, sin, _cfg(top_k=2), capped)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref) if a is not None)
 
 
 # ---- errors ------------------------------------------------------------------------------------

@@ -64,6 +64,7 @@ __all__ = [
     "ENV_WINDOW_FIRST",
     "ENV_SORTED_LONG",
     "ENV_MAXNREG",
+    "ENV_LONG_MAXNREG",
     "AttentionTiles",
     "attention_forward",
     "default_tiles",
@@ -562,6 +563,11 @@ class AttentionTiles:
     # call1, bf16 H16 D64, FS-L; the kernel's copy in benchmarks/tma_ab.py, the same loop): long
     # kernel 63.8 -> 58.5 us at 4k, 221.6 -> 192.3 at 16k, 620.1 -> 536.1 at 64k, bitwise equal.
     long_tma: bool = False
+    # register cap per thread of the separate long kernel (ptxas -maxrregcount; GPU only; None: no
+    # cap). More programs resident per SM for a kernel whose steps are latency-bound at short T (s48:
+    # sorted tiles with half the union gained the 4k long kernel 10 %). FREESOLO_TRITON_LONG_MAXNREG
+    # sets it (an A/B switch; 0 = none). The same arithmetic, so the same bits.
+    long_maxnreg: Optional[int] = None
     # (s26 also tried the long kernel over aligned pairs of cells, one softmax step per pair, which
     # keeps row independence: on iid keys a 64-query tile's pair union held 22.8 pairs against 23.3
     # cells (the pool's high-norm cells are rarely neighbours), so every step doubled for nothing:
@@ -573,8 +579,12 @@ class AttentionTiles:
     def __post_init__(self):
         if self.long_block and (self.long_block < 16 or self.long_block & (self.long_block - 1)):
             raise ValueError(f"long_block={self.long_block} must be 0 or a power of two >= 16")
-        if self.maxnreg is not None and not 24 <= self.maxnreg <= 255:
-            raise ValueError(f"maxnreg={self.maxnreg} must be None or in [24, 255]")
+        for name in ("maxnreg", "long_maxnreg"):
+            value = getattr(self, name)
+            if value is not None and not 24 <= value <= 255:
+                raise ValueError(f"{name}={value} must be None or in [24, 255]")
+        if self.long_maxnreg is not None and not self.long_block:
+            raise ValueError("long_maxnreg needs the separate long kernel (long_block > 0)")
         if self.long_into_out and not self.long_block:
             raise ValueError("long_into_out=True needs the separate long kernel (long_block > 0)")
         if self.window_first and not self.long_into_out:
@@ -598,6 +608,7 @@ ENV_LONG_INTO_OUT = "FREESOLO_TRITON_LONG_INTO_OUT"  # 0: the fp32 hand-over buf
 ENV_WINDOW_FIRST = "FREESOLO_TRITON_WINDOW_FIRST"  # 0: window_first off (on by default with long_into_out)
 ENV_SORTED_LONG = "FREESOLO_TRITON_SORTED_LONG"  # 0: sorted_long off (on by default with long_block > 0)
 ENV_LONG_TMA = "FREESOLO_TRITON_LONG_TMA"  # 1: long_tma on (with long_block > 0, on sm_90+), 0: off; unset: LONG_TMA_DEFAULT
+ENV_LONG_MAXNREG = "FREESOLO_TRITON_LONG_MAXNREG"  # N: the long kernel's register cap (long_block > 0, 16-bit dtypes); 0 / unset: none
 # On by default since s39: its production path passed compute-sanitizer memcheck + racecheck (s39 call1,
 # H100, `benchmarks/sanitize_triton.py forward_backward` with it on: 0 errors, 0 hazards), and through the
 # API the FS-L forward took 0.179 vs 0.191 ms at 4k, 1.651 vs 1.744 ms at 64k (same run, on / off; bf16 H16 D64).
@@ -623,7 +634,7 @@ _DEFAULT_TILES: dict = {}
 def default_tiles(D: int, dtype: torch.dtype, device: torch.device) -> AttentionTiles:
     """`_default_tiles`, cached per (D, dtype, device, the six variables' values): the
     variables are still read at every call (an A/B switch takes effect at the next call)."""
-    names = (ENV_LONG_BLOCK, ENV_MAXNREG, ENV_LONG_INTO_OUT, ENV_WINDOW_FIRST, ENV_SORTED_LONG, ENV_LONG_TMA)
+    names = (ENV_LONG_BLOCK, ENV_MAXNREG, ENV_LONG_INTO_OUT, ENV_WINDOW_FIRST, ENV_SORTED_LONG, ENV_LONG_TMA, ENV_LONG_MAXNREG)
     env = tuple(os.environ.get(name) for name in names)
     key = (D, dtype, device, env)
     hit = _DEFAULT_TILES.get(key)
@@ -663,6 +674,9 @@ def _default_tiles(D: int, dtype: torch.dtype, device: torch.device) -> Attentio
     long_tma = LONG_TMA_DEFAULT if long_tma is None else bool(long_tma)
     if tiles.long_block and long_tma and device.type == "cuda":
         tiles = dataclasses.replace(tiles, long_tma=torch.cuda.get_device_capability(device)[0] >= 9)
+    long_maxnreg = _env_int(ENV_LONG_MAXNREG)
+    if tiles.long_block and long_maxnreg is not None and dtype != torch.float32:
+        tiles = dataclasses.replace(tiles, long_maxnreg=long_maxnreg or None)
     return tiles
 
 
@@ -1110,6 +1124,7 @@ def _launch_long(q, k, v, idx, unions: TileUnions, beta, cfg, tiles: AttentionTi
         LOG2E / math.sqrt(D), cfg.eps, int(store_stats), BLOCK_M=rows, U_MAX=rows * cfg.top_k,
         ADD_TO_OUT=tiles.window_first, HAS_ORDER=order is not None, TMA=tma,
         num_warps=tiles.long_warps, num_stages=LONG_TMA_STAGES if tma else 1, **consts,
+        **({} if tiles.long_maxnreg is None else {"maxnreg": tiles.long_maxnreg}),
     )  # fmt: skip
 
 
