@@ -566,7 +566,9 @@ class AttentionTiles:
     # register cap per thread of the separate long kernel (ptxas -maxrregcount; GPU only; None: no
     # cap). More programs resident per SM for a kernel whose steps are latency-bound at short T (s48:
     # sorted tiles with half the union gained the 4k long kernel 10 %). FREESOLO_TRITON_LONG_MAXNREG
-    # sets it (an A/B switch; 0 = none). The same arithmetic, so the same bits.
+    # sets it (an A/B switch; 0 = none). The same arithmetic, so the same bits. Not measured yet: the
+    # s48 device time ran out before `gpu_session_run.sh`'s step s48_lreg (ptxas registers and
+    # programs per SM by `benchmarks/long_kernel_regs.py`, then an A/B of caps 96 / 80 / 72).
     long_maxnreg: Optional[int] = None
     # (s26 also tried the long kernel over aligned pairs of cells, one softmax step per pair, which
     # keeps row independence: on iid keys a 64-query tile's pair union held 22.8 pairs against 23.3
