@@ -1,9 +1,11 @@
-"""The repository keeps its promises: .ci/run runs README.md's test command; every module has __all__."""
+"""The repository keeps its promises: .ci/run runs README.md's test command; every module has __all__;
+the README's table of environment switches names every FREESOLO_* variable the package reads."""
 
 from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -41,3 +43,17 @@ def test_every_module_defines_all():
         if "__all__" not in names:
             missing.append(str(path.relative_to(ROOT)))
     assert not missing, f"modules without __all__: {missing}"
+
+
+def test_readme_lists_every_environment_switch():
+    """Every "FREESOLO_..." string literal of the package (a variable it reads) has a row in the README's
+    "Environment switches" table, and every row names one that exists."""
+    texts = [path.read_text() for path in (ROOT / "freesolo").rglob("*.py")]
+    read = {name for text in texts for name in re.findall(r'"(FREESOLO_[A-Z0-9_]+)"', text)}
+    # minus Python names exported by an __all__ (e.g. models.FREESOLO_ATTENTIONS): assigned at module level
+    read = {name for name in read if not any(re.search(rf"^{name} = ", text, re.MULTILINE) for text in texts)}
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Environment switches", 1)[1].split("\n## ", 1)[0]
+    listed = set(re.findall(r"^\| `(FREESOLO_[A-Z0-9_]+)` \|", section, flags=re.MULTILINE))
+    assert read - listed == set(), f"read by the package, missing from the README table: {sorted(read - listed)}"
+    assert listed - read == set(), f"in the README table, read nowhere: {sorted(listed - read)}"
