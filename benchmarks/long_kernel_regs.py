@@ -12,13 +12,16 @@ gave; the timings are `switch_ab.py`'s arms.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from gpu_attention import write_json  # noqa: E402
+from triton_attention_bench import gpu_payload  # noqa: E402
 
 import freesolo  # noqa: E402
 from freesolo.backends.triton import attention as att  # noqa: E402
@@ -42,6 +45,7 @@ def main(argv=None) -> None:
     ap.add_argument("--T", type=int, default=4096)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    payload = gpu_payload(T=args.T, B=1, H=16, D=64, dtype="bfloat16", variant="fsl")
     cfg = freesolo.FreeSoloConfig(variant="fsl")
     q, k, v = (torch.randn(1, args.T, 16, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     props = torch.cuda.get_device_properties(0)
@@ -65,11 +69,9 @@ def main(argv=None) -> None:
         rows.append(row)
         print(row, flush=True)
     os.environ.pop(att.ENV_LONG_MAXNREG, None)
-    payload = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, T=args.T, rows=rows)
+    payload["rows"] = rows
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(payload, f, indent=1)
-        print("wrote", args.out)
+        write_json(args.out, payload)
 
 
 if __name__ == "__main__":
