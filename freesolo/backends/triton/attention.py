@@ -610,7 +610,8 @@ ENV_LONG_INTO_OUT = "FREESOLO_TRITON_LONG_INTO_OUT"  # 0: the fp32 hand-over buf
 ENV_WINDOW_FIRST = "FREESOLO_TRITON_WINDOW_FIRST"  # 0: window_first off (on by default with long_into_out)
 ENV_SORTED_LONG = "FREESOLO_TRITON_SORTED_LONG"  # 0: sorted_long off (on by default with long_block > 0)
 ENV_LONG_TMA = "FREESOLO_TRITON_LONG_TMA"  # 1: long_tma on (with long_block > 0, on sm_90+), 0: off; unset: LONG_TMA_DEFAULT
-ENV_LONG_MAXNREG = "FREESOLO_TRITON_LONG_MAXNREG"  # N: the long kernel's register cap (long_block > 0, 16-bit dtypes); 0 / unset: none
+# N: the long kernel's register cap (long_block > 0, 16-bit dtypes); 0 / unset: none
+ENV_LONG_MAXNREG = "FREESOLO_TRITON_LONG_MAXNREG"
 # On by default since s39: its production path passed compute-sanitizer memcheck + racecheck (s39 call1,
 # H100, `benchmarks/sanitize_triton.py forward_backward` with it on: 0 errors, 0 hazards), and through the
 # API the FS-L forward took 0.179 vs 0.191 ms at 4k, 1.651 vs 1.744 ms at 64k (same run, on / off; bf16 H16 D64).
@@ -634,9 +635,11 @@ _DEFAULT_TILES: dict = {}
 
 
 def default_tiles(D: int, dtype: torch.dtype, device: torch.device) -> AttentionTiles:
-    """`_default_tiles`, cached per (D, dtype, device, the six variables' values): the
+    """`_default_tiles`, cached per (D, dtype, device, the tile variables' values): the
     variables are still read at every call (an A/B switch takes effect at the next call)."""
-    names = (ENV_LONG_BLOCK, ENV_MAXNREG, ENV_LONG_INTO_OUT, ENV_WINDOW_FIRST, ENV_SORTED_LONG, ENV_LONG_TMA, ENV_LONG_MAXNREG)
+    names = (
+        ENV_LONG_BLOCK, ENV_MAXNREG, ENV_LONG_INTO_OUT, ENV_WINDOW_FIRST, ENV_SORTED_LONG, ENV_LONG_TMA, ENV_LONG_MAXNREG
+    )
     env = tuple(os.environ.get(name) for name in names)
     key = (D, dtype, device, env)
     hit = _DEFAULT_TILES.get(key)

@@ -220,11 +220,11 @@ def _select(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig, out_dtype: to
 
 def _select_with_unions(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig, union_rows: int):
     """(idx int32 [B, T, Hq, K], union, count): FS / FS-L's selection and the long tiles' unions from
-    the scoring kernel (`selection.select_cells` with union_rows); None where it cannot (FS-B, or
-    scoring tiles that are not the union tiles: `selection.fuses_unions`)."""
+    the scoring kernel (`selection.select_cells` with union_rows); None where `selection.fuses_unions`
+    says it cannot (FS-B, or scoring tiles that are not the union tiles)."""
     from .selection import fuses_unions, select_cells
 
-    if cfg.variant == "fsb" or not fuses_unions(cfg, q.shape[3], q.dtype, union_rows):
+    if not fuses_unions(cfg, q.shape[3], q.dtype, union_rows):
         return None
     return select_cells(q, k, cfg, out_dtype=torch.int32, union_rows=union_rows)
 
