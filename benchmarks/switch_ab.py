@@ -15,7 +15,8 @@ SDPA causal (forward, forward + backward) in the same run. B 1, H 16, D 64, bf16
 default arms compare the selection side stream's priority (torch's 0 against the device's highest,
 `FREESOLO_TRITON_SIDE_PRIORITY=-100`, clamped by torch); s46 adds the short-sequence FS-L candidate
 kernel (`FREESOLO_TRITON_FSL_DIRECT_MAX_CELLS`), s47 the cached graphs that read the caller's inputs
-in place (`FREESOLO_TRITON_GRAPH_DIRECT`, not a kernel switch: it changes the API time only):
+in place (`FREESOLO_TRITON_GRAPH_DIRECT`, not a kernel switch: it changes the API time only), s49 the
+cache's size limit (`FREESOLO_TRITON_GRAPHS`, API time only):
 
     python benchmarks/switch_ab.py --out $OUT/side_priority_ab.json                   # ~2 min on an H100
     python benchmarks/switch_ab.py --arm scan: --arm direct:FREESOLO_TRITON_FSL_DIRECT_MAX_CELLS=1024 \\
@@ -51,8 +52,9 @@ from freesolo.backends.triton import graphs, selection  # noqa: E402
 
 __all__ = ["DEFAULT_ARMS", "parse_arm", "main"]
 
-# the kernels' switches, and whether the graph cache may read the caller's inputs in place (s47)
-SWITCHES = graphs.KNOB_ENVS + (graphs.DIRECT_ENV,)
+# the kernels' switches, whether the graph cache may read the caller's inputs in place (s47), and the
+# cache's size limit (s49: FREESOLO_TRITON_GRAPHS=N replays calls of up to N query elements)
+SWITCHES = graphs.KNOB_ENVS + (graphs.DIRECT_ENV, graphs.GRAPHS_ENV)
 DEFAULT_ARMS = ("p0:FREESOLO_TRITON_SIDE_PRIORITY=0", "high:FREESOLO_TRITON_SIDE_PRIORITY=-100")
 H, D = 16, 64
 
