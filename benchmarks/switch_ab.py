@@ -53,8 +53,8 @@ from freesolo.backends.triton import graphs, selection  # noqa: E402
 __all__ = ["DEFAULT_ARMS", "parse_arm", "main"]
 
 # the kernels' switches, whether the graph cache may read the caller's inputs in place (s47), and the
-# cache's size limit (s49: FREESOLO_TRITON_GRAPHS=N replays calls of up to N query elements)
-SWITCHES = graphs.KNOB_ENVS + (graphs.DIRECT_ENV, graphs.GRAPHS_ENV)
+# cache's size limits (s49: FREESOLO_TRITON_GRAPHS, FREESOLO_TRITON_GRAPH_DIRECT_MAX)
+SWITCHES = graphs.KNOB_ENVS + (graphs.DIRECT_ENV, graphs.GRAPHS_ENV, graphs.DIRECT_MAX_ENV)
 DEFAULT_ARMS = ("p0:FREESOLO_TRITON_SIDE_PRIORITY=0", "high:FREESOLO_TRITON_SIDE_PRIORITY=-100")
 H, D = 16, 64
 

@@ -237,6 +237,68 @@ def test_direct_graphs_read_repeated_addresses_in_place_and_others_are_copied(mo
     assert cache.direct_stats == {"graphs": 0, "captures": 0, "replays": 0, "evictions": 0, "disabled": False}
 
 
+def test_calls_past_the_copy_limit_take_only_graphs_on_their_inputs(monkeypatch):
+    """`call_direct(copies=False)` (a forward past FREESOLO_TRITON_GRAPHS, s49): no copying graph ever;
+    the first call eager, the second at the same addresses captures a graph on them, later ones there
+    replay it (an in-place change is read); a call elsewhere runs eagerly, and its second call at its
+    own addresses captures a graph of their own. Every output equals the direct computation."""
+    cache = graphs.GraphCache(capture=_Emulated)
+    w = torch.tensor([1.0, -2.0, 3.0])
+    x = torch.arange(6.0).reshape(2, 3)
+
+    def check(x):
+        out, graph = cache.call_direct("k", _fwd_body, (x, w), ("t",), copies=False)
+        assert torch.equal(out[0], x * w) and torch.equal(out[1], x.sum(dim=-1))
+        return graph
+
+    assert check(x) is None
+    direct = check(x)
+    assert direct is not None and direct.inputs == () and direct._copied_in == ()
+    assert cache.stats["captures"] == 0 and cache.direct_stats["captures"] == 1
+    x.mul_(-1.5)
+    assert check(x) is direct
+    y = x.clone() + 1
+    assert check(y) is None, "a call at other addresses was not run eagerly"
+    assert check(y) not in (None, direct) and cache.direct_stats["graphs"] == 2
+    assert check(x) is direct
+    assert cache.stats == {"graphs": 0, "captures": 0, "replays": 0, "evictions": 0, "refreshes": 0, "disabled": False}
+    assert cache.direct_stats["replays"] == 4, cache.direct_stats
+
+
+def test_run_keeps_calls_past_the_copy_limit_off_copying_graphs(monkeypatch):
+    """`run(copies=False)` (queries past `max_elements()`): graphs on its inputs only, and with
+    FREESOLO_TRITON_GRAPH_DIRECT=0 every call eager; `direct_max_elements` parses its switch."""
+    cache = graphs.GraphCache(capture=_Emulated)
+    monkeypatch.setattr(graphs, "CACHE", cache)
+    w, x = torch.tensor([1.0, 3.0]), torch.ones(2, 2)
+    monkeypatch.setenv(graphs.GRAPHS_ENV, "3")  # x holds 4 elements
+    monkeypatch.setenv(graphs.DIRECT_ENV, "0")
+    assert not graphs.within_copy_limit(x)
+    for _ in range(3):
+        assert torch.equal(graphs.run(_fwd_body, (x, w), ("t",), copies=False)[0], x * w)
+    assert cache.stats["captures"] == 0 and cache.direct_stats["captures"] == 0
+    monkeypatch.setenv(graphs.DIRECT_ENV, "1")
+    for _ in range(3):
+        assert torch.equal(graphs.run(_fwd_body, (x, w), ("t",), copies=False)[0], x * w)
+    # (the capturing call counts as a replay)
+    assert cache.stats["captures"] == 0 and cache.direct_stats["captures"] == 1 and cache.direct_stats["replays"] == 2
+    monkeypatch.setenv(graphs.GRAPHS_ENV, "4")  # within the copy limit, direct graphs off: the copying graph
+    monkeypatch.setenv(graphs.DIRECT_ENV, "0")
+    assert graphs.within_copy_limit(x)
+    for _ in range(3):
+        assert torch.equal(graphs.run(_fwd_body, (x, w), ("t",), copies=True)[0], x * w)
+    assert cache.stats["captures"] == 1
+    monkeypatch.delenv(graphs.DIRECT_MAX_ENV, raising=False)
+    assert graphs.direct_max_elements() == graphs.DEFAULT_DIRECT_MAX_ELEMENTS == 16384 * 16 * 64
+    for text, value in (("", graphs.DEFAULT_DIRECT_MAX_ELEMENTS), ("0", 0), ("99", 99)):
+        monkeypatch.setenv(graphs.DIRECT_MAX_ENV, text)
+        assert graphs.direct_max_elements() == value
+    for text in ("-1", "many"):
+        monkeypatch.setenv(graphs.DIRECT_MAX_ENV, text)
+        with pytest.raises(ValueError, match=graphs.DIRECT_MAX_ENV):
+            graphs.direct_max_elements()
+
+
 def test_direct_graphs_evict_and_turn_off_when_addresses_keep_changing(monkeypatch):
     monkeypatch.setattr(graphs, "MAX_DIRECT_ENTRIES", 2)
     monkeypatch.setattr(graphs, "MAX_DIRECT_EVICTIONS", 3)
@@ -328,7 +390,7 @@ def test_knob_list_names_every_triton_switch_of_the_kernels():
     for path in root.glob("*.py"):
         named |= set(re.findall(r'"(FREESOLO_TRITON_[A-Z_]+)"', path.read_text()))
     fsb_prefill = {"FREESOLO_TRITON_FSB_SEARCH", "FREESOLO_TRITON_FSB_RERANK", "FREESOLO_TRITON_FSB_FORESTS"}
-    assert named - set(graphs.KNOB_ENVS) == {graphs.GRAPHS_ENV, graphs.DIRECT_ENV} | fsb_prefill, named
+    assert named - set(graphs.KNOB_ENVS) == {graphs.GRAPHS_ENV, graphs.DIRECT_ENV, graphs.DIRECT_MAX_ENV} | fsb_prefill, named
 
 
 def test_the_deterministic_gather_and_union_backwards_are_not_captured(monkeypatch):
@@ -450,9 +512,14 @@ def test_cuda_graph_cache_steps_aside(graphs_on, monkeypatch):
         torch.cuda.synchronize()
         assert torch.equal(out, want)
         monkeypatch.setenv(graphs.GRAPHS_ENV, str(xs[0].numel() - 1))
+        monkeypatch.setenv(graphs.DIRECT_MAX_ENV, "0")
+        monkeypatch.setenv(graphs.DIRECT_ENV, "1")
         for _ in range(3):
             assert torch.equal(freesolo.freesolo_attention(*xs, cfg, backend="triton", check_finite=False), want)
         assert graphs_on.stats["captures"] == 0, "a call above FREESOLO_TRITON_GRAPHS query elements was graphed"
+        assert graphs_on.direct_stats["captures"] == 0, "a call above both limits was graphed on its inputs"
+        monkeypatch.setenv(graphs.DIRECT_MAX_ENV, "")
+        monkeypatch.setenv(graphs.DIRECT_ENV, "0")
         monkeypatch.setenv(graphs.GRAPHS_ENV, str(xs[0].numel()))
         assert graphs.eligible(xs[0], "fsl") and not graphs.eligible(xs[0], "fsb")
         monkeypatch.setenv(graphs.GRAPHS_ENV, "")
@@ -617,3 +684,42 @@ def test_cuda_direct_graphs_read_the_callers_inputs_and_equal_eager(variant, gra
             assert torch.equal(freesolo.freesolo_attention(*again, cfg, backend="triton", check_finite=False), want[1])
             assert graphs_on.direct_stats["replays"] == 4, graphs_on.direct_stats
     assert graphs_on.direct_stats["captures"] == 1, graphs_on.direct_stats
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU: CUDA graphs exist only there")
+@pytest.mark.parametrize("variant", ["fsl", "fs"])
+def test_cuda_forwards_past_the_copy_limit_replay_graphs_on_their_inputs(variant, graphs_on, monkeypatch):
+    """Past FREESOLO_TRITON_GRAPHS and within FREESOLO_TRITON_GRAPH_DIRECT_MAX (s49): a forward without
+    gradients repeated on the same tensors is replayed from a graph on them (no copying graph), new
+    values written into them are read, tensors elsewhere run eagerly; a forward + backward is never
+    graphed there; every output and gradient has the eager kernels' bits."""
+    cfg = FreeSoloConfig(variant=variant)
+    xs = _inputs(71, 1, 2048 + 7, 4, 2, 64)
+    other = _inputs(72, 1, 2048 + 7, 4, 2, 64)
+    monkeypatch.setenv(graphs.GRAPHS_ENV, "0")
+    with torch.no_grad():
+        want = [freesolo.freesolo_attention(*x, cfg, backend="triton", check_finite=False) for x in (xs, other)]
+    grad_in = [x.detach().clone().requires_grad_(True) for x in xs]
+    freesolo.freesolo_attention(*grad_in, cfg, backend="triton", check_finite=False).float().square().sum().backward()
+    want_grads = [x.grad.clone() for x in grad_in]
+    monkeypatch.setenv(graphs.GRAPHS_ENV, str(xs[0].numel() - 1))
+    monkeypatch.setenv(graphs.DIRECT_MAX_ENV, str(xs[0].numel()))
+    monkeypatch.setenv(graphs.DIRECT_ENV, "1")
+    assert graphs.eligible(xs[0], variant, in_place=True) and not graphs.eligible(xs[0], variant)
+    with torch.no_grad():
+        for _ in range(4):
+            assert torch.equal(freesolo.freesolo_attention(*xs, cfg, backend="triton", check_finite=False), want[0])
+        assert graphs_on.direct_stats["captures"] == 1 and graphs_on.direct_stats["replays"] == 2, graphs_on.direct_stats
+        assert graphs_on.stats["captures"] == 0, graphs_on.stats
+        held = [x.clone() for x in xs]
+        for x, y in zip(xs, other):
+            x.copy_(y)
+        assert torch.equal(freesolo.freesolo_attention(*xs, cfg, backend="triton", check_finite=False), want[1])
+        assert torch.equal(freesolo.freesolo_attention(*held, cfg, backend="triton", check_finite=False), want[0])
+        assert graphs_on.direct_stats["replays"] == 3 and graphs_on.stats["captures"] == 0
+    for _ in range(3):
+        for x in grad_in:
+            x.grad = None
+        freesolo.freesolo_attention(*grad_in, cfg, backend="triton", check_finite=False).float().square().sum().backward()
+        assert all(torch.equal(x.grad, g) for x, g in zip(grad_in, want_grads))
+    assert graphs_on.stats["captures"] == 0 and graphs_on.direct_stats["captures"] == 1, "a training call was graphed"

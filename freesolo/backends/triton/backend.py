@@ -413,9 +413,12 @@ class _EagerAttention(torch.autograd.Function):
 
 def _forward_call(q, k, v, beta, cfg_json, save_stats: bool, graphed: bool):
     """`_forward_impl`'s outputs, from the CUDA-graph cache when `graphed` (a forward without
-    statistics copies only o out of its graph; the others come back as None, as they do eagerly)."""
+    statistics copies only o out of its graph; the others come back as None, as they do eagerly;
+    past `graphs.within_copy_limit` only graphs on the inputs serve it)."""
     if graphed:
-        return graphs.run(_forward_impl, (q, k, v, beta), (cfg_json, save_stats), n_outputs=None if save_stats else 1)
+        n_outputs = None if save_stats else 1
+        copies = graphs.within_copy_limit(q)
+        return graphs.run(_forward_impl, (q, k, v, beta), (cfg_json, save_stats), n_outputs=n_outputs, copies=copies)
     return _forward_impl(q, k, v, beta, cfg_json, save_stats=save_stats)
 
 
@@ -467,12 +470,13 @@ def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: Fre
         o, _idx, _lse_loc, _lse_long, _rstd = torch.ops.freesolo.triton_forward(q, k, v, b, config_to_json(cfg))
         return o
     # short calls are host-bound: replayed from CUDA graphs when `graphs.eligible` (FREESOLO_TRITON_GRAPHS)
-    graphed = graphs.eligible(q, cfg.variant)
     if not (torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, b))):
         # nothing to differentiate: no autograd node, and the backward's statistics are not stored
-        # (12 bytes per position and query head; the rotated keys take their room: fewer launches)
+        # (12 bytes per position and query head; the rotated keys take their room: fewer launches);
+        # up to FREESOLO_TRITON_GRAPH_DIRECT_MAX query elements a graph on the inputs may serve it
+        graphed = graphs.eligible(q, cfg.variant, in_place=True)
         return _forward_call(q, k, v, b, config_to_json(cfg), False, graphed)[0]
-    return _EagerAttention.apply(q, k, v, b, config_to_json(cfg), cfg.variant, graphed)
+    return _EagerAttention.apply(q, k, v, b, config_to_json(cfg), cfg.variant, graphs.eligible(q, cfg.variant))
 
 
 def triton_select_cells(q: torch.Tensor, k: torch.Tensor, cfg: FreeSoloConfig) -> torch.Tensor:

@@ -52,6 +52,15 @@ the same bits. Such graphs keep no reference to the caller's tensors (their memo
 the allocator as usual); they live in an LRU of their own (`MAX_DIRECT_ENTRIES`), and after
 `MAX_DIRECT_EVICTIONS` evictions (addresses that keep changing) the process stops capturing them
 with a warning, and the copying graphs carry on.
+Past `max_elements()` and up to `direct_max_elements()` (default 2^24 query elements: 16384 tokens at
+H 16, D 64; FREESOLO_TRITON_GRAPH_DIRECT_MAX, "0" = none) a forward without gradients is served by a
+graph on its inputs only (`eligible(..., in_place=True)`): never a copying graph, the second call of a
+key at the same addresses captures one, every other call runs eagerly. H100, s49 call1 (FS-L / FS,
+B 1, H 16, D 64, bf16, 16k tokens, through the API, same run, same bits): FS-L 0.490 ms against
+0.846 eagerly (its GPU time 0.466: the eager call is host-bound) and 0.581 with copies in; FS 0.601
+against 0.631 eagerly and 0.709 with copies in; at 32k the GPU hides the host work (FS-L 0.897 against
+0.896 eagerly, 1.066 with copies), and a forward + backward at 16k is slower from graphs (2.49 against
+2.34 ms): hence the limit, and no copying graphs past `max_elements()`.
 Memory: a graph keeps static copies of its inputs and its own pool for the outputs and the
 intermediates, about the size of the call's working set (a bound backward has no input copies but
 the output gradient): at H 16, D 64, bf16 (s34 probe) 0.03 / 0.06 GiB per 4k-token forward /
@@ -76,13 +85,17 @@ __all__ = [
     "GRAPHS_ENV",
     "DIRECT_ENV",
     "DEFAULT_MAX_ELEMENTS",
+    "DIRECT_MAX_ENV",
+    "DEFAULT_DIRECT_MAX_ELEMENTS",
     "KNOB_ENVS",
     "GraphCache",
     "CACHE",
     "max_elements",
+    "direct_max_elements",
     "direct_inputs",
     "input_addresses",
     "eligible",
+    "within_copy_limit",
     "cache_key",
     "Binding",
     "run",
@@ -100,6 +113,10 @@ MAX_SEEN = 1024  # keys counted before their capture; the counts are cleared bey
 DIRECT_ENV = "FREESOLO_TRITON_GRAPH_DIRECT"
 MAX_DIRECT_ENTRIES = 4  # graphs on callers' addresses (module docstring)
 MAX_DIRECT_EVICTIONS = 32
+# forwards without gradients past DEFAULT_MAX_ELEMENTS and up to this many query elements: graphs on the
+# caller's inputs only (module docstring; 16384 tokens at H 16, D 64)
+DIRECT_MAX_ENV = "FREESOLO_TRITON_GRAPH_DIRECT_MAX"
+DEFAULT_DIRECT_MAX_ELEMENTS = 1 << 24
 # the environment switches that change which kernels a call runs (read at call time by
 # attention.py, attention_bwd.py, selection.py, _common.py): part of every key
 KNOB_ENVS = (
@@ -121,19 +138,33 @@ KNOB_ENVS = (
 )
 
 
-def max_elements() -> int:
-    """The most query elements (B * T * Hq * D) a call may hold to be replayed from a graph (0: the
-    cache is off). FREESOLO_TRITON_GRAPHS: unset or empty = DEFAULT_MAX_ELEMENTS, "0" = off, N > 0 = N."""
-    text = os.environ.get(GRAPHS_ENV, "")
+def _element_count(name: str, default: int, zero_means: str) -> int:
+    """The count of query elements the environment variable `name` gives: unset or empty = default,
+    else an integer >= 0 (the error message says what 0 means: `zero_means`)."""
+    text = os.environ.get(name, "")
     if text == "":
-        return DEFAULT_MAX_ELEMENTS
+        return default
     try:
         value = int(text)
     except ValueError:
-        raise ValueError(f"{GRAPHS_ENV}={text!r} must be 0 (off) or a positive count of query elements") from None
+        value = -1
     if value < 0:
-        raise ValueError(f"{GRAPHS_ENV}={text!r} must be 0 (off) or a positive count of query elements")
+        raise ValueError(f"{name}={text!r} must be 0 ({zero_means}) or a positive count of query elements")
     return value
+
+
+def max_elements() -> int:
+    """The most query elements (B * T * Hq * D) a call may hold to be replayed from a graph (0: the
+    cache is off). FREESOLO_TRITON_GRAPHS: unset or empty = DEFAULT_MAX_ELEMENTS, "0" = off, N > 0 = N."""
+    return _element_count(GRAPHS_ENV, DEFAULT_MAX_ELEMENTS, "off")
+
+
+def direct_max_elements() -> int:
+    """The most query elements a forward without gradients may hold to be replayed from a graph on its
+    inputs (`run` with `direct_inputs()`; module docstring), when that is more than `max_elements()`.
+    FREESOLO_TRITON_GRAPH_DIRECT_MAX: unset or empty = DEFAULT_DIRECT_MAX_ELEMENTS, "0" = no such
+    calls (the graphs on the inputs keep to `max_elements()`), N > 0 = N."""
+    return _element_count(DIRECT_MAX_ENV, DEFAULT_DIRECT_MAX_ELEMENTS, "no larger calls than FREESOLO_TRITON_GRAPHS")
 
 
 def direct_inputs() -> bool:
@@ -151,12 +182,22 @@ def input_addresses(tensors: tuple) -> tuple:
     return tuple(None if x is None else (x.data_ptr(), x.stride()) for x in tensors)
 
 
-def eligible(q: torch.Tensor, variant: str) -> bool:
+def within_copy_limit(q: torch.Tensor) -> bool:
+    """Whether queries q may be served by a graph that copies its inputs in (`max_elements()`)."""
+    return q.numel() <= max_elements()
+
+
+def eligible(q: torch.Tensor, variant: str, in_place: bool = False) -> bool:
     """Whether a call on queries q [B, T, Hq, D] may be replayed from a graph (module docstring);
-    variant: cfg.variant. The forward and the backward of a call ask alike."""
+    variant: cfg.variant. The forward and the backward of a call ask alike. in_place: the call goes
+    through `run` (a forward without gradients), so past `max_elements()` and up to
+    `direct_max_elements()` a graph on its inputs may serve it (with `direct_inputs()`)."""
     if not q.is_cuda or variant not in ("fs", "fsl") or CACHE.disabled:
         return False
-    if q.numel() > max_elements():  # (limit 0: off)
+    limit = max_elements()
+    if in_place and limit and direct_inputs() and not CACHE.direct_disabled:
+        limit = max(limit, direct_max_elements())
+    if q.numel() > limit:  # (limit 0: off)
         return False
     if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
         return False
@@ -393,11 +434,15 @@ class GraphCache:
         self.replays += 1
         return graph(tensors, n_outputs, prepare), graph
 
-    def call_direct(self, key, body: Callable, tensors: tuple, args: tuple, n_outputs: Optional[int] = None) -> tuple:
+    def call_direct(
+        self, key, body: Callable, tensors: tuple, args: tuple, n_outputs: Optional[int] = None, copies: bool = True
+    ) -> tuple:
         """`call` for a key whose graph may read the caller's inputs in place (module docstring): the
         graph captured on these addresses if there is one; else, when the key's copying graph exists and
         its last call passed inputs at these same addresses, one is captured here (the capture class's
-        `on_inputs(body, tensors, args)`, `_Graph.on_inputs` by default); else `call`."""
+        `on_inputs(body, tensors, args)`, `_Graph.on_inputs` by default); else `call`.
+        copies=False (a call past `max_elements()`): no copying graph; a graph on the inputs is captured
+        at the second call of the key at the same addresses, and every other call runs eagerly."""
         addresses = input_addresses(tensors)
         direct_key = (key, addresses)
         graph = self._direct.get(direct_key)
@@ -406,7 +451,9 @@ class GraphCache:
             if len(self._last_addresses) >= MAX_SEEN:
                 self._last_addresses.clear()
             self._last_addresses[key] = addresses
-            if not repeated or self.direct_disabled or self.disabled or key not in self._graphs:
+            if not repeated or self.direct_disabled or self.disabled or (copies and key not in self._graphs):
+                if not copies:
+                    return tuple(body(*tensors, *args)), None
                 return self.call(key, body, tensors, args, n_outputs)
             graph = _checked_capture(
                 lambda: self._capture.on_inputs(body, tensors, args), " on its inputs", f"{DIRECT_ENV}=0 turns such graphs off"
@@ -471,17 +518,21 @@ def _on_device(device: Optional[int], fn: Callable, *a):
     return fn(*a)
 
 
-def run(body: Callable, tensors: tuple, args: tuple, n_outputs: Optional[int] = None) -> tuple:
+def run(body: Callable, tensors: tuple, args: tuple, n_outputs: Optional[int] = None, copies: bool = True) -> tuple:
     """body(*tensors, *args) through `CACHE` (call it only when `eligible`).
 
     tensors: torch tensors (or None) on one CUDA device; args: hashable non-tensor arguments;
     n_outputs: how many of body's outputs the caller reads (None: all; a replay copies only those
     out of the graph and returns None for the others).
     Returns body's tuple of outputs (tensors or None), fresh tensors the caller owns.
-    With `direct_inputs()`, a graph may read the inputs in place (`GraphCache.call_direct`)."""
+    With `direct_inputs()`, a graph may read the inputs in place (`GraphCache.call_direct`).
+    copies=False (a forward past `max_elements()`, `eligible(..., in_place=True)`): replayed only from
+    a graph on its inputs, else run eagerly."""
     key = cache_key(body, tensors, args)
     if direct_inputs():
-        return _on_device(key[2], CACHE.call_direct, key, body, tensors, args, n_outputs)[0]
+        return _on_device(key[2], CACHE.call_direct, key, body, tensors, args, n_outputs, copies)[0]
+    if not copies:
+        return tuple(body(*tensors, *args))
     return _on_device(key[2], CACHE.call, key, body, tensors, args, n_outputs)[0]
 
 
