@@ -7,7 +7,8 @@ call launches its kernels) and with the default (calls of at most 8192 tokens at
 - ms per call (median of `triton.testing.do_bench`) and host us per call (calls queued back to
   back, one sync at the end: the host's time when the host is the bottleneck);
 - the capturing call's wall time (the second call of a key) and the GPU memory the cache holds
-  (allocated bytes freed by `graphs.clear()`);
+  (allocated bytes freed by `graphs.clear()`), the graphs on the caller's inputs included (s49:
+  forwards without gradients past 8192 tokens and up to 16384 replay only those);
 - whether the replayed outputs (and gradients) equal the eager ones bit for bit;
 - host us per call with the GPU idle at each call's start, and (--profile) the kernels' GPU time.
 
@@ -114,6 +115,7 @@ def measure(T: int, mode: str, setting: str, rep_ms: int, profile_kernels: bool)
     if profile_kernels and setting == "graphs":
         _print_cprofile(fn, f"T={T} {mode} {setting}")
     stats = dict(graphs.CACHE.stats)
+    direct_stats = dict(graphs.CACHE.direct_stats)
     held = torch.cuda.memory_allocated()
     graphs.clear()
     torch.cuda.synchronize()
@@ -124,6 +126,7 @@ def measure(T: int, mode: str, setting: str, rep_ms: int, profile_kernels: bool)
         "second_call_ms": second_ms,
         "cache_gib": freed / 2**30, "allocated_by_second_call_gib": (held - held_before) / 2**30,
         "bitwise_equal_to_first_call": equal, "cache_stats": stats,
+        "direct_stats": direct_stats,
     }
 
 
