@@ -359,7 +359,8 @@
 #   s49_graph    the graph cache's size limit: FS-L / FS API forward (+ fwd+bwd) at 16k / 32k, base (eager past 8k
 #                tokens) against FREESOLO_TRITON_GRAPHS=2^25 with direct graphs and with copies in (~2 min)
 #   s49_gtests   the graph-cache tests (CUDA ones incl.: forwards past the copy limit on graphs of their inputs)
-#   s49_gab      FREESOLO_TRITON_GRAPH_DIRECT_MAX: the default (2^24) against 0, FS-L / FS fwd at 8k / 16k / 32k (~1 min)
+#   s49_gab      FREESOLO_TRITON_GRAPH_DIRECT_MAX: 2^24 (the candidate default) against 0 (the default), FS-L / FS fwd at
+#                8k / 16k / 32k (~1 min)
 #   s49_lb       long tiles of 32 queries (FREESOLO_TRITON_LONG_BLOCK=32) against 64 at 4k / 8k FS-L, 4k FS (~1 min)
 #   s49_t16      issue 10's same-run table at 4k / 16k only (FS-L / FS / SDPA / fla NSA / Flex SWA-512; carry .whl with fla_install)
 #   s49_gprobe   graph_cache_probe.py at 8k / 16k: ms, host us, memory the cache holds (direct graphs past 8k), bits
@@ -549,7 +550,7 @@ step s48_fused 200 python3 benchmarks/switch_ab.py --arm base: --arm fused:FREES
 step s49_tiles 120 python3 -m pytest -q -p no:benchmark -k tiles_switches proofs_tests/test_triton_attention.py
 step s49_graph 200 python3 benchmarks/switch_ab.py --arm base: --arm g32:FREESOLO_TRITON_GRAPHS=33554432 --arm g32copy:FREESOLO_TRITON_GRAPHS=33554432,FREESOLO_TRITON_GRAPH_DIRECT=0 --lengths 16384 32768 --fs-lengths 16384 --bwd-lengths 16384 --rep 50 --rounds 3 --out $W/s49_graph_ab.json
 step s49_gtests 200 python3 -m pytest -q -p no:benchmark proofs_tests/test_triton_graphs.py
-step s49_gab 150 python3 benchmarks/switch_ab.py --arm base: --arm nodirectmax:FREESOLO_TRITON_GRAPH_DIRECT_MAX=0 --lengths 8192 16384 32768 --fs-lengths 16384 --bwd-lengths --rep 50 --rounds 3 --out $W/s49_gab.json
+step s49_gab 150 python3 benchmarks/switch_ab.py --arm base: --arm direct16k:FREESOLO_TRITON_GRAPH_DIRECT_MAX=16777216 --lengths 8192 16384 32768 --fs-lengths 16384 --bwd-lengths --rep 50 --rounds 3 --out $W/s49_gab.json
 step s49_lb 120 python3 benchmarks/switch_ab.py --arm base: --arm lb32:FREESOLO_TRITON_LONG_BLOCK=32 --lengths 4096 8192 --fs-lengths 4096 --bwd-lengths --rep 50 --rounds 3 --out $W/s49_lb.json
 step s49_t16 150 python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fs sdpa_causal fla_nsa flex_swa512 --shapes H16-D64 --modes fwd --lengths 4096 16384 --budget-s 120 --rep-ms 30 --out $W --tag _s49_t16
 step s49_gprobe 120 python3 benchmarks/graph_cache_probe.py --lengths 8192 16384 --out $W/graph_cache_s49.json

@@ -289,8 +289,8 @@ def test_run_keeps_calls_past_the_copy_limit_off_copying_graphs(monkeypatch):
         assert torch.equal(graphs.run(_fwd_body, (x, w), ("t",), copies=True)[0], x * w)
     assert cache.stats["captures"] == 1
     monkeypatch.delenv(graphs.DIRECT_MAX_ENV, raising=False)
-    assert graphs.direct_max_elements() == graphs.DEFAULT_DIRECT_MAX_ELEMENTS == 16384 * 16 * 64
-    for text, value in (("", graphs.DEFAULT_DIRECT_MAX_ELEMENTS), ("0", 0), ("99", 99)):
+    assert graphs.direct_max_elements() == graphs.DEFAULT_DIRECT_MAX_ELEMENTS == 0  # opt-in (graphs.py)
+    for text, value in (("", graphs.DEFAULT_DIRECT_MAX_ELEMENTS), ("0", 0), ("16777216", 1 << 24)):
         monkeypatch.setenv(graphs.DIRECT_MAX_ENV, text)
         assert graphs.direct_max_elements() == value
     for text in ("-1", "many"):
