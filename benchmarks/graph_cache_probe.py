@@ -7,8 +7,9 @@ call launches its kernels) and with the default (calls of at most 8192 tokens at
 - ms per call (median of `triton.testing.do_bench`) and host us per call (calls queued back to
   back, one sync at the end: the host's time when the host is the bottleneck);
 - the capturing call's wall time (the second call of a key) and the GPU memory the cache holds
-  (allocated bytes freed by `graphs.clear()`), the graphs on the caller's inputs included (s49:
-  forwards without gradients past 8192 tokens and up to 16384 replay only those);
+  (allocated bytes freed by `graphs.clear()`), the graphs on the caller's inputs included (s49: with
+  FREESOLO_TRITON_GRAPH_DIRECT_MAX=N set, forwards without gradients past 8192 tokens and up to N query
+  elements replay only those);
 - whether the replayed outputs (and gradients) equal the eager ones bit for bit;
 - host us per call with the GPU idle at each call's start, and (--profile) the kernels' GPU time.
 

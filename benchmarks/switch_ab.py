@@ -16,7 +16,7 @@ default arms compare the selection side stream's priority (torch's 0 against the
 `FREESOLO_TRITON_SIDE_PRIORITY=-100`, clamped by torch); s46 adds the short-sequence FS-L candidate
 kernel (`FREESOLO_TRITON_FSL_DIRECT_MAX_CELLS`), s47 the cached graphs that read the caller's inputs
 in place (`FREESOLO_TRITON_GRAPH_DIRECT`, not a kernel switch: it changes the API time only), s49 the
-cache's size limit (`FREESOLO_TRITON_GRAPHS`, API time only):
+cache's size limits (`FREESOLO_TRITON_GRAPHS`, `FREESOLO_TRITON_GRAPH_DIRECT_MAX`, API time only):
 
     python benchmarks/switch_ab.py --out $OUT/side_priority_ab.json                   # ~2 min on an H100
     python benchmarks/switch_ab.py --arm scan: --arm direct:FREESOLO_TRITON_FSL_DIRECT_MAX_CELLS=1024 \\
