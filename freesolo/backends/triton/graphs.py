@@ -53,17 +53,19 @@ the allocator as usual); they live in an LRU of their own (`MAX_DIRECT_ENTRIES`)
 `MAX_DIRECT_EVICTIONS` evictions (addresses that keep changing) the process stops capturing them
 with a warning, and the copying graphs carry on.
 Past `max_elements()` and up to `direct_max_elements()` (FREESOLO_TRITON_GRAPH_DIRECT_MAX=N query
-elements; unset or "0" = none: opt-in until its CUDA tests have run, `gpu_session_run.sh` step s49_gtests;
-2^24 = 16384 tokens at H 16, D 64 is the measured candidate) a forward without gradients is served by a
-graph on its inputs only (`eligible(..., in_place=True)`): never a copying graph, the second call of a
-key at the same addresses captures one, every other call runs eagerly. H100, s49 call1 (FS-L / FS,
+elements; unset = 2^24 = 16384 tokens at H 16, D 64, the default since s50; "0" = none) a forward
+without gradients is served by a graph on its inputs only (`eligible(..., in_place=True)`): never a
+copying graph, the second call of a key at the same addresses captures one, every other call runs
+eagerly. H100, s50 call1 (`gpu_session_run.sh` step s49_gab, same run, same bits, API ms): FS-L 16k
+0.487 against 0.651 eagerly, FS 16k 0.597 against 0.626; its graph holds 0.035 GiB (FS-L 16k,
+`graph_cache_probe.py`). H100, s49 call1 (FS-L / FS,
 B 1, H 16, D 64, bf16, 16k tokens, through the API, same run, same bits): FS-L 0.490 ms against
 0.846 eagerly (its GPU time 0.466: the eager call is host-bound) and 0.581 with copies in; FS 0.601
 against 0.631 eagerly and 0.709 with copies in; at 32k the GPU hides the host work (FS-L 0.897 against
 0.896 eagerly, 1.066 with copies), and a forward + backward at 16k is slower from graphs (2.49 against
 2.34 ms): hence 2^24 as the candidate default, and no copying graphs past `max_elements()`. (Those
 arms ran the s47 code with FREESOLO_TRITON_GRAPHS=2^25, a copying graph captured before the graph on the
-inputs; the direct-only path here is tested on the CPU with emulated graphs, not yet on a GPU.)
+inputs; the direct-only path is tested on the CPU with emulated graphs and on the GPU since s50.)
 Memory: a graph keeps static copies of its inputs and its own pool for the outputs and the
 intermediates, about the size of the call's working set (a bound backward has no input copies but
 the output gradient): at H 16, D 64, bf16 (s34 probe) 0.03 / 0.06 GiB per 4k-token forward /
@@ -117,10 +119,9 @@ DIRECT_ENV = "FREESOLO_TRITON_GRAPH_DIRECT"
 MAX_DIRECT_ENTRIES = 4  # graphs on callers' addresses (module docstring)
 MAX_DIRECT_EVICTIONS = 32
 # forwards without gradients past max_elements() and up to this many query elements: graphs on the
-# caller's inputs only (module docstring; 0 = none, the default until the path's CUDA tests have run;
-# the measured candidate is 1 << 24, 16384 tokens at H 16, D 64)
+# caller's inputs only (module docstring; 0 = none): 16384 tokens at H 16, D 64 (s50: measured, tested on a GPU)
 DIRECT_MAX_ENV = "FREESOLO_TRITON_GRAPH_DIRECT_MAX"
-DEFAULT_DIRECT_MAX_ELEMENTS = 0
+DEFAULT_DIRECT_MAX_ELEMENTS = 1 << 24
 # the environment switches that change which kernels a call runs (read at call time by
 # attention.py, attention_bwd.py, selection.py, _common.py): part of every key
 KNOB_ENVS = (
