@@ -368,6 +368,9 @@
 #   s50_gqa      issue 10's same-run table for GQA-Hq32-Hkv8-D128 on the current code (FS-L / FS / FS-B / SDPA / fla NSA /
 #                Flex SWA-512 at 4k-128k, flex_fsl at 64k; carry .whl with fla_install; ~3 min)
 #   s50_bwd      forward + backward, H16-D64, at 4k / 16k / 64k: triton FS-L / FS, SDPA causal, Flex SWA-512 (~2 min)
+#   s50_tests    the backend / L12 / attention / models CUDA tests with the graph cache on at its defaults
+#                (FREESOLO_TRITON_GRAPHS= ; conftest turns it off otherwise), then with FREESOLO_TRITON_GRAPHS=1, so that
+#                every forward without gradients up to 2^24 query elements takes the graphs on its inputs only
 #   s48_lreg     the long kernel's register cap (FREESOLO_TRITON_LONG_MAXNREG 96 / 80 / 72): ptxas registers, spills and
 #                programs per SM (long_kernel_regs.py), A/B at 4k / 16k / 64k FS-L, 4k FS (~2 min)
 #   s48_tests    the fused unions' tests (CUDA ones incl.), backend / L12 / attention / models / graph-cache CUDA tests
@@ -560,6 +563,7 @@ step s49_t16 150 python3 benchmarks/gpu_attention.py --providers triton_fsl trit
 step s49_gprobe 120 env FREESOLO_TRITON_GRAPH_DIRECT_MAX=16777216 python3 benchmarks/graph_cache_probe.py --lengths 8192 16384 --out $W/graph_cache_s49.json
 step s50_gqa 260 bash -c "python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fs triton_fsb sdpa_causal fla_nsa flex_swa512 --shapes GQA-Hq32-Hkv8-D128 --modes fwd --lengths 4096 16384 65536 131072 --budget-s 180 --rep-ms 30 --out $W --tag _s50_gqa; python3 benchmarks/gpu_attention.py --providers flex_fsl --shapes GQA-Hq32-Hkv8-D128 --modes fwd --lengths 65536 --budget-s 50 --rep-ms 30 --out $W --tag _s50_gqa_flexfsl"
 step s50_bwd 180 python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fs sdpa_causal flex_swa512 --shapes H16-D64 --modes fwd+bwd --lengths 4096 16384 65536 --budget-s 150 --rep-ms 30 --out $W --tag _s50_bwd
+step s50_tests 420 bash -c "for g in '' 1; do echo FREESOLO_TRITON_GRAPHS=\$g; FREESOLO_TRITON_GRAPHS=\$g python3 -m pytest -q -n ${NPROC:-16} -p no:benchmark -k 'cuda or gpu' proofs_tests/test_triton_backend.py proofs_tests/test_row_independence.py proofs_tests/test_triton_attention.py proofs_tests/test_models.py; done"
 step s48_lreg 240 bash -c "python3 benchmarks/long_kernel_regs.py --caps 0 128 96 80 72 --out $W/long_kernel_regs.json; python3 benchmarks/switch_ab.py --arm base: --arm lreg96:FREESOLO_TRITON_LONG_MAXNREG=96 --arm lreg80:FREESOLO_TRITON_LONG_MAXNREG=80 --arm lreg72:FREESOLO_TRITON_LONG_MAXNREG=72 --lengths 4096 16384 65536 --fs-lengths 4096 --bwd-lengths --rep 50 --rounds 3 --out $W/s48_lreg_ab.json"
 step s48_tests 300 bash -c "python3 -m pytest -q -n ${NPROC:-16} -p no:benchmark -k 'cuda or gpu or fused' proofs_tests/test_triton_selection.py; FREESOLO_TRITON_FUSED_UNIONS=1 python3 -m pytest -q -n ${NPROC:-16} -p no:benchmark -k 'cuda or gpu' proofs_tests/test_triton_backend.py proofs_tests/test_row_independence.py proofs_tests/test_triton_attention.py proofs_tests/test_models.py; FREESOLO_TRITON_FUSED_UNIONS=1 python3 -m pytest -q -p no:benchmark proofs_tests/test_triton_graphs.py"
 step s48_sanitize 200 bash -c "compute-sanitizer --tool memcheck python3 benchmarks/sanitize_triton.py fused_unions && compute-sanitizer --tool racecheck python3 benchmarks/sanitize_triton.py fused_unions"
