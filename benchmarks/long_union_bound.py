@@ -61,8 +61,12 @@ def time_case(T: int, device, dtype, rep_ms: int, H: int, D: int, cfg) -> list:
     cos, sin = rope_tables(T, D, cfg.rope_theta, device, torch.float32)
     tiles = attention.default_tiles(D, dtype, device)
     if tiles.long_block == 0:
-        raise SystemExit(f"the default tiles on {device} run the long branch inside the window kernel: nothing to time apart")
-    idx = torch.as_tensor(freesolo.select_cells(q, k, cfg, backend="triton", check_finite=False)).to(device).contiguous()
+        raise SystemExit(
+            f"the default tiles on {device} run the long branch inside the window kernel: nothing to time apart"
+        )
+    idx = (
+        torch.as_tensor(freesolo.select_cells(q, k, cfg, backend="triton", check_finite=False)).to(device).contiguous()
+    )
     records = []
     for name, sel in (("real", idx), ("shared", shared_selection(idx, tiles.union_rows))):
         unions = attention.forward_unions(sel, cfg, tiles)
@@ -78,6 +82,7 @@ def time_case(T: int, device, dtype, rep_ms: int, H: int, D: int, cfg) -> list:
         records.append(dict(T=T, selection=name, kernel="long", ms=ms, mean_union=mean_union))
         print(f"T={T:>7} {name:<6} long kernel {ms * 1000:9.1f} us  mean union {mean_union:5.2f} cells", flush=True)
         if name == "real":
+
             def window_only(sel=sel, unions=unions, outputs=outputs):
                 attention._launch_window(q, k, v, sel, unions.union, unions.count, beta, cos, sin, cfg, tiles, outputs)
 
