@@ -374,6 +374,7 @@
 #   s50_long     the forward at 512k / 1M on the current code: triton FS-L / FS, Flex SWA-512 (as s42_long; ~30 s)
 #   s50_lub      long_union_bound.py: the long kernel alone on the real FS-L selection and on one where every query of a
 #                64-query tile shares its first query's cells (unions <= 4 cells), and the window kernel, at 4k / 16k / 64k
+#   s50_gqa_prof per-kernel GPU time of the FS-L forward, GQA-Hq32-Hkv8-D128 at 4k / 64k (profile_triton.py; ~1 min)
 #   s48_lreg     the long kernel's register cap (FREESOLO_TRITON_LONG_MAXNREG 96 / 80 / 72): ptxas registers, spills and
 #                programs per SM (long_kernel_regs.py), A/B at 4k / 16k / 64k FS-L, 4k FS (~2 min)
 #   s48_tests    the fused unions' tests (CUDA ones incl.), backend / L12 / attention / models / graph-cache CUDA tests
@@ -569,6 +570,7 @@ step s50_bwd 180 python3 benchmarks/gpu_attention.py --providers triton_fsl trit
 step s50_tests 420 bash -c "for g in '' 1; do echo FREESOLO_TRITON_GRAPHS=\$g; FREESOLO_TRITON_GRAPHS=\$g python3 -m pytest -q -n ${NPROC:-16} -p no:benchmark -k 'cuda or gpu' proofs_tests/test_triton_backend.py proofs_tests/test_row_independence.py proofs_tests/test_triton_attention.py proofs_tests/test_models.py; done"
 step s50_long 120 python3 benchmarks/gpu_attention.py --providers triton_fsl triton_fs flex_swa512 --shapes H16-D64 --modes fwd --lengths 524288 1048576 --budget-s 70 --rep-ms 30 --out $W --tag _s50_long
 step s50_lub 150 python3 benchmarks/long_union_bound.py --lengths 4096 16384 65536 --out $W/long_union_bound.json
+step s50_gqa_prof 150 python3 benchmarks/profile_triton.py --variant fsl --H 32 --Hkv 8 --D 128 --T 4096 65536 --modes fwd --out $W/profile_fsl_gqa.json
 step s48_lreg 240 bash -c "python3 benchmarks/long_kernel_regs.py --caps 0 128 96 80 72 --out $W/long_kernel_regs.json; python3 benchmarks/switch_ab.py --arm base: --arm lreg96:FREESOLO_TRITON_LONG_MAXNREG=96 --arm lreg80:FREESOLO_TRITON_LONG_MAXNREG=80 --arm lreg72:FREESOLO_TRITON_LONG_MAXNREG=72 --lengths 4096 16384 65536 --fs-lengths 4096 --bwd-lengths --rep 50 --rounds 3 --out $W/s48_lreg_ab.json"
 step s48_tests 300 bash -c "python3 -m pytest -q -n ${NPROC:-16} -p no:benchmark -k 'cuda or gpu or fused' proofs_tests/test_triton_selection.py; FREESOLO_TRITON_FUSED_UNIONS=1 python3 -m pytest -q -n ${NPROC:-16} -p no:benchmark -k 'cuda or gpu' proofs_tests/test_triton_backend.py proofs_tests/test_row_independence.py proofs_tests/test_triton_attention.py proofs_tests/test_models.py; FREESOLO_TRITON_FUSED_UNIONS=1 python3 -m pytest -q -p no:benchmark proofs_tests/test_triton_graphs.py"
 step s48_sanitize 200 bash -c "compute-sanitizer --tool memcheck python3 benchmarks/sanitize_triton.py fused_unions && compute-sanitizer --tool racecheck python3 benchmarks/sanitize_triton.py fused_unions"
