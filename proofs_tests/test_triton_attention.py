@@ -655,6 +655,38 @@ def test_forward_allocations_stay_below_a_rotated_copy_of_k(monkeypatch):
     assert not big, f"allocations larger than one rotation chunk of keys: {big} (span {span})"
 
 
+def test_window_tiles_switch(monkeypatch):
+    """FREESOLO_TRITON_WINDOW_TILES (s50, an A/B switch) sets the window kernel's tile in default_tiles
+    (the long tile stays); a malformed value is refused with the variable's name; the forward with
+    another window tile equals the default one up to summation order and matches the oracle."""
+    from freesolo.backends.triton import attention as att
+
+    monkeypatch.delenv(att.ENV_WINDOW_TILES, raising=False)
+    assert att.window_tiles_env() is None
+    base = att.default_tiles(16, torch.float32, torch.device(DEVICE))
+    for bad in ("64x64x4", "48x64x4x2", "64x8x4x2", "64x64x3x2", "64x64x4x5", "64,64,4,2", "big"):
+        monkeypatch.setenv(att.ENV_WINDOW_TILES, bad)
+        with pytest.raises(ValueError, match=att.ENV_WINDOW_TILES):
+            att.default_tiles(16, torch.float32, torch.device(DEVICE))
+    monkeypatch.setenv(att.ENV_WINDOW_TILES, "16X64x2x3")
+    tiles = att.default_tiles(16, torch.float32, torch.device(DEVICE))
+    assert (tiles.block_m, tiles.block_n, tiles.num_warps, tiles.num_stages) == (16, 64, 2, 3)
+    assert (tiles.long_block, tiles.maxnreg) == (base.long_block, base.maxnreg)
+    cfg = _cfg(top_k=3)
+    q, k, v = random_qkv(13, 1, 75, 2, 1, 16)
+    beta = np.array([0.6, -0.9])
+    idx = _selection(q, k, cfg)
+    for text in ("16x16x1x1", "64x32x1x1"):
+        monkeypatch.setenv(att.ENV_WINDOW_TILES, text)
+        tiles = att.default_tiles(16, torch.float32, torch.device(DEVICE))
+        got = _run(q, k, v, idx, beta, cfg, tiles=tiles)
+        monkeypatch.delenv(att.ENV_WINDOW_TILES)
+        want = _run(q, k, v, idx, beta, cfg)
+        for name, x, y in zip(("o", "lse_loc", "lse_long", "rstd"), got, want):  # (lse_long -inf where no cell)
+            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6, err_msg=f"{text} {name}")
+        assert_close(got[0], _oracle(q, k, v, idx, cfg, beta), 1e-5, f"{text} o vs the oracle")
+
+
 def test_tiles_switches():
     """AttentionTiles validates long_block / maxnreg; the environment switches reach default_tiles;
     launch_forward refuses a union computed for other tile rows."""

@@ -380,6 +380,7 @@ def test_knob_list_names_every_triton_switch_of_the_kernels():
         _common.FAST_LAUNCH_ENV, attention.ENV_LONG_TMA, attention.ENV_SIDE_PRIORITY,
         selection.ENV_FSL_DIRECT_MAX_CELLS, attention.ENV_SORTED_LONG_MIN_T, attention.ENV_FUSED_UNIONS,
         attention.ENV_LONG_MAXNREG,
+        attention.ENV_WINDOW_TILES,
     }
     assert read == set(graphs.KNOB_ENVS)
     import pathlib

@@ -50,7 +50,7 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 import triton
@@ -65,6 +65,8 @@ __all__ = [
     "ENV_SORTED_LONG",
     "ENV_MAXNREG",
     "ENV_LONG_MAXNREG",
+    "ENV_WINDOW_TILES",
+    "window_tiles_env",
     "AttentionTiles",
     "attention_forward",
     "default_tiles",
@@ -612,6 +614,10 @@ ENV_SORTED_LONG = "FREESOLO_TRITON_SORTED_LONG"  # 0: sorted_long off (on by def
 ENV_LONG_TMA = "FREESOLO_TRITON_LONG_TMA"  # 1: long_tma on (with long_block > 0, on sm_90+), 0: off; unset: LONG_TMA_DEFAULT
 # N: the long kernel's register cap (long_block > 0, 16-bit dtypes); 0 / unset: none
 ENV_LONG_MAXNREG = "FREESOLO_TRITON_LONG_MAXNREG"
+# s50, an A/B switch: the window kernel's tile "BLOCK_MxBLOCK_NxWARPSxSTAGES" (e.g. 64x64x4x2; the
+# interpreter ignores warps and stages); unset: `_base_tiles`. With the long branch in its own kernel (long_block > 0) it changes
+# the window kernel alone; with the fused kernel BLOCK_M is also the long tile (`union_rows`).
+ENV_WINDOW_TILES = "FREESOLO_TRITON_WINDOW_TILES"
 # On by default since s39: its production path passed compute-sanitizer memcheck + racecheck (s39 call1,
 # H100, `benchmarks/sanitize_triton.py forward_backward` with it on: 0 errors, 0 hazards), and through the
 # API the FS-L forward took 0.179 vs 0.191 ms at 4k, 1.651 vs 1.744 ms at 64k (same run, on / off; bf16 H16 D64).
@@ -631,6 +637,35 @@ def _env_int(name: str) -> Optional[int]:
         raise ValueError(f"environment variable {name}={text!r} must be an integer") from None
 
 
+def window_tiles_env() -> Optional[Tuple[int, int, int, int]]:
+    """(block_m, block_n, num_warps, num_stages) from ENV_WINDOW_TILES, or None when it is unset or
+    empty. ValueError unless it is four 'x'-separated integers: block_m and block_n powers of two in
+    [16, 256], num_warps a power of two in [1, 16], num_stages in [1, 4]."""
+    text = os.environ.get(ENV_WINDOW_TILES, "").strip()
+    if not text:
+        return None
+    try:
+        values = tuple(int(part) for part in text.lower().split("x"))
+    except ValueError:
+        values = ()
+
+    def pow2(x: int, low: int, high: int) -> bool:
+        return low <= x <= high and x & (x - 1) == 0
+
+    if not (
+        len(values) == 4
+        and pow2(values[0], 16, 256)
+        and pow2(values[1], 16, 256)
+        and pow2(values[2], 1, 16)
+        and 1 <= values[3] <= 4
+    ):
+        raise ValueError(
+            f"environment variable {ENV_WINDOW_TILES}={text!r} must be BLOCK_MxBLOCK_NxWARPSxSTAGES, e.g. 64x64x4x2 "
+            "(block sizes powers of two in [16, 256], warps a power of two in [1, 16], stages 1 to 4)"
+        )
+    return values
+
+
 _DEFAULT_TILES: dict = {}
 
 
@@ -638,8 +673,9 @@ def default_tiles(D: int, dtype: torch.dtype, device: torch.device) -> Attention
     """`_default_tiles`, cached per (D, dtype, device, the tile variables' values): the
     variables are still read at every call (an A/B switch takes effect at the next call)."""
     names = (
-        ENV_LONG_BLOCK, ENV_MAXNREG, ENV_LONG_INTO_OUT, ENV_WINDOW_FIRST, ENV_SORTED_LONG, ENV_LONG_TMA, ENV_LONG_MAXNREG
-    )
+        ENV_LONG_BLOCK, ENV_MAXNREG, ENV_LONG_INTO_OUT, ENV_WINDOW_FIRST, ENV_SORTED_LONG, ENV_LONG_TMA, ENV_LONG_MAXNREG,
+        ENV_WINDOW_TILES,
+    )  # fmt: skip
     env = tuple(os.environ.get(name) for name in names)
     key = (D, dtype, device, env)
     hit = _DEFAULT_TILES.get(key)
@@ -661,6 +697,10 @@ def _default_tiles(D: int, dtype: torch.dtype, device: torch.device) -> Attentio
     (process-wide, read at each call; they never depend on B or T). ENV_MAXNREG applies to 16-bit
     dtypes only (fp32 D 128 at 128 registers spills ~1.2 kB per thread on sm_90)."""
     tiles = _base_tiles(D, dtype, device)
+    window = window_tiles_env()
+    if window is not None:
+        block_m, block_n, num_warps, num_stages = window
+        tiles = dataclasses.replace(tiles, block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
     long_block, maxnreg = _env_int(ENV_LONG_BLOCK), _env_int(ENV_MAXNREG)
     if long_block is not None:
         tiles = dataclasses.replace(tiles, long_block=long_block)
