@@ -11,7 +11,8 @@ backend's cached CUDA graphs dropped between arms (the switches are part of thei
 - `select_ms` (with --select): `selection.select_cells` alone, eager;
 - `same_bits`: the outputs (and gradients) of every arm are bitwise equal to the first arm's.
 
-SDPA causal (forward, forward + backward) in the same run. B 1, H 16, D 64, bf16, iid keys. The
+SDPA causal (forward, forward + backward) in the same run. B 1, bf16, iid keys; H 16, D 64 unless
+`--shape` names another (s50: `GQA-Hq32-Hkv8-D128`; `FREESOLO_TRITON_WINDOW_TILES` is a switch). The
 default arms compare the selection side stream's priority (torch's 0 against the device's highest,
 `FREESOLO_TRITON_SIDE_PRIORITY=-100`, clamped by torch); s46 adds the short-sequence FS-L candidate
 kernel (`FREESOLO_TRITON_FSL_DIRECT_MAX_CELLS`), s47 the cached graphs that read the caller's inputs
@@ -50,13 +51,27 @@ import freesolo  # noqa: E402
 from freesolo.backends.triton import attention as att  # noqa: E402
 from freesolo.backends.triton import graphs, selection  # noqa: E402
 
-__all__ = ["DEFAULT_ARMS", "parse_arm", "main"]
+__all__ = ["DEFAULT_ARMS", "parse_arm", "parse_shape", "main"]
 
 # the kernels' switches, whether the graph cache may read the caller's inputs in place (s47), and the
 # cache's size limits (s49: FREESOLO_TRITON_GRAPHS, FREESOLO_TRITON_GRAPH_DIRECT_MAX)
 SWITCHES = graphs.KNOB_ENVS + (graphs.DIRECT_ENV, graphs.GRAPHS_ENV, graphs.DIRECT_MAX_ENV)
 DEFAULT_ARMS = ("p0:FREESOLO_TRITON_SIDE_PRIORITY=0", "high:FREESOLO_TRITON_SIDE_PRIORITY=-100")
-H, D = 16, 64
+H, HKV, D = 16, 16, 64  # the shape (--shape sets them)
+SHAPE = "H16-D64"
+
+
+def parse_shape(text: str) -> tuple[int, int, int]:
+    """'H16-D64' or 'GQA-Hq32-Hkv8-D128' (gpu_attention.py's names) -> (Hq, Hkv, D)."""
+    import re
+
+    found = re.fullmatch(r"(?:GQA-)?Hq?(\d+)(?:-Hkv(\d+))?-D(\d+)", text)
+    if not found:
+        raise SystemExit(f"--shape {text!r}: expected H16-D64 or GQA-Hq32-Hkv8-D128")
+    hq, hkv, d = int(found[1]), int(found[2] or found[1]), int(found[3])
+    if hq % hkv:
+        raise SystemExit(f"--shape {text!r}: Hq {hq} is not a multiple of Hkv {hkv}")
+    return hq, hkv, d
 
 
 def parse_arm(text: str) -> tuple[str, dict]:
@@ -85,7 +100,7 @@ def _set_arm(values: dict, every_var: set) -> dict:
 
 def _call(variant: str, T: int, mode: str):
     cfg = freesolo.FreeSoloConfig(variant=variant)
-    q, k, v = _inputs(T, H, H, D, torch.bfloat16, "iid")
+    q, k, v = _inputs(T, H, HKV, D, torch.bfloat16, "iid")
     if mode == "fwd":
 
         def fn():
@@ -107,17 +122,18 @@ def _call(variant: str, T: int, mode: str):
 
 def _select_call(variant: str, T: int):
     cfg = freesolo.FreeSoloConfig(variant=variant)
-    q, k, _ = _inputs(T, H, H, D, torch.bfloat16, "iid")
+    q, k, _ = _inputs(T, H, HKV, D, torch.bfloat16, "iid")
     return lambda: selection.select_cells(q, k, cfg, out_dtype=torch.int32)
 
 
 def _sdpa(T: int, mode: str, rep: int) -> float:
-    q, k, v = (x.transpose(1, 2).contiguous() for x in _inputs(T, H, H, D, torch.bfloat16, "iid"))
+    q, k, v = (x.transpose(1, 2).contiguous() for x in _inputs(T, H, HKV, D, torch.bfloat16, "iid"))
+    gqa = {"enable_gqa": True} if HKV != H else {}
     if mode == "fwd":
 
         def fn():
             with torch.no_grad():
-                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
 
     else:
         q, k, v = (x.detach().requires_grad_(True) for x in (q, k, v))
@@ -125,7 +141,7 @@ def _sdpa(T: int, mode: str, rep: int) -> float:
         def fn():
             for x in (q, k, v):
                 x.grad = None
-            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).float().sum().backward()
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa).float().sum().backward()
 
     return _bench(fn, rep)
 
@@ -196,7 +212,7 @@ def plot(payload: dict, path: str) -> None:
         ax.set_yscale("log")
         ax.set_xlabel("T")
         ax.set_ylabel("ms (median)")
-        ax.set_title(f"FS-L {mode}, bf16 H16 D64 B1 ({payload['env']['gpu']})", fontsize=9)
+        ax.set_title(f"FS-L {mode}, bf16 {payload['shape']} B1 ({payload['env']['gpu']})", fontsize=9)
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -212,9 +228,13 @@ def main(argv=None):
     ap.add_argument("--rep", type=int, default=100, help="do_bench rep (ms)")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds (median over them)")
     ap.add_argument("--out", default=None, help="JSON output path (and a .png beside it)")
+    ap.add_argument("--shape", default="H16-D64", help="H16-D64 (default) or GQA-Hq32-Hkv8-D128 (B 1, bf16)")
     args = ap.parse_args(argv)
+    global H, HKV, D, SHAPE
+    H, HKV, D = parse_shape(args.shape)
+    SHAPE = args.shape
     arms = dict(parse_arm(a) for a in (args.arm or DEFAULT_ARMS))
-    payload = gpu_payload(shape="H16-D64", dtype="bfloat16", B=1, keys="iid", arms=arms, results=[])
+    payload = gpu_payload(shape=SHAPE, dtype="bfloat16", B=1, keys="iid", arms=arms, results=[])
     for T in args.lengths:
         payload["results"].append(case("fsl", T, "fwd", arms, args.rep, args.rounds, args.select))
     for T in args.fs_lengths:
