@@ -615,8 +615,9 @@ ENV_LONG_TMA = "FREESOLO_TRITON_LONG_TMA"  # 1: long_tma on (with long_block > 0
 # N: the long kernel's register cap (long_block > 0, 16-bit dtypes); 0 / unset: none
 ENV_LONG_MAXNREG = "FREESOLO_TRITON_LONG_MAXNREG"
 # s50, an A/B switch: the window kernel's tile "BLOCK_MxBLOCK_NxWARPSxSTAGES" (e.g. 64x64x4x2; the
-# interpreter ignores warps and stages); unset: `_base_tiles`. With the long branch in its own kernel (long_block > 0) it changes
-# the window kernel alone; with the fused kernel BLOCK_M is also the long tile (`union_rows`).
+# interpreter ignores warps and stages); unset: `_base_tiles`. With the long branch in its own kernel
+# (long_block > 0) it changes the window kernel alone; with the fused kernel BLOCK_M is also the long
+# tile (`union_rows`).
 ENV_WINDOW_TILES = "FREESOLO_TRITON_WINDOW_TILES"
 # On by default since s39: its production path passed compute-sanitizer memcheck + racecheck (s39 call1,
 # H100, `benchmarks/sanitize_triton.py forward_backward` with it on: 0 errors, 0 hazards), and through the
@@ -693,7 +694,8 @@ def _default_tiles(D: int, dtype: torch.dtype, device: torch.device) -> Attentio
     ENV_LONG_BLOCK / ENV_MAXNREG / ENV_LONG_INTO_OUT (0: the fp32 buffer) / ENV_WINDOW_FIRST (0:
     off; it needs long_into_out) / ENV_SORTED_LONG (0: off) override long_block / maxnreg /
     long_into_out / window_first / sorted_long, ENV_LONG_TMA (1: on, 0: off, unset:
-    LONG_TMA_DEFAULT; only with long_block on a device of compute capability 9 or more) long_tma
+    LONG_TMA_DEFAULT; only with long_block on a device of compute capability 9 or more) long_tma,
+    ENV_WINDOW_TILES (`window_tiles_env`) the window kernel's block_m / block_n / num_warps / num_stages
     (process-wide, read at each call; they never depend on B or T). ENV_MAXNREG applies to 16-bit
     dtypes only (fp32 D 128 at 128 registers spills ~1.2 kB per thread on sm_90)."""
     tiles = _base_tiles(D, dtype, device)
