@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 _GRAPHS_BEFORE = os.environ.get("FREESOLO_TRITON_GRAPHS")
-from gpu_attention import write_results  # noqa: E402
+from gpu_attention import SHAPES, write_results  # noqa: E402
 from triton_attention_bench import _bench, _inputs, gpu_payload, graph_replay_ms  # noqa: E402
 
 # triton_attention_bench turns the backend's graph cache off on import (its eager timings); the API
@@ -62,16 +62,11 @@ SHAPE = "H16-D64"
 
 
 def parse_shape(text: str) -> tuple[int, int, int]:
-    """'H16-D64' or 'GQA-Hq32-Hkv8-D128' (gpu_attention.py's names) -> (Hq, Hkv, D)."""
-    import re
-
-    found = re.fullmatch(r"(?:GQA-)?Hq?(\d+)(?:-Hkv(\d+))?-D(\d+)", text)
-    if not found:
-        raise SystemExit(f"--shape {text!r}: expected H16-D64 or GQA-Hq32-Hkv8-D128")
-    hq, hkv, d = int(found[1]), int(found[2] or found[1]), int(found[3])
-    if hq % hkv:
-        raise SystemExit(f"--shape {text!r}: Hq {hq} is not a multiple of Hkv {hkv}")
-    return hq, hkv, d
+    """A shape name of `gpu_attention.SHAPES` ('H16-D64', 'GQA-Hq32-Hkv8-D128') -> (Hq, Hkv, D)."""
+    if text not in SHAPES:
+        raise SystemExit(f"--shape {text!r}: expected one of {sorted(SHAPES)}")
+    shape = SHAPES[text]
+    return shape["Hq"], shape["Hkv"], shape["D"]
 
 
 def parse_arm(text: str) -> tuple[str, dict]:
