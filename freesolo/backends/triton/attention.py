@@ -744,12 +744,11 @@ def _base_tiles(D: int, dtype: torch.dtype, device: torch.device) -> AttentionTi
     if d_p <= 64:
         return AttentionTiles(block_m=64, block_n=32 if wide else 64, num_warps=8 if wide else 4, num_stages=2, **split)
     if d_p <= 128 and not wide:
-        # The candidate for D 128, 16-bit (s50 call8, H100, FS-L fwd through the API, GQA-Hq32-Hkv8-D128, same
-        # run): 64 keys per step on 4 warps without a register cap, `FREESOLO_TRITON_WINDOW_TILES=64x64x4x2`
-        # with `FREESOLO_TRITON_MAXNREG=0`: 0.345 / 5.217 ms at 4k / 64k against 0.421 / 6.344 for this
-        # tile. It stays opt-in until the CUDA tests run on it (`gpu_session_run.sh` step s50_wtests: the
-        # device time ran out before they did).
-        return AttentionTiles(block_m=64, block_n=32, num_warps=8, num_stages=2, **split)
+        # D 128, 16-bit: 64 keys per step on 4 warps, no register cap (s50 call8, H100, FS-L fwd through the
+        # API, GQA-Hq32-Hkv8-D128, same run, `FREESOLO_TRITON_WINDOW_TILES` A/B: 0.345 / 5.217 ms at 4k / 64k
+        # against 0.421 / 6.344 for the s21 tile 64x32 on 8 warps capped at 128 registers; the CUDA tests
+        # ran on it in s51, `gpu_session_run.sh` step s51_tests).
+        return AttentionTiles(block_m=64, block_n=64, num_warps=4, num_stages=2, long_block=64)
     # D 256, and fp32 past D 64 (its "ieee" dots run on FMA units, not tensor cores): some spills
     return AttentionTiles(block_m=32, block_n=32, num_warps=8, num_stages=1)
 
