@@ -6,6 +6,7 @@ forest carries) and of the FS-B search and tree builder for compute-sanitizer (m
     compute-sanitizer --tool memcheck python benchmarks/sanitize_triton.py
     compute-sanitizer --tool racecheck python benchmarks/sanitize_triton.py [forward_backward] [decode] [fsb_search] [fsb_build] [fsb_build_small]
     compute-sanitizer --tool racecheck python benchmarks/sanitize_triton.py fsl_direct   # the s46 candidate kernel alone
+    compute-sanitizer --tool racecheck python benchmarks/sanitize_triton.py d128   # forward + backward at D 128
     compute-sanitizer --tool racecheck python benchmarks/sanitize_triton.py decode_fsb   # FS-B decode alone, builds traced
     python benchmarks/sanitize_triton.py fsb_build_repeat decode_fsb_repeat   # repeated runs, bitwise (no sanitizer)
 
@@ -166,6 +167,8 @@ def main(parts=("forward_backward", "decode", "fsb_search", "fsb_build", "fsb_bu
         saved_min_t, att.SORTED_LONG_MIN_T = att.SORTED_LONG_MIN_T, 0  # the long tiles sorted by selection at any T
         forward_backward(None)
         att.SORTED_LONG_MIN_T = saved_min_t
+    if "d128" in parts:  # the D 128 16-bit default tiles (s51: the window kernel on 64x64 tiles, 4 warps, no cap)
+        forward_backward(None, D=128)
     if "forward_backward" in parts or "fsl_direct" in parts:
         fsl_direct()
     if "forward_backward" in parts or "fused_unions" in parts:
@@ -249,7 +252,9 @@ def fsb_search():
     search.SEARCH_DIM_CHUNK = 16
 
 
-def forward_backward(long_block):
+def forward_backward(long_block, D=32):
+    """FS-L / FS / FS-B forward + backward through the API, bf16, B 2, T 301, Hq 4, Hkv 2, head dim D;
+    long_block: FREESOLO_TRITON_LONG_BLOCK (None: the default tiles of D)."""
     import os
 
     if long_block is None:
@@ -258,15 +263,15 @@ def forward_backward(long_block):
         os.environ["FREESOLO_TRITON_LONG_BLOCK"] = str(long_block)
     for variant in ("fsl", "fs", "fsb"):
         cfg = freesolo.FreeSoloConfig(variant=variant, window=64, cell=8, block=32, pool=4, recent=2, top_k=2)
-        q = torch.randn(2, 301, 4, 32, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        k = torch.randn(2, 301, 2, 32, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        v = torch.randn(2, 301, 2, 32, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        q = torch.randn(2, 301, 4, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k = torch.randn(2, 301, 2, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        v = torch.randn(2, 301, 2, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         if variant == "fsb":
             cfg = cfg.replace(tau=freesolo.calibrate_tau(k.detach().float(), cfg))
         o = freesolo.freesolo_attention(q, k, v, cfg, backend="triton")
         o.float().square().sum().backward()
         torch.cuda.synchronize()
-        print("long_block", long_block, variant, "ok", bool(torch.isfinite(q.grad).all()))
+        print("D", D, "long_block", long_block, variant, "ok", bool(torch.isfinite(q.grad).all()))
 
 
 if __name__ == "__main__":

@@ -119,6 +119,79 @@ def assert_selection_matches(idx_test, idx_ref, q, k, cfg: FreeSoloConfig, tol: 
     return len(differing)
 
 
+class TorchCellScores:
+    """float64 cell scores (spec §3-§4, as `fs_scores`) of torch tensors on their device, for long
+    sequences: each (b, kv head)'s cell statistics (mean key kbar_c, max key norm a_c) are computed
+    once. q [B, T, Hq, D], k [B, T, Hkv, D], any float dtype. Called as `assert_selection_matches`'
+    score_fn (its q / k / cfg arguments are ignored: the ones given here are used)."""
+
+    def __init__(self, q, k, cfg: FreeSoloConfig):
+        self.q, self.k, self.cfg = q, k, cfg
+        Hq = q.shape[2]
+        self.sigma = [float(x) for x in cfg.per_head("sigma", Hq)]
+        self.lam = [float(x) for x in cfg.per_head("lam", Hq)]
+        self._stats: dict = {}
+
+    def stats(self, b: int, g: int):
+        """(kbar float64 [C, D], a float64 [C]) of batch row b, kv head g (C = T // cell)."""
+        if (b, g) not in self._stats:
+            s, D = self.cfg.cell, self.k.shape[3]
+            C = self.k.shape[1] // s
+            cells = self.k[b, : C * s, g].double().view(C, s, D)
+            self._stats[(b, g)] = (cells.mean(1), cells.norm(dim=-1).amax(1))
+        return self._stats[(b, g)]
+
+    def torch_scores(self, b: int, i: int, h: int, cells):
+        """float64 torch [len(cells)]: score_h(i, c) of query (b, i, h) for the given cells."""
+        import torch
+
+        Hq, Hkv, D = self.q.shape[2], self.k.shape[2], self.q.shape[3]
+        kbar, a = self.stats(b, h // (Hq // Hkv))
+        cells = torch.as_tensor(cells, device=a.device, dtype=torch.int64)
+        dist = (i - cells * self.cfg.cell).double()
+        prior = torch.erf(self.sigma[h] * dist / (2.0 * self.cfg.cell))
+        return kbar[cells] @ self.q[b, i, h].double() / math.sqrt(D) + self.lam[h] * a[cells] * prior
+
+    def __call__(self, _q, _k, _cfg, b, i, h, cells) -> np.ndarray:
+        return self.torch_scores(int(b), int(i), int(h), [int(c) for c in cells]).cpu().numpy()
+
+    def reference_cells(self, b: int, i: int, h: int) -> list:
+        """The float64 selection of query (b, i, h) from spec §3-§5, §7: FS every available cell,
+        FS-L the P older cells of largest (a_c, c) plus the W most recent; top-K by (score, c)."""
+        import torch
+
+        cfg = self.cfg
+        Hq, Hkv = self.q.shape[2], self.k.shape[2]
+        _, a = self.stats(b, h // (Hq // Hkv))
+        n = (i // cfg.block) * cfg.block // cfg.cell
+        if cfg.variant == "fsl":
+            m = max(0, n - cfg.recent)
+            rev = torch.arange(m, device=a.device).flip(0)  # (a desc, c desc): c desc, then a stable sort on a
+            order = torch.sort(a[rev], descending=True, stable=True).indices
+            cand = torch.cat([rev[order][: cfg.pool], torch.arange(m, n, device=a.device)])
+        else:
+            cand = torch.arange(n, device=a.device)
+        sc = self.torch_scores(b, i, h, cand).tolist()
+        ranked = sorted(zip(sc, cand.tolist()), reverse=True)[: cfg.top_k]
+        return [c for _, c in ranked]
+
+
+def assert_rows_select_reference(idx, q, k, cfg: FreeSoloConfig, rows, gap: float, scores=None) -> None:
+    """idx [B, T, Hq, K] (torch, -1 padded) holds, at each (b, i, h) of `rows`, the float64 reference
+    selection of spec §3-§5 (`TorchCellScores.reference_cells`), or a set of as many cells whose
+    sorted float64 scores are within `gap` of the reference's (a near-tie)."""
+    scores = scores or TorchCellScores(q, k, cfg)
+    for b, i, h in rows:
+        want = scores.reference_cells(b, i, h)
+        got = [int(c) for c in idx[b, i, h].tolist()]
+        if got == want + [-1] * (cfg.top_k - len(want)):
+            continue
+        real = [c for c in got if c >= 0]
+        assert len(real) == len(want), f"(b={b}, i={i}, h={h}): {got} vs {want}"
+        diff = np.sort(scores(q, k, cfg, b, i, h, real)) - np.sort(scores(q, k, cfg, b, i, h, want))
+        assert np.abs(diff).max() <= gap, f"(b={b}, i={i}, h={h}): {got} vs {want}, score gap {np.abs(diff).max():.2e}"
+
+
 def off_grid_tau(k, cfg: FreeSoloConfig) -> tuple:
     """A per-kv-head FS-B threshold for tests that compare two backends: freesolo.calibrate_tau's
     median, moved halfway to the next larger a_c. The median of an odd number of cells IS one

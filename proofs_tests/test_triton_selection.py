@@ -19,7 +19,6 @@ GPU. On the H200:
 
 from __future__ import annotations
 
-import math
 import os
 
 import numpy as np
@@ -35,7 +34,7 @@ from freesolo.backends.triton.selection import cell_stats, fsl_candidates, selec
 from freesolo.reference import oracle  # noqa: E402
 from freesolo.reference.primitives import available_cells  # noqa: E402
 
-from .helpers import assert_selection_matches, random_qkv, triton_kernel_tests  # noqa: E402
+from .helpers import assert_rows_select_reference, assert_selection_matches, random_qkv, triton_kernel_tests  # noqa: E402
 
 CUDA, INTERPRETED, DEVICE, pytestmark = triton_kernel_tests()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (bf16 / fp16, D 64 / 128, long T run on the H200)")
@@ -450,42 +449,6 @@ def test_cuda_row_independence_bitwise(variant):
     assert torch.equal(select_cells(qt[:, :1111], kt[:, :1111], cfg), full[:, :1111]), "prefix != full"
 
 
-def _reference_rows(q, k, cfg, rows):
-    """float64 selection of a few (b, i, h) rows from spec §3-§5, §7 with torch on the GPU.
-    q [B, T, Hq, D], k [B, T, Hkv, D] (any float dtype). Returns {row: (cells list, scores of cells fn)}."""
-    B, T, Hq, D = q.shape
-    Hkv, s = k.shape[2], cfg.cell
-    C = T // s
-    sigma, lam = [float(x) for x in cfg.per_head("sigma", Hq)], [float(x) for x in cfg.per_head("lam", Hq)]
-    out = {}
-    for b, i, h in rows:
-        g = h // (Hq // Hkv)
-        kk = k[b, : C * s, g].double().view(C, s, D)
-        kbar, a = kk.mean(1), kk.norm(dim=-1).amax(1)  # [C, D], [C]
-        n = (i // cfg.block) * cfg.block // s
-        if cfg.variant == "fsl":
-            m = max(0, n - cfg.recent)
-            older = torch.arange(m, device=a.device)
-            # (a desc, c desc): sort by c desc, then stable sort by a desc
-            rev = older.flip(0)
-            order = torch.sort(a[rev], descending=True, stable=True).indices
-            cand = torch.cat([rev[order][: cfg.pool], torch.arange(m, n, device=a.device)])
-        else:
-            cand = torch.arange(n, device=a.device)
-
-        def score(cells, b=b, i=i, h=h, kbar=kbar, a=a):
-            cells = torch.as_tensor(cells, device=a.device, dtype=torch.int64)
-            dist = (i - cells * s).double()
-            return kbar[cells] @ q[b, i, h].double() / math.sqrt(D) + lam[h] * a[cells] * torch.erf(
-                sigma[h] * dist / (2.0 * s)
-            )
-
-        sc = score(cand)
-        order = sorted(range(len(cand)), key=lambda n_: (sc[n_].item(), cand[n_].item()), reverse=True)[: cfg.top_k]
-        out[(b, i, h)] = ([int(cand[n_]) for n_ in order], score)
-    return out
-
-
 @needs_cuda
 def test_cuda_int64_offsets_fsl_at_1m():
     """T * Hq * D = 2^31 + ...: int64 offsets. FS-L, defaults, bf16, T = 2^20 + 33, Hq = Hkv = 16,
@@ -498,13 +461,7 @@ def test_cuda_int64_offsets_fsl_at_1m():
     k = torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16)
     idx = select_cells(q, k, cfg)
     rows = [(0, 5, 0), (0, 200, 3), (0, T - 1, 15), (0, T - 300, 7), (0, 2**20 - 1, 9), (0, 2**20 + 32, 15)]
-    for (b, i, h), (cells, score) in _reference_rows(q, k, cfg, rows).items():
-        got = [int(c) for c in idx[b, i, h].tolist()]
-        if got != cells + [-1] * (cfg.top_k - len(cells)):
-            real = [c for c in got if c >= 0]
-            assert len(real) == len(cells), f"(b={b}, i={i}, h={h}): {got} vs {cells}"
-            gap = (torch.sort(score(real)).values - torch.sort(score(cells)).values).abs().max().item()
-            assert gap <= 2e-4, f"(b={b}, i={i}, h={h}): {got} vs {cells}, score gap {gap:.2e}"
+    assert_rows_select_reference(idx, q, k, cfg, rows, gap=2e-4)
 
 
 @needs_cuda
