@@ -583,7 +583,7 @@ step s50_long 120 python3 benchmarks/gpu_attention.py --providers triton_fsl tri
 step s50_lub 150 python3 benchmarks/long_union_bound.py --lengths 4096 16384 65536 --out $W/long_union_bound.json
 step s50_gqa_prof 150 python3 benchmarks/profile_triton.py --variant fsl --H 32 --Hkv 8 --D 128 --T 4096 65536 --modes fwd --out $W/profile_fsl_gqa.json
 step s50_wt 330 bash -c "python3 benchmarks/switch_ab.py --shape GQA-Hq32-Hkv8-D128 --arm base: --arm nocap:FREESOLO_TRITON_MAXNREG=0 --arm m64n64w4:FREESOLO_TRITON_WINDOW_TILES=64x64x4x2 --arm m64n64w8:FREESOLO_TRITON_WINDOW_TILES=64x64x8x2 --arm m128n64w8:FREESOLO_TRITON_WINDOW_TILES=128x64x8x2 --arm m64n64w4nocap:FREESOLO_TRITON_WINDOW_TILES=64x64x4x2,FREESOLO_TRITON_MAXNREG=0 --arm m128n64w8nocap:FREESOLO_TRITON_WINDOW_TILES=128x64x8x2,FREESOLO_TRITON_MAXNREG=0 --lengths 4096 65536 --fs-lengths --bwd-lengths --rep 50 --rounds 3 --out $W/s50_wt_gqa.json; python3 benchmarks/switch_ab.py --arm base: --arm nocap:FREESOLO_TRITON_MAXNREG=0 --arm m128n64w8:FREESOLO_TRITON_WINDOW_TILES=128x64x8x2 --arm m64n32w4:FREESOLO_TRITON_WINDOW_TILES=64x32x4x2 --lengths 4096 65536 --fs-lengths --bwd-lengths --rep 50 --rounds 3 --out $W/s50_wt_h16.json"
-step s51_info 60 freesolo info
+step s51_info 60 python3 -m freesolo.cli info
 step s51_long 480 python3 -m pytest -q -p no:benchmark -rA proofs_tests/test_triton_long_gpu.py proofs_tests/test_triton_selection.py -k "1m or 128k"
 step s51_san 200 bash -c "compute-sanitizer --tool memcheck python3 benchmarks/sanitize_triton.py d128 && compute-sanitizer --tool racecheck python3 benchmarks/sanitize_triton.py d128"
 step s51_retest 200 python3 -m pytest -q -p no:benchmark -k "cuda or gpu" proofs_tests/test_triton_backward.py proofs_tests/test_models.py
