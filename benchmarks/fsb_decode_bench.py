@@ -3,7 +3,7 @@
 window + readout kernel), eager and in a CUDA graph, against SDPA decode over the full KV cache,
 same run.
 
-Per context T (B 1, H 16 MHA, D 64, bf16, default config, tau = per-head median of the max key
+Per context T (B 1 or `--batch`, H 16 MHA, D 64, bf16, default config, tau = per-head median of the max key
 norms of the first 64k tokens): one cache per kind brought to T by `prefill` (state only), then
 `--steps` one-token `extend` calls timed back to back with CUDA events (eager; the steps cross
 `steps // 128` block boundaries, whose forest updates are in the mean); their outputs are
@@ -43,7 +43,7 @@ ROW_TOL = 0.05  # |fused - torch| above this in some element of a (step, head) r
 
 
 def _steps_us(cache, q, k, v, device) -> tuple[float, torch.Tensor]:
-    """Mean microseconds per one-token extend over q.shape[1] steps, and the outputs [1, n, H, D]."""
+    """Mean microseconds per one-token extend over q.shape[1] steps, and the outputs [B, n, H, D]."""
     outs = []
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -90,7 +90,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 65536, 262144, 1048576])
     ap.add_argument("--steps", type=int, default=256, help="timed one-token steps per context and kind")
-    ap.add_argument("--chunk", type=int, default=65536, help="prefill chunk (tokens)")
+    ap.add_argument("--chunk", type=int, default=65536, help="prefill chunk (tokens per batch row)")
+    ap.add_argument("--batch", type=int, default=1, help="B: batch rows of the cache (each its own sequence)")
+    ap.add_argument("--kernels", nargs="+", choices=["torch", "triton"], default=["torch", "triton"],
+                    help="decode kernels to time (the output comparison needs both)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--dry-run", action="store_true")
     args = ap.parse_args(argv)
@@ -99,18 +102,19 @@ def main(argv=None) -> int:
     base = FreeSoloConfig(variant="fsb", window=16, cell=4, block=8, beam=4) if args.dry_run else FreeSoloConfig(variant="fsb")
     contexts = [64] if args.dry_run else args.contexts
     steps = 12 if args.dry_run else args.steps
+    B = args.batch
     results = []
     t_start = time.perf_counter()
     for T in contexts:
         gen = torch.Generator(device=device).manual_seed(0)
-        k = torch.randn(1, T + 3 * steps, H, D, device=device, dtype=dtype, generator=gen)
-        v = torch.randn(1, T + 3 * steps, H, D, device=device, dtype=dtype, generator=gen)
-        q = torch.randn(1, 3 * steps, H, D, device=device, dtype=dtype, generator=gen)
-        cfg = base.replace(tau=_tau(k[:, : min(T, 65536)], base))
-        row = {"T": T, "steps": steps}
+        k = torch.randn(B, T + 3 * steps, H, D, device=device, dtype=dtype, generator=gen)
+        v = torch.randn(B, T + 3 * steps, H, D, device=device, dtype=dtype, generator=gen)
+        q = torch.randn(B, 3 * steps, H, D, device=device, dtype=dtype, generator=gen)
+        cfg = base.replace(tau=_tau(k[:1, : min(T, 65536)], base))
+        row = {"T": T, "B": B, "steps": steps}
         outs = {}
-        for kernel in ("torch", "triton"):
-            cache = FreeSoloCache(cfg, 1, H, H, D, backend="torch", dtype=dtype, device=device, check_finite=False,
+        for kernel in args.kernels:
+            cache = FreeSoloCache(cfg, B, H, H, D, backend="torch", dtype=dtype, device=device, check_finite=False,
                                   decode_kernel=kernel)  # fmt: skip
             for c0 in range(0, T, args.chunk):
                 cache.prefill(k[:, c0 : min(T, c0 + args.chunk)], v[:, c0 : min(T, c0 + args.chunk)], check_finite=False)
@@ -123,7 +127,7 @@ def main(argv=None) -> int:
                 if kernel == "triton":  # the search launch alone (reads the state only), by warps per program
                     from freesolo.backends.triton.fsb_search import decode_select_cells
 
-                    qg = q[:, 0].reshape(1, H, 1, D)
+                    qg = q[:, 0].reshape(B, H, 1, D)
                     for warps in (1, 2, 4):
                         search = functools.partial(decode_select_cells, cache.state, qg, num_warps=warps)
                         row[f"search_w{warps}_us"] = 1e3 * bench_ms(search, device, 30)
@@ -145,20 +149,19 @@ def main(argv=None) -> int:
                 torch.cuda.empty_cache()
         # the fused step sums the window and the readout in another order than the torch ops: rows
         # differ in bf16 rounding; a row off by more than ROW_TOL (absolute) chose other cells
-        differ = ((outs["torch"].float() - outs["triton"].float()).abs() > ROW_TOL).any(-1)  # (1, steps - 2, H)
-        row["rows_differing"] = float(differ.float().mean())
-        row["max_abs_diff"] = float((outs["torch"].float() - outs["triton"].float()).abs().max())
-        full_k, full_v = (x[:, :T].transpose(1, 2).contiguous() for x in (k, v))  # [1, H, T, D]
+        if len(outs) == 2:
+            differ = ((outs["torch"].float() - outs["triton"].float()).abs() > ROW_TOL).any(-1)  # (B, steps - 2, H)
+            row["rows_differing"] = float(differ.float().mean())
+            row["max_abs_diff"] = float((outs["torch"].float() - outs["triton"].float()).abs().max())
+        full_k, full_v = (x[:, :T].transpose(1, 2).contiguous() for x in (k, v))  # [B, H, T, D]
         sdpa = functools.partial(F.scaled_dot_product_attention, q[:, :1].transpose(1, 2).contiguous(), full_k, full_v)
         row["sdpa_us"] = 1e3 * bench_ms(sdpa, device, 50)
         del full_k, full_v, sdpa
         results.append(row)
-        print(
-            f"T={T:>8}: FS-B step torch ops {row['torch_us']:9.1f} us | fused triton {row['triton_us']:8.1f} us | "
-            f"SDPA {row['sdpa_us']:7.1f} us | outputs differ in {row['rows_differing']:.4%} of (step, head) rows | "
-            f"cache {row['cache_mib']:.0f} MiB  ({time.perf_counter() - t_start:.0f} s)",
-            flush=True,
-        )
+        timed = " | ".join(f"{name} {row[key]:9.1f} us" for name, key in (("FS-B step torch ops", "torch_us"), ("fused triton", "triton_us")) if key in row)
+        differing = f"outputs differ in {row['rows_differing']:.4%} of (step, head) rows | " if "rows_differing" in row else ""
+        print(f"T={T:>8} B={B}: {timed} | SDPA {row['sdpa_us']:7.1f} us | {differing}cache {row['cache_mib']:.0f} MiB  "
+              f"({time.perf_counter() - t_start:.0f} s)", flush=True)  # fmt: skip
         if "graph_mean_us" in row:
             print(f"          fused eager: in-block median {row['triton_inblock_median_us']:.1f} us, boundary mean "
                   f"{row['triton_boundary_mean_us'] or float('nan'):.1f} us | CUDA graph: mean {row['graph_mean_us']:.1f} us "
@@ -170,7 +173,7 @@ def main(argv=None) -> int:
     payload = {
         "env": _versions(device),
         "dtype": str(dtype).replace("torch.", ""),
-        "shape": {"B": 1, "H": H, "D": D},
+        "shape": {"B": B, "H": H, "D": D},
         "timing": "FS-B: torch_us / triton_us: mean per one-token extend over the timed steps (CUDA events, eager, "
         "block boundaries included); *_inblock_median_us / *_boundary_mean_us: the next steps timed one by one; "
         "graph_*: the steps after those through cache.decode_graph() (fused step in a CUDA graph, boundaries eager, "
@@ -191,7 +194,7 @@ def _plot(payload, path):
               "graph_inblock_median_us": "FS-B fused step, CUDA graph, in-block", "sdpa_us": "SDPA decode, full cache"}  # fmt: skip
     series = series_by_T(rows, labels)
     title = f"FS-B decode: {payload['env'].get('gpu')}, H {payload['shape']['H']}, D {payload['shape']['D']}"
-    plot_lines(series, path, "context T", "us per layer step (B 1)", title)
+    plot_lines(series, path, "context T", f"us per layer step (B {payload['shape']['B']})", title)
 
 
 if __name__ == "__main__":

@@ -381,6 +381,7 @@
 #   s51_long    issue 10 deliverable 4: the T = 128k (bf16 / fp16 / fp32) and T = 2^20 forward tests against the torch
 #               backend (proofs_tests/test_triton_long_gpu.py) and the 1M selection test
 #   s51_san     compute-sanitizer memcheck + racecheck of the forward + backward at D 128 (the s51 window tile)
+#   s51_fsbd32  issue 12: FS-B decode at B 32 (fused step, CUDA graph) vs SDPA at 4k / 64k (fsb_decode_bench.py --batch)
 #   s51_retest  s51_tests' backward / models CUDA tests in one process (at -n 16 the long ones ran out of GPU memory)
 #   s51_tests   the CUDA tests at the D 128 window tile as the default (64x64x4x2, no cap): attention / backend / L12 /
 #               backward / models / graph cache
@@ -586,6 +587,7 @@ step s50_wt 330 bash -c "python3 benchmarks/switch_ab.py --shape GQA-Hq32-Hkv8-D
 step s51_info 60 python3 -m freesolo.cli info
 step s51_long 480 python3 -m pytest -q -p no:benchmark -rA proofs_tests/test_triton_long_gpu.py proofs_tests/test_triton_selection.py -k "1m or 128k"
 step s51_san 200 bash -c "compute-sanitizer --tool memcheck python3 benchmarks/sanitize_triton.py d128 && compute-sanitizer --tool racecheck python3 benchmarks/sanitize_triton.py d128"
+step s51_fsbd32 300 python3 benchmarks/fsb_decode_bench.py --batch 32 --kernels triton --contexts 4096 65536 --steps 256 --out $W/fsb_decode_b32.json
 step s51_retest 200 python3 -m pytest -q -p no:benchmark -k "cuda or gpu" proofs_tests/test_triton_backward.py proofs_tests/test_models.py
 step s51_tests 330 bash -c "python3 -m pytest -q -n ${NPROC:-16} -p no:benchmark -k 'cuda or gpu' proofs_tests/test_triton_attention.py proofs_tests/test_triton_backend.py proofs_tests/test_row_independence.py proofs_tests/test_triton_backward.py proofs_tests/test_models.py; python3 -m pytest -q -p no:benchmark proofs_tests/test_triton_graphs.py"
 step s50_wtests 150 env FREESOLO_TRITON_WINDOW_TILES=64x64x4x2 FREESOLO_TRITON_MAXNREG=0 python3 -m pytest -q -n ${NPROC:-16} -p no:benchmark -k "cuda or gpu" proofs_tests/test_triton_attention.py proofs_tests/test_triton_backend.py proofs_tests/test_row_independence.py
