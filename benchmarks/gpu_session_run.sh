@@ -377,7 +377,8 @@
 #   s50_gqa_prof per-kernel GPU time of the FS-L forward, GQA-Hq32-Hkv8-D128 at 4k / 64k (profile_triton.py; ~1 min)
 #   s50_wt       FREESOLO_TRITON_WINDOW_TILES A/B: the window kernel's tile, FS-L fwd at 4k / 64k, GQA-Hq32-Hkv8-D128
 #                (base 64x32x8x2, cap 128) and H16-D64 (base 64x64x4x2, cap 128), also without the cap (~3 min)
-#   s51_info    `freesolo info` on the device (issue 10's acceptance: triton listed as available)
+#   s51_info    `freesolo info` on the device (issue 10's acceptance: triton listed as available) and `freesolo decode
+#               --graph` of FS-L / FS / FS-B at 64k (issue 12's acceptance: the fused path, per-token latency, cache memory)
 #   s51_long    issue 10 deliverable 4: the T = 128k (bf16 / fp16 / fp32) and T = 2^20 forward tests against the torch
 #               backend (proofs_tests/test_triton_long_gpu.py) and the 1M selection test
 #   s51_san     compute-sanitizer memcheck + racecheck of the forward + backward at D 128 (the s51 window tile)
@@ -584,7 +585,7 @@ step s50_long 120 python3 benchmarks/gpu_attention.py --providers triton_fsl tri
 step s50_lub 150 python3 benchmarks/long_union_bound.py --lengths 4096 16384 65536 --out $W/long_union_bound.json
 step s50_gqa_prof 150 python3 benchmarks/profile_triton.py --variant fsl --H 32 --Hkv 8 --D 128 --T 4096 65536 --modes fwd --out $W/profile_fsl_gqa.json
 step s50_wt 330 bash -c "python3 benchmarks/switch_ab.py --shape GQA-Hq32-Hkv8-D128 --arm base: --arm nocap:FREESOLO_TRITON_MAXNREG=0 --arm m64n64w4:FREESOLO_TRITON_WINDOW_TILES=64x64x4x2 --arm m64n64w8:FREESOLO_TRITON_WINDOW_TILES=64x64x8x2 --arm m128n64w8:FREESOLO_TRITON_WINDOW_TILES=128x64x8x2 --arm m64n64w4nocap:FREESOLO_TRITON_WINDOW_TILES=64x64x4x2,FREESOLO_TRITON_MAXNREG=0 --arm m128n64w8nocap:FREESOLO_TRITON_WINDOW_TILES=128x64x8x2,FREESOLO_TRITON_MAXNREG=0 --lengths 4096 65536 --fs-lengths --bwd-lengths --rep 50 --rounds 3 --out $W/s50_wt_gqa.json; python3 benchmarks/switch_ab.py --arm base: --arm nocap:FREESOLO_TRITON_MAXNREG=0 --arm m128n64w8:FREESOLO_TRITON_WINDOW_TILES=128x64x8x2 --arm m64n32w4:FREESOLO_TRITON_WINDOW_TILES=64x32x4x2 --lengths 4096 65536 --fs-lengths --bwd-lengths --rep 50 --rounds 3 --out $W/s50_wt_h16.json"
-step s51_info 60 python3 -m freesolo.cli info
+step s51_info 150 bash -c "python3 -m freesolo.cli info; for v in fsl fs fsb; do python3 -m freesolo.cli decode --variant \$v --context 65536 --steps 256 --graph --quiet; done"
 step s51_long 480 python3 -m pytest -q -p no:benchmark -rA proofs_tests/test_triton_long_gpu.py proofs_tests/test_triton_selection.py -k "1m or 128k"
 step s51_san 200 bash -c "compute-sanitizer --tool memcheck python3 benchmarks/sanitize_triton.py d128 && compute-sanitizer --tool racecheck python3 benchmarks/sanitize_triton.py d128"
 step s51_fsbd32 300 python3 benchmarks/fsb_decode_bench.py --batch 32 --kernels triton --contexts 4096 65536 --steps 256 --out $W/fsb_decode_b32.json

@@ -36,7 +36,8 @@ def add_decode_parser(subparsers) -> argparse.ArgumentParser:
         "--decode-kernel",
         default="auto",
         choices=["auto", "torch", "triton"],
-        help="XX",
+        help="one-token steps: auto = the fused Triton step on CUDA (fp32 / fp16 / bf16, triton installed), "
+        "else torch ops; torch = torch ops; triton = the fused step (an error naming why where it cannot run)",
     )
     for name, default in (("window", 512), ("cell", 32), ("top-k", 4), ("block", 128), ("pool", 64), ("recent", 8)):
         p.add_argument(f"--{name}", type=int, default=default)
