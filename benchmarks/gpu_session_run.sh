@@ -383,8 +383,8 @@
 #               backend (proofs_tests/test_triton_long_gpu.py) and the 1M selection test
 #   s51_san     compute-sanitizer memcheck + racecheck of the forward + backward at D 128 (the s51 window tile)
 #   s51_fsbd32  issue 12: FS-B decode at B 32 (fused step, CUDA graph) vs SDPA at 4k / 64k (fsb_decode_bench.py --batch)
-#   s51_dt1 / s51_dt2  s51_dtests in two steps (decode / caches, then FS-B), so that a call cut short keeps the first
-#   s51_dtests  issue 12: the FS-B search / forests / builder tests and the decode / cache CUDA tests on the current code
+#   s51_dt1 / s51_dt2  issue 12: the decode / cache CUDA tests, then the FS-B search / forests / builder tests, on the
+#               current code (two steps, so that a call cut short keeps the first; never ran: no device time left)
 #   s51_retest  s51_tests' backward / models CUDA tests in one process (at -n 16 the long ones ran out of GPU memory)
 #   s51_tests   the CUDA tests at the D 128 window tile as the default (64x64x4x2, no cap): attention / backend / L12 /
 #               backward / models / graph cache
@@ -593,7 +593,6 @@ step s51_san 200 bash -c "compute-sanitizer --tool memcheck python3 benchmarks/s
 step s51_fsbd32 300 python3 benchmarks/fsb_decode_bench.py --batch 32 --kernels triton --contexts 4096 65536 --steps 256 --out $W/fsb_decode_b32.json
 step s51_dt1 150 python3 -m pytest -q -n 8 -p no:benchmark -k "cuda or gpu" proofs_tests/test_triton_decode.py proofs_tests/test_cache_gpu.py proofs_tests/test_cache_ragged.py proofs_tests/test_cache.py
 step s51_dt2 150 python3 -m pytest -q -n 8 -p no:benchmark proofs_tests/test_triton_fsb_search.py proofs_tests/test_triton_fsb_forests.py proofs_tests/test_triton_fsb_build.py
-step s51_dtests 280 bash -c "python3 -m pytest -q -n 8 -p no:benchmark proofs_tests/test_triton_fsb_search.py proofs_tests/test_triton_fsb_forests.py proofs_tests/test_triton_fsb_build.py; python3 -m pytest -q -n 8 -p no:benchmark -k 'cuda or gpu' proofs_tests/test_triton_decode.py proofs_tests/test_cache_gpu.py proofs_tests/test_cache_ragged.py proofs_tests/test_cache.py"
 step s51_retest 200 python3 -m pytest -q -p no:benchmark -k "cuda or gpu" proofs_tests/test_triton_backward.py proofs_tests/test_models.py
 step s51_tests 330 bash -c "python3 -m pytest -q -n ${NPROC:-16} -p no:benchmark -k 'cuda or gpu' proofs_tests/test_triton_attention.py proofs_tests/test_triton_backend.py proofs_tests/test_row_independence.py proofs_tests/test_triton_backward.py proofs_tests/test_models.py; python3 -m pytest -q -p no:benchmark proofs_tests/test_triton_graphs.py"
 step s50_wtests 150 env FREESOLO_TRITON_WINDOW_TILES=64x64x4x2 FREESOLO_TRITON_MAXNREG=0 python3 -m pytest -q -n ${NPROC:-16} -p no:benchmark -k "cuda or gpu" proofs_tests/test_triton_attention.py proofs_tests/test_triton_backend.py proofs_tests/test_row_independence.py

@@ -78,7 +78,8 @@ def _forward_matches(T: int, Hq: int, Hkv: int, D: int, dtype, variant: str, ref
     o = freesolo.freesolo_attention(q, k, v, cfg, beta, backend="triton")
     assert o.shape == q.shape and o.dtype == dtype and bool(torch.isfinite(o).all())
     idx = triton_select(q, k, cfg)
-    # the API's forward reads the selection that select_cells gives (bitwise: both run the same kernels)
+    # the reference output below reads this selection: a row where the API's forward selected other
+    # cells would show up in the output comparison
     scores = TorchCellScores(q, k, cfg)
     assert_rows_select_reference(idx, q, k, cfg, _sample_rows(T, Hq, cfg, 48, seed), SCORE_GAP, scores)
     _check_selections(idx, torch_select(q.float(), k.float(), cfg), q, k, cfg, scores)
